@@ -1,0 +1,30 @@
+# The two set-up commands: `make demo` and `make test`. Both create .venv on a fresh machine.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test models bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first, pinned, so nothing can pull a newer or CUDA build
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev,editor,voice,onnx]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m llmd.demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+models: $(STAMP)
+	$(BIN)/python -m llmd.export.train_demo --out models
+
+bench: $(STAMP)
+	$(BIN)/python -m pytest -q -m slow
+
+clean:
+	rm -rf $(VENV) build *.egg-info
