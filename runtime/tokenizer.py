@@ -1,0 +1,407 @@
+"""The tokenizer of a Hugging Face model directory: encode, decode, chat templates, infill prompts.
+
+Prompt text never turns into control tokens: ``encode`` splits text that looks like a special token
+(``<|endoftext|>``, ``<|fim_prefix|>`` ...) into ordinary pieces unless the caller passes
+``allow_special=True``. Control tokens are inserted by id (``build_infill``) or come from the model's
+own chat template (``encode_chat``).
+
+Two ``tokenizers.Tokenizer`` instances are kept, one per mode, so that no shared flag is toggled
+while another thread encodes.
+"""
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import jinja2
+import jinja2.ext
+from jinja2.exceptions import SecurityError, TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+from .errors import InvalidRequest, ModelLoadError
+
+MAX_MESSAGES = 1024
+MAX_MESSAGE_CHARS = 1 << 20
+MAX_TEXT_CHARS = 1 << 23
+MAX_PATH_CHARS = 4096
+
+# Fill-in-the-middle control tokens: the Qwen-coder spelling first, then the StarCoder one.
+_FIM_NAMES = {
+    "prefix": ("<|fim_prefix|>", "<fim_prefix>"),
+    "suffix": ("<|fim_suffix|>", "<fim_suffix>"),
+    "middle": ("<|fim_middle|>", "<fim_middle>"),
+    "file_sep": ("<|file_sep|>", "<file_sep>"),
+}
+# Used as the end of text when neither config file names an EOS token.
+_FALLBACK_EOS = ("<|endoftext|>", "</s>", "<|end_of_text|>")
+
+
+def _read_json(path: Path, required: bool) -> Optional[dict]:
+    if not path.exists():
+        if required:
+            raise ModelLoadError(f"{path}: file is missing")
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{path}: cannot read JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _token_string(value: Any) -> Optional[str]:
+    """tokenizer_config.json spells a token as a string or as {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _as_id_list(value: Any, path: Path, key: str) -> list[int]:
+    if value is None:
+        return []
+    ids = value if isinstance(value, list) else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ModelLoadError(f"{path}: {key} must be a non-negative integer or a list of them, got {value!r}")
+    return list(ids)
+
+
+class Tokenizer:
+    """A model's tokenizer. Build it with ``Tokenizer.from_dir``."""
+
+    def __init__(self, text_tok: HFTokenizer, special_tok: HFTokenizer, config: dict, gen_config: dict,
+                 source: Path):
+        text_tok.encode_special_tokens = True     # special-looking text splits like any other text
+        special_tok.encode_special_tokens = False
+        self._text = text_tok
+        self._special = special_tok
+        self._source = source
+        self._special_ids = self._collect_special_ids(config)
+        self._eos = self._collect_eos(config, gen_config)
+        self._bos = self._find_bos(config, gen_config)
+        self._add_bos = self._decide_add_bos(config)
+        self._fim = {k: self._first_id(names) for k, names in _FIM_NAMES.items()}
+        self._chat = ChatTemplate(
+            self._template_source(config), source,
+            bos_token=self._token_text(self._bos),
+            eos_token=self._token_text(self._eos[0] if self._eos else None),
+            special_tokens=[self._special.id_to_token(i) or "" for i in self._special_ids],
+            chatml=self._special.token_to_id("<|im_start|>") is not None
+            and self._special.token_to_id("<|im_end|>") is not None)
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "Tokenizer":
+        """Load tokenizer.json (required), tokenizer_config.json and generation_config.json (optional)."""
+        root = Path(path)
+        tok_path = root / "tokenizer.json"
+        if not tok_path.is_file():
+            raise ModelLoadError(f"{tok_path}: file is missing")
+        try:
+            text = tok_path.read_text(encoding="utf-8")
+            toks = HFTokenizer.from_str(text), HFTokenizer.from_str(text)
+        except Exception as e:  # the tokenizers library raises a bare Exception for bad files
+            raise ModelLoadError(f"{tok_path}: not a valid tokenizer: {e}") from None
+        config = _read_json(root / "tokenizer_config.json", required=False) or {}
+        gen_config = _read_json(root / "generation_config.json", required=False) or {}
+        return cls(toks[0], toks[1], config, gen_config, root)
+
+    # ---- loading helpers -------------------------------------------------------------------
+    def _collect_special_ids(self, config: dict) -> frozenset[int]:
+        ids = {i for i, t in self._special.get_added_tokens_decoder().items() if t.special}
+        decoder = config.get("added_tokens_decoder") or {}
+        cfg_path = self._source / "tokenizer_config.json"
+        if not isinstance(decoder, dict):
+            raise ModelLoadError(f"{cfg_path}: added_tokens_decoder must be an object")
+        for key, entry in decoder.items():
+            content = _token_string(entry)
+            if not key.isdigit() or content is None:
+                raise ModelLoadError(f"{cfg_path}: bad added_tokens_decoder entry {key!r}")
+            actual = self._special.token_to_id(content)
+            if actual is not None and actual != int(key):
+                raise ModelLoadError(f"{cfg_path}: token {content!r} has id {key} but tokenizer.json says {actual}")
+            if actual is not None and isinstance(entry, dict) and entry.get("special"):
+                ids.add(actual)
+        return frozenset(ids)
+
+    def _collect_eos(self, config: dict, gen_config: dict) -> tuple[int, ...]:
+        gen_path = self._source / "generation_config.json"
+        ids = _as_id_list(gen_config.get("eos_token_id"), gen_path, "eos_token_id")
+        name = _token_string(config.get("eos_token"))
+        if name is not None:
+            tid = self._special.token_to_id(name)
+            if tid is None:
+                raise ModelLoadError(f"{self._source / 'tokenizer_config.json'}: eos_token {name!r} is not in the vocabulary")
+            ids.append(tid)
+        if not ids:
+            ids = [tid for n in _FALLBACK_EOS if (tid := self._special.token_to_id(n)) is not None][:1]
+        return tuple(dict.fromkeys(ids))
+
+    def _find_bos(self, config: dict, gen_config: dict) -> Optional[int]:
+        gen_ids = _as_id_list(gen_config.get("bos_token_id"), self._source / "generation_config.json", "bos_token_id")
+        if gen_ids:
+            return gen_ids[0]
+        name = _token_string(config.get("bos_token"))
+        return None if name is None else self._special.token_to_id(name)
+
+    def _decide_add_bos(self, config: dict) -> bool:
+        """BOS is added when the post-processor adds it or tokenizer_config says add_bos_token."""
+        if self._bos is None:
+            return False
+        if config.get("add_bos_token") is True:
+            return True
+        probe = self._special.encode("a", add_special_tokens=True).ids
+        return bool(probe) and probe[0] == self._bos
+
+    def _template_source(self, config: dict) -> Optional[str]:
+        """tokenizer_config's chat_template (a string, or a list of named ones), else chat_template.jinja."""
+        tpl = config.get("chat_template")
+        if isinstance(tpl, list):
+            named = {t.get("name"): t.get("template") for t in tpl if isinstance(t, dict)}
+            tpl = named.get("default", next(iter(named.values()), None))
+        if tpl is None and (self._source / "chat_template.jinja").is_file():
+            try:
+                tpl = (self._source / "chat_template.jinja").read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise ModelLoadError(f"{self._source / 'chat_template.jinja'}: cannot read: {e}") from None
+        if tpl is not None and not isinstance(tpl, str):
+            raise ModelLoadError(f"{self._source / 'tokenizer_config.json'}: chat_template must be a string")
+        return tpl
+
+    def _first_id(self, names: Iterable[str]) -> Optional[int]:
+        return next((tid for n in names if (tid := self._special.token_to_id(n)) is not None), None)
+
+    def _token_text(self, tid: Optional[int]) -> str:
+        return "" if tid is None else (self._special.id_to_token(tid) or "")
+
+    # ---- properties ----------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self._special.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self._eos
+
+    @property
+    def bos_token_id(self) -> Optional[int]:
+        return self._bos
+
+    @property
+    def special_token_ids(self) -> frozenset[int]:
+        return self._special_ids
+
+    @property
+    def fim_prefix_id(self) -> Optional[int]:
+        return self._fim["prefix"]
+
+    @property
+    def fim_suffix_id(self) -> Optional[int]:
+        return self._fim["suffix"]
+
+    @property
+    def fim_middle_id(self) -> Optional[int]:
+        return self._fim["middle"]
+
+    @property
+    def file_sep_id(self) -> Optional[int]:
+        return self._fim["file_sep"]
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._chat.source is not None
+
+    def token_id(self, name: str) -> Optional[int]:
+        """The id of a token spelled exactly ``name``, or None."""
+        return self._special.token_to_id(name)
+
+    # ---- encode / decode -----------------------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool = True, allow_special: bool = False) -> list[int]:
+        """Token ids of ``text``. Special-token spellings stay text unless ``allow_special``.
+
+        ``add_special_tokens`` adds what the post-processor adds (BOS for most models), and BOS when
+        tokenizer_config.json sets add_bos_token.
+        """
+        if not isinstance(text, str):
+            raise InvalidRequest(f"prompt must be a string, got {type(text).__name__}")
+        if len(text) > MAX_TEXT_CHARS:
+            raise InvalidRequest(f"text is longer than {MAX_TEXT_CHARS} characters")
+        tok = self._special if allow_special else self._text
+        ids = tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self._add_bos and (not ids or ids[0] != self._bos):
+            ids.insert(0, self._bos)
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._special.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    # ---- chat and infill -----------------------------------------------------------------
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render messages with the model's chat template (sandboxed) or the documented fallback."""
+        return self._chat.render(messages, add_generation_prompt)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a chat: the template's control tokens by id, message contents as plain text.
+
+        No BOS is added beyond what the template writes itself.
+        """
+        pieces = self._chat.render_pieces(messages, add_generation_prompt)
+        ids: list[int] = []
+        for text, is_content in pieces:
+            ids += self.encode(text, add_special_tokens=False, allow_special=not is_content)
+        return ids
+
+    def build_infill(self, prefix: str, suffix: str, extra_files: Iterable[tuple[str, str]] = ()) -> list[int]:
+        """A fill-in-the-middle prompt in prefix-suffix-middle order::
+
+            [BOS] (<file_sep> path \\n content \\n)* <fim_prefix> prefix <fim_suffix> suffix <fim_middle>
+
+        User texts are encoded as text; control tokens are inserted by id. A newline is added after a
+        file's content only when it does not end with one.
+        """
+        fim = self._fim
+        if fim["prefix"] is None or fim["suffix"] is None or fim["middle"] is None:
+            raise InvalidRequest("this model has no fill-in-the-middle tokens (<|fim_prefix|> ...)")
+        files = list(extra_files)
+        if files and fim["file_sep"] is None:
+            raise InvalidRequest("this model has no <|file_sep|> token, so extra files cannot be given")
+        if not isinstance(prefix, str) or not isinstance(suffix, str):
+            raise InvalidRequest("infill prefix and suffix must be strings")
+        ids: list[int] = [self._bos] if self._add_bos else []
+        for item in files:
+            if not (isinstance(item, (tuple, list)) and len(item) == 2 and all(isinstance(s, str) for s in item)):
+                raise InvalidRequest("each extra file must be a (path, content) pair of strings")
+            path, content = item
+            if len(path) > MAX_PATH_CHARS or "\n" in path:
+                raise InvalidRequest(f"file path must be one line of at most {MAX_PATH_CHARS} characters")
+            body = content if content.endswith("\n") or not content else content + "\n"
+            ids += [fim["file_sep"]] + self._plain(f"{path}\n{body}")
+        ids += [fim["prefix"]] + self._plain(prefix) + [fim["suffix"]] + self._plain(suffix) + [fim["middle"]]
+        return ids
+
+    def _plain(self, text: str) -> list[int]:
+        return self.encode(text, add_special_tokens=False, allow_special=False)
+
+
+# Used when the model has no chat template. ChatML when the vocabulary has its control tokens,
+# otherwise "role: content" paragraphs ending with "assistant:".
+_FALLBACK_CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+_FALLBACK_PLAIN = (
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}\n\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """Jinja's immutable sandbox, failing loudly (not with an empty string) on unsafe attributes."""
+
+    def unsafe_undefined(self, obj: Any, attribute: str):
+        raise SecurityError(f"access to attribute {attribute!r} of a {type(obj).__name__} is not allowed")
+
+
+def _raise_exception(message: str):
+    raise TemplateError(str(message))
+
+
+def _tojson(value: Any, indent: Optional[int] = None, **_ignored) -> str:
+    return json.dumps(value, ensure_ascii=False, indent=indent)
+
+
+class ChatTemplate:
+    """A compiled chat template. Rendering errors and refusals raise InvalidRequest."""
+
+    def __init__(self, source: Optional[str], model_dir: Path, bos_token: str, eos_token: str,
+                 special_tokens: list[str], chatml: bool):
+        self.source = source
+        self._specials = [t for t in special_tokens if t]
+        env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+        env.filters["tojson"] = _tojson
+        env.globals.update(raise_exception=_raise_exception, bos_token=bos_token, eos_token=eos_token,
+                           strftime_now=lambda fmt: time.strftime(fmt))
+        self._compile_error: Optional[str] = None
+        try:
+            self._template = env.from_string(source or (_FALLBACK_CHATML if chatml else _FALLBACK_PLAIN))
+        except TemplateError as e:
+            # A broken template fails chat requests, not the whole model: completions still work.
+            self._template = None
+            self._compile_error = f"the chat template in {model_dir} does not compile: {e}"
+
+    def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        return self._render(_validate_messages(messages), add_generation_prompt)
+
+    def render_pieces(self, messages: list[dict], add_generation_prompt: bool) -> list[tuple[str, bool]]:
+        """The rendering as (text, is_message_content) pieces.
+
+        Renders twice: with the real contents and with a unique marker in place of each content. When
+        putting the contents back at the markers reproduces the real rendering exactly, the pieces
+        are known. Otherwise the template transforms contents; then contents that spell a special
+        token are refused, since they could not be kept as text.
+        """
+        msgs = _validate_messages(messages)
+        real = self._render(msgs, add_generation_prompt)
+        nonce = secrets.token_hex(8)
+        marks = [f"\x1fllmd{nonce}m{i}\x1f" for i in range(len(msgs))]
+        marked = self._render([{**m, "content": k} for m, k in zip(msgs, marks)], add_generation_prompt)
+        pieces = _split_at_marks(marked, marks, [m["content"] for m in msgs])
+        if pieces is not None and "".join(t for t, _ in pieces) == real:
+            return pieces
+        bad = [t for t in self._specials for m in msgs if t in m["content"]]
+        if bad:
+            raise InvalidRequest(f"message content contains the special token {bad[0]!r}, which this chat "
+                                 "template would turn into a control token")
+        return [(real, False)]
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        if self._template is None:
+            raise InvalidRequest(self._compile_error)
+        try:
+            out = self._template.render(messages=messages, add_generation_prompt=bool(add_generation_prompt))
+        except SecurityError as e:
+            raise InvalidRequest(f"the chat template did something unsafe and was stopped: {e}") from None
+        except TemplateError as e:
+            raise InvalidRequest(f"the chat template rejected the messages: {e}") from None
+        except Exception as e:  # template code can raise anything (TypeError on bad data ...)
+            raise InvalidRequest(f"the chat template failed: {type(e).__name__}: {e}") from None
+        if len(out) > 2 * MAX_TEXT_CHARS:
+            raise InvalidRequest("the rendered chat is too long")
+        return out
+
+
+def _split_at_marks(marked: str, marks: list[str], contents: list[str]) -> Optional[list[tuple[str, bool]]]:
+    """Split ``marked`` at each mark (each must appear exactly once, in order), contents in between."""
+    pieces: list[tuple[str, bool]] = []
+    pos = 0
+    for mark, content in zip(marks, contents):
+        at = marked.find(mark, pos)
+        if at < 0 or marked.count(mark) != 1:
+            return None
+        pieces += [(marked[pos:at], False), (content, True)]
+        pos = at + len(mark)
+    pieces.append((marked[pos:], False))
+    return [p for p in pieces if p[0]]
+
+
+def _validate_messages(messages: Any) -> list[dict]:
+    """Messages as fresh {"role", "content"} dicts of bounded strings."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("messages must be a non-empty list")
+    if len(messages) > MAX_MESSAGES:
+        raise InvalidRequest(f"at most {MAX_MESSAGES} messages")
+    out, total = [], 0
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise InvalidRequest(f"messages[{i}] must be an object with role and content")
+        role, content = m.get("role"), m.get("content")
+        if not isinstance(role, str) or not 0 < len(role) <= 64:
+            raise InvalidRequest(f"messages[{i}].role must be a non-empty string of at most 64 characters")
+        if not isinstance(content, str) or len(content) > MAX_MESSAGE_CHARS:
+            raise InvalidRequest(f"messages[{i}].content must be a string of at most {MAX_MESSAGE_CHARS} characters")
+        total += len(content)
+        out.append({"role": role, "content": content})
+    if total > MAX_TEXT_CHARS:
+        raise InvalidRequest(f"messages hold more than {MAX_TEXT_CHARS} characters in all")
+    return out
