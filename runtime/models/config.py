@@ -1,0 +1,169 @@
+"""ModelConfig: the architecture facts llmd needs, read from a Hugging Face config.json and checked."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from ..errors import ModelLoadError
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling
+    tie_word_embeddings: bool
+    attention_bias: bool          # q, k, v projections carry a bias (Qwen2 always)
+    qk_norm: bool                 # per-head RMSNorm on q and k before rope (Qwen3)
+    mlp_bias: bool
+    torch_dtype: str
+    bos_token_id: Optional[int] = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def num_parameters(self) -> int:
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        layer = attn + 3 * h * i + 2 * h
+        return v * h * (1 if self.tie_word_embeddings else 2) + self.num_layers * layer + h
+
+    def flops_per_token(self) -> int:
+        """Matmul FLOPs for one token (2 per multiply-add), excluding attention over the context."""
+        h, i = self.hidden_size, self.intermediate_size
+        layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i
+        return 2 * (self.num_layers * layer + h * self.vocab_size)
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path)
+        file = path / "config.json"
+        if not path.is_dir():
+            raise ModelLoadError(f"{path}: model directory not found")
+        if not file.is_file():
+            raise ModelLoadError(f"{file}: missing; a model directory needs config.json")
+        try:
+            raw = json.loads(file.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ModelLoadError(f"{file}: not valid JSON ({e})") from None
+        if not isinstance(raw, dict):
+            raise ModelLoadError(f"{file}: expected a JSON object")
+        return cls.from_dict(raw, source=str(file))
+
+    @classmethod
+    def from_dict(cls, raw: dict, source: str = "config.json") -> "ModelConfig":
+        def fail(msg: str):
+            raise ModelLoadError(f"{source}: {msg}")
+
+        archs = raw.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            fail(f"unsupported architecture {archs!r}; llmd supports {sorted(SUPPORTED_ARCHITECTURES)}")
+        family = SUPPORTED_ARCHITECTURES[arch]
+
+        def get_int(key: str, default=None, minimum: int = 1) -> int:
+            v = raw.get(key, default)
+            if v is None:
+                fail(f"missing '{key}'")
+            if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
+                fail(f"'{key}' must be an integer >= {minimum}, got {v!r}")
+            return v
+
+        def get_float(key: str, default) -> float:
+            v = raw.get(key, default)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
+                fail(f"'{key}' must be a positive number, got {v!r}")
+            return float(v)
+
+        act = raw.get("hidden_act", "silu")
+        if act != "silu":
+            fail(f"hidden_act {act!r} is not supported (only silu)")
+        hidden = get_int("hidden_size")
+        heads = get_int("num_attention_heads")
+        kv_heads = get_int("num_key_value_heads", heads)
+        head_dim = raw.get("head_dim") or None
+        if head_dim is None:
+            if hidden % heads:
+                fail(f"hidden_size {hidden} is not divisible by num_attention_heads {heads}")
+            head_dim = hidden // heads
+        elif not isinstance(head_dim, int) or head_dim < 1:
+            fail(f"'head_dim' must be a positive integer, got {head_dim!r}")
+        if heads % kv_heads:
+            fail(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+        if head_dim % 2:
+            fail(f"head_dim {head_dim} must be even for rotary embeddings")
+        max_pos = get_int("max_position_embeddings", 2048)
+        window = raw.get("sliding_window")
+        if raw.get("use_sliding_window", family == "mistral") and isinstance(window, int) and 0 < window < max_pos:
+            # llmd computes full attention; capping the context at the window keeps results exact.
+            max_pos = window
+
+        rope_theta, scaling = _rope(raw, fail)
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
+        dtype = raw.get("torch_dtype") or raw.get("dtype") or "float32"
+        return cls(
+            architecture=arch, family=family,
+            vocab_size=get_int("vocab_size"), hidden_size=hidden,
+            intermediate_size=get_int("intermediate_size"), num_layers=get_int("num_hidden_layers"),
+            num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, max_position_embeddings=max_pos,
+            rms_norm_eps=get_float("rms_norm_eps", 1e-6), rope_theta=rope_theta, rope_scaling=scaling,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=True if family == "qwen2" else bool(raw.get("attention_bias", False)),
+            qk_norm=family == "qwen3", mlp_bias=bool(raw.get("mlp_bias", False)),
+            torch_dtype=str(dtype), bos_token_id=raw.get("bos_token_id") if isinstance(raw.get("bos_token_id"), int) else None,
+            eos_token_ids=eos_ids,
+        )
+
+
+def _rope(raw: dict, fail) -> tuple[float, RopeScaling]:
+    # Newer configs keep everything in rope_parameters; older ones use rope_theta + rope_scaling.
+    params = raw.get("rope_parameters") or {}
+    scaling = raw.get("rope_scaling") or {}
+    if not isinstance(params, dict) or not isinstance(scaling, dict):
+        fail("rope_parameters / rope_scaling must be objects")
+    merged = {**scaling, **params}
+    theta = merged.get("rope_theta", raw.get("rope_theta", 10000.0))
+    if not isinstance(theta, (int, float)) or theta <= 0:
+        fail(f"rope_theta must be positive, got {theta!r}")
+    rope_type = merged.get("rope_type", merged.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        fail(f"rope type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+    fields = {k: merged[k] for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings") if k in merged}
+    return float(theta), RopeScaling(rope_type=rope_type, **fields)

@@ -1,0 +1,131 @@
+"""The Llama-family decoder (Llama, Llama 3, Mistral, Qwen2, Qwen3) in PyTorch.
+
+Two ways to run it:
+- ``forward(input_ids [T], positions [T], attn)``: the serving path. All requests of a step are packed
+  into one token axis; ``attn`` (llmd.runtime.attention) writes each layer's new keys/values into the
+  paged pool and attends over it.
+- ``forward_dense(input_ids [B, T])``: plain causal attention over a batch, for training and references.
+
+q/k/v and gate/up are fused into one projection each; the loader maps checkpoint names onto slices.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .layers import Linear, RMSNorm, Rotary, apply_rotary
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.unflatten(-1, (self.num_heads, self.head_dim))
+        k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def forward(self, x, cos, sin, attn) -> torch.Tensor:
+        q, k, v = self.project(x, cos, sin)
+        out = attn.attend(self.layer_idx, q, k, v)             # [T, H, D]
+        return self.o_proj(out.flatten(-2))
+
+    def forward_dense(self, x, cos, sin) -> torch.Tensor:
+        q, k, v = self.project(x, cos, sin)                    # [B, T, H, D]
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             is_causal=True, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).flatten(-2))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_idx)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, attn=None) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        h = self.self_attn(h, cos, sin, attn) if attn is not None else self.self_attn.forward_dense(h, cos, sin)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+        self.rotary = Rotary(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self._head_t: torch.Tensor | None = None
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
+        """Packed tokens [T] -> final hidden states [T, hidden]."""
+        x = self.embed(input_ids)
+        cos, sin = self.rotary.lookup(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, attn)
+        return self.norm(x)
+
+    def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[B, T] -> logits [B, T, vocab], plain causal attention from position 0."""
+        x = self.embed(input_ids)
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        cos, sin = self.rotary.lookup(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.compute_logits(self.norm(x))
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.embed_tokens.weight is None:      # tied and prepared: rows live as columns of the head
+            return self._head_t.index_select(1, input_ids.reshape(-1)).t().reshape(*input_ids.shape, -1)
+        return self.embed_tokens(input_ids)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self._head_t is not None:
+            return hidden @ self._head_t
+        if self.lm_head is not None:
+            return self.lm_head(hidden)
+        return F.linear(hidden, self.embed_tokens.weight)
+
+    def prepare_for_inference(self) -> None:
+        """Switch linear layers to their faster storage. A tied head is the largest matrix of a small
+        model and reads twice as fast as [hidden, vocab] (22.6 ms against 39.4 ms for 896 x 151936), so
+        the embedding is moved there and looked up as columns: no second copy."""
+        self.requires_grad_(False)
+        for m in self.modules():
+            if isinstance(m, Linear) and m.weight is not None:
+                m.prepare()
+        if self.lm_head is None:
+            self._head_t = self.embed_tokens.weight.detach().t().contiguous()
+            self.embed_tokens.weight = None

@@ -1,0 +1,139 @@
+"""Load and save Llama-family weights in the Hugging Face safetensors layout.
+
+Checkpoint names map onto llmd's fused parameters: q/k/v_proj are row slices of qkv_proj, gate/up_proj
+of gate_up_proj. Every tensor is checked for presence, shape and dtype before it is copied; a problem
+raises ModelLoadError naming the file and the tensor.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterable
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from ..errors import ModelLoadError
+from .config import ModelConfig
+from .layers import Rotary
+from .llama import LlamaForCausalLM
+
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def checkpoint_layout(cfg: ModelConfig) -> dict[str, tuple[str, int, tuple[int, ...]]]:
+    """checkpoint name -> (llmd parameter name, row offset, expected shape)."""
+    h, q, kv, i = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    out = {"model.embed_tokens.weight": ("embed_tokens.weight", 0, (cfg.vocab_size, h)),
+           "model.norm.weight": ("norm.weight", 0, (h,))}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = ("lm_head.weight", 0, (cfg.vocab_size, h))
+    for n in range(cfg.num_layers):
+        src, dst = f"model.layers.{n}.", f"layers.{n}."
+        a = dst + "self_attn."
+        for name, off, rows in (("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)):
+            out[f"{src}self_attn.{name}.weight"] = (a + "qkv_proj.weight", off, (rows, h))
+            if cfg.attention_bias:
+                out[f"{src}self_attn.{name}.bias"] = (a + "qkv_proj.bias", off, (rows,))
+        out[f"{src}self_attn.o_proj.weight"] = (a + "o_proj.weight", 0, (h, q))
+        if cfg.qk_norm:
+            out[f"{src}self_attn.q_norm.weight"] = (a + "q_norm.weight", 0, (cfg.head_dim,))
+            out[f"{src}self_attn.k_norm.weight"] = (a + "k_norm.weight", 0, (cfg.head_dim,))
+        m = dst + "mlp."
+        out[f"{src}mlp.gate_proj.weight"] = (m + "gate_up_proj.weight", 0, (i, h))
+        out[f"{src}mlp.up_proj.weight"] = (m + "gate_up_proj.weight", i, (i, h))
+        out[f"{src}mlp.down_proj.weight"] = (m + "down_proj.weight", 0, (h, i))
+        if cfg.mlp_bias:
+            out[f"{src}mlp.gate_proj.bias"] = (m + "gate_up_proj.bias", 0, (i,))
+            out[f"{src}mlp.up_proj.bias"] = (m + "gate_up_proj.bias", i, (i,))
+            out[f"{src}mlp.down_proj.bias"] = (m + "down_proj.bias", 0, (h,))
+        out[f"{src}input_layernorm.weight"] = (dst + "input_layernorm.weight", 0, (h,))
+        out[f"{src}post_attention_layernorm.weight"] = (dst + "post_attention_layernorm.weight", 0, (h,))
+    return out
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise ModelLoadError(f"{index}: malformed shard index ({e})") from None
+        files = [path / n for n in names]
+        for f in files:
+            if not f.is_file() or f.parent != path:
+                raise ModelLoadError(f"{index}: names shard {f.name!r}, which is missing")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path}: no *.safetensors weights found")
+    return files
+
+
+def iter_tensors(files: Iterable[Path]):
+    """Yield (file, name, tensor); wraps every safetensors failure into ModelLoadError."""
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for name in st.keys():
+                    yield f, name, st.get_tensor(name)
+        except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+            raise ModelLoadError(f"{f}: cannot read safetensors ({e}); the file is truncated or corrupt, "
+                                 "re-export or re-download it") from None
+
+
+def load_model(path: str | Path, dtype: str = "float32", cfg: ModelConfig | None = None,
+               progress=None) -> LlamaForCausalLM:
+    """Build the model from a Hugging Face directory. ``progress(n_done, n_total)`` is called per tensor."""
+    path = Path(path)
+    cfg = cfg or ModelConfig.from_dir(path)
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"dtype {dtype!r} is not supported; choose one of {sorted(DTYPES)}")
+    torch_dtype = DTYPES[dtype]
+    layout = checkpoint_layout(cfg)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model.to_empty(device="cpu").to(torch_dtype)
+    model.rotary = Rotary(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)  # float32 tables
+    params = dict(model.named_parameters())
+    seen: set[str] = set()
+    files = safetensors_files(path)
+    for n, (f, name, tensor) in enumerate(iter_tensors(files)):
+        if name.endswith(IGNORED_SUFFIXES):
+            continue
+        if name not in layout:
+            if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                continue   # some tied checkpoints store the head anyway; it equals the embedding
+            raise ModelLoadError(f"{f}: unexpected tensor {name!r} for {cfg.architecture} "
+                                 f"({cfg.num_layers} layers); is config.json from the same model?")
+        target, offset, shape = layout[name]
+        if tuple(tensor.shape) != shape:
+            raise ModelLoadError(f"{f}: tensor {name!r} has shape {tuple(tensor.shape)}, config.json implies {shape}")
+        if not tensor.is_floating_point():
+            raise ModelLoadError(f"{f}: tensor {name!r} has dtype {tensor.dtype}, expected a float type")
+        if not torch.isfinite(tensor).all():
+            raise ModelLoadError(f"{f}: tensor {name!r} contains NaN or infinity")
+        params[target].data[offset:offset + shape[0]].copy_(tensor)
+        seen.add(name)
+        if progress:
+            progress(n + 1, len(layout))
+    missing = sorted(set(layout) - seen)
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise ModelLoadError(f"{path}: weights missing from the safetensors files: {', '.join(missing[:3])}{more}")
+    model.eval()
+    return model
+
+
+def save_model(model: LlamaForCausalLM, path: str | Path, extra_config: dict | None = None) -> None:
+    """Write model.safetensors (checkpoint names, unfused) for a model that has not been prepared."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    params = dict(model.named_parameters())
+    tensors = {}
+    for name, (target, offset, shape) in checkpoint_layout(model.config).items():
+        tensors[name] = params[target].detach()[offset:offset + shape[0]].contiguous().float().clone()
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
