@@ -1,0 +1,191 @@
+"""Wire protocol v1: the request messages a client may send, validated at the edge.
+
+Every request is a msgpack map with a ``type`` and a client-chosen ``id``. Unknown keys, wrong
+types and out-of-range sizes are refused (pydantic, strict, extra="forbid") with a typed error;
+nothing past this module sees an unvalidated value. docs/protocol.md is the contract; the event
+types the daemon sends back live in llmd.clients.events, shared with the Python client.
+
+This module imports neither torch nor the runtime.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+
+PROTOCOL_VERSION = 1
+SUPPORTED_VERSIONS = (1,)
+
+MAX_ID_LEN = 128
+MAX_TEXT_LEN = 1 << 20
+MAX_PROMPT_TOKENS = 1 << 17
+MAX_MESSAGES = 256
+MAX_FILES = 32
+MAX_DEADLINE_MS = 24 * 3600 * 1000
+
+
+class ProtocolError(ValueError):
+    """A message the daemon refuses. ``code`` goes on the wire; ``id`` echoes the request id if known."""
+
+    def __init__(self, code: str, message: str, request_id: str = ""):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+
+
+# Error codes that appear in ``error`` events (see docs/protocol.md).
+BAD_MESSAGE = "bad_message"          # not a msgpack map within limits, or wrong frame count
+UNKNOWN_TYPE = "unknown_type"        # ``type`` missing or not a request type
+INVALID_REQUEST = "invalid_request"  # wrong field, type or value
+UNSUPPORTED_VERSION = "unsupported_version"
+DUPLICATE_ID = "duplicate_id"        # the same client already has a request with this id in flight
+BUSY = "busy"                        # the queue is full; retry later
+DRAINING = "draining"                # the daemon is shutting down
+CAPACITY = "capacity"                # the request can never fit
+INTERNAL = "internal"                # failed inside the engine; other requests go on
+
+Id = Annotated[str, Field(min_length=1, max_length=MAX_ID_LEN)]
+Text = Annotated[str, Field(max_length=MAX_TEXT_LEN)]
+Int64 = Annotated[int, Field(ge=-(1 << 63), le=(1 << 63) - 1)]
+Finite = Annotated[float, Field(allow_inf_nan=False, ge=-1e6, le=1e6)]
+TokenId = Annotated[int, Field(ge=0, lt=1 << 31)]
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class Sampling(_Message):
+    """Sampling parameters; ranges are checked again by the runtime's SamplingParams."""
+
+    max_tokens: Annotated[int, Field(ge=1, le=1 << 20)] = 64
+    temperature: Finite = 0.0
+    top_k: Annotated[int, Field(ge=0, le=1 << 20)] = 0
+    top_p: Finite = 1.0
+    min_p: Finite = 0.0
+    repetition_penalty: Finite = 1.0
+    presence_penalty: Finite = 0.0
+    frequency_penalty: Finite = 0.0
+    seed: Optional[Annotated[int, Field(ge=0, lt=1 << 63)]] = None
+    stop: Annotated[list[Annotated[str, Field(min_length=1, max_length=256)]], Field(max_length=16)] = []
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=64)] = []
+    ignore_eos: bool = False
+    logprobs: Optional[Annotated[int, Field(ge=0, le=20)]] = None
+
+
+Priority = Literal["interactive", "normal", "batch"]
+
+
+class _Work(_Message):
+    """Fields shared by the requests that produce tokens."""
+
+    id: Id
+    params: Sampling = Sampling()
+    priority: Priority = "normal"
+    deadline_ms: Optional[Annotated[int, Field(ge=1, le=MAX_DEADLINE_MS)]] = None
+    sentences: bool = False
+    cache_salt: Optional[Id] = None
+
+
+class Generate(_Work):
+    type: Literal["generate"]
+    prompt: Optional[Text] = None
+    token_ids: Optional[Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_TOKENS)]] = None
+
+    @model_validator(mode="after")
+    def _one_prompt(self):
+        if (self.prompt is None) == (self.token_ids is None):
+            raise ValueError("give exactly one of prompt or token_ids")
+        return self
+
+
+class File(_Message):
+    path: Annotated[str, Field(max_length=4096)]
+    text: Text
+
+
+class Infill(_Work):
+    type: Literal["infill"]
+    prefix: Text
+    suffix: Text = ""
+    files: Annotated[list[File], Field(max_length=MAX_FILES)] = []
+    replace: Optional[Id] = None
+    priority: Priority = "interactive"
+
+
+class ChatMessage(_Message):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: Text
+
+
+class Chat(_Work):
+    type: Literal["chat"]
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+
+
+class Cancel(_Message):
+    type: Literal["cancel"]
+    id: Id
+    target: Id
+
+
+class Hello(_Message):
+    type: Literal["hello"]
+    id: Id
+    versions: Annotated[list[Annotated[int, Field(ge=0, le=1 << 16)]], Field(min_length=1, max_length=16)]
+    client: Optional[Annotated[str, Field(max_length=MAX_ID_LEN)]] = None
+
+
+class Health(_Message):
+    type: Literal["health"]
+    id: Id
+
+
+class Stats(_Message):
+    type: Literal["stats"]
+    id: Id
+
+
+class Models(_Message):
+    type: Literal["models"]
+    id: Id
+
+
+Request = Annotated[Union[Generate, Infill, Chat, Cancel, Hello, Health, Stats, Models], Field(discriminator="type")]
+WORK_TYPES = (Generate, Infill, Chat)
+REQUEST_TYPES = ("generate", "infill", "chat", "cancel", "hello", "health", "stats", "models")
+_adapter = TypeAdapter(Request)
+
+
+def _summary(err: ValidationError) -> str:
+    parts = []
+    for e in err.errors()[:3]:
+        loc = ".".join(str(p) for p in e["loc"][1:]) or "message"
+        parts.append(f"{loc}: {e['msg']}")
+    more = err.error_count() - len(parts)
+    return "; ".join(parts) + (f" (and {more} more)" if more > 0 else "")
+
+
+def parse_request(message: dict) -> Union[Generate, Infill, Chat, Cancel, Hello, Health, Stats, Models]:
+    """Validate one decoded map. Raises ProtocolError with a wire code and the request id if any."""
+    rid = message.get("id")
+    rid = rid if isinstance(rid, str) and 0 < len(rid) <= MAX_ID_LEN else ""
+    kind = message.get("type")
+    if kind not in REQUEST_TYPES:
+        raise ProtocolError(UNKNOWN_TYPE, f"unknown message type {kind!r}; expected one of {', '.join(REQUEST_TYPES)}"
+                            if isinstance(kind, str) and len(kind) < 64 else "message has no valid 'type'", rid)
+    try:
+        return _adapter.validate_python(message)
+    except ValidationError as e:
+        raise ProtocolError(INVALID_REQUEST, f"{kind}: {_summary(e)}", rid) from None
+
+
+def negotiate(hello: Hello) -> int:
+    """The highest version both sides speak, or ProtocolError."""
+    common = sorted(set(hello.versions) & set(SUPPORTED_VERSIONS))
+    if not common:
+        raise ProtocolError(UNSUPPORTED_VERSION,
+                            f"client speaks {sorted(set(hello.versions))}, daemon speaks {list(SUPPORTED_VERSIONS)}",
+                            hello.id)
+    return common[-1]
