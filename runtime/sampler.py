@@ -1,0 +1,201 @@
+"""Sampling the next token from a batch of logits: penalties, filters, seeded draws, logprobs.
+
+All functions take float32 logits ``[N, V]`` on the CPU, one row per sampled position, and a list of
+``N`` ``SamplingRow``s. The order of operations, and so the distribution drawn from, is:
+
+    logits -> penalties -> (greedy rows: one-hot at the argmax)
+           -> / temperature -> top-k -> top-p -> min-p -> softmax
+
+``processed_probs`` returns exactly that distribution and ``sample`` draws from it, so speculative
+decoding can use ``processed_probs`` for both the target and the draft model.
+
+Reproducibility: each random row draws from its own ``torch.Generator`` and consumes exactly ``V``
+exponential variates per draw, so a seeded request gets the same tokens whatever else is in the batch.
+
+Penalty semantics:
+  * repetition_penalty (multiplicative, over prompt + output): a seen token's logit is divided by
+    the penalty when positive and multiplied by it when negative;
+  * presence_penalty and frequency_penalty (additive, over the output only): subtract
+    ``presence * [count > 0] + frequency * count``, where count is the token's number of occurrences
+    in the output (``history[num_prompt:]``).
+
+Logprobs are those of the model's distribution after penalties and before temperature and the
+filters (``log_softmax`` of the penalized logits), like common servers report them.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .request import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """One sampled position: its parameters, random stream and token history."""
+
+    params: SamplingParams
+    generator: Optional[torch.Generator] = None  # per request; None when greedy
+    history: Optional[list[int]] = None          # prompt + output ids; needed when params.needs_penalties
+    num_prompt: int = 0                          # how many of ``history`` are prompt tokens
+
+
+@dataclass
+class SampleResult:
+    token_ids: torch.Tensor                      # [N] int64
+    logprobs: Optional[list[Optional[dict]]]     # per row: {"token_id", "logprob", "top": [(id, lp)]}
+
+
+def make_generator(seed: Optional[int]) -> torch.Generator:
+    """A CPU generator seeded with ``seed``, or with a fresh random seed when None."""
+    g = torch.Generator(device="cpu")
+    g.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
+    return g
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Logits with each row's penalties applied. Returns ``logits`` itself when no row has any;
+    otherwise a new tensor (the input is never modified)."""
+    penalized = [i for i, r in enumerate(rows) if r.params.needs_penalties]
+    if not penalized:
+        return logits
+    out = logits.clone()
+    for i in penalized:
+        row = rows[i]
+        if row.history is None:
+            raise ValueError(f"row {i} has penalties but no history")
+        _penalize_row(out[i], row)
+    return out
+
+
+def _penalize_row(logits: torch.Tensor, row: SamplingRow) -> None:
+    p = row.params
+    history = torch.tensor(row.history, dtype=torch.long)
+    if p.repetition_penalty != 1.0 and history.numel():
+        seen = history.unique()
+        vals = logits[seen]
+        logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    output = history[row.num_prompt:]
+    if (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0) and output.numel():
+        ids, counts = output.unique(return_counts=True)
+        logits[ids] -= p.presence_penalty + p.frequency_penalty * counts.to(logits.dtype)
+
+
+def processed_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """The distribution ``sample`` draws from, ``[N, V]``; greedy rows are one-hot at the argmax."""
+    return _probs(apply_penalties(logits, rows), rows)
+
+
+def _probs(penalized: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    greedy = torch.tensor([r.params.greedy for r in rows])
+    onehot = torch.zeros_like(penalized).scatter_(1, penalized.argmax(-1, keepdim=True), 1.0)
+    if bool(greedy.all()):
+        return onehot
+    probs = _filtered_probs(penalized, rows)
+    return torch.where(greedy[:, None], onehot, probs)
+
+
+def _filtered_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p, batched with per-row parameters. Greedy rows are
+    computed at temperature 1 and discarded by the caller."""
+    params = [r.params for r in rows]
+    temp = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], dtype=logits.dtype)
+    x = logits / temp[:, None]
+    top_k = torch.tensor([p.top_k for p in params], dtype=torch.long)
+    top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype)
+    min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype)
+    if bool((top_k > 0).any()):
+        x = _top_k(x, top_k)
+    if bool((top_p < 1.0).any()):
+        x = _top_p(x, top_p)
+    probs = torch.softmax(x, dim=-1)
+    if bool((min_p > 0).any()):
+        keep = probs >= min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = torch.where(keep, probs, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def _top_k(x: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Keep logits >= the k-th largest (ties at the boundary are all kept); k = 0 keeps all."""
+    on = top_k > 0
+    k = torch.where(on, top_k.clamp(max=x.shape[-1]), 1)
+    kth = x.topk(int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])
+    kth = torch.where(on[:, None], kth, float("-inf"))
+    return x.masked_fill(x < kth, float("-inf"))
+
+
+def _top_p(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probability reaches top_p (at least one)."""
+    sorted_x, order = x.sort(dim=-1, descending=True)
+    sorted_p = torch.softmax(sorted_x, dim=-1)
+    mass_before = sorted_p.cumsum(dim=-1) - sorted_p
+    drop_sorted = mass_before >= top_p[:, None]
+    drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
+    return x.masked_fill(drop, float("-inf"))
+
+
+def sample_from_probs(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """One token per row: the argmax for greedy rows, a draw with the row's generator otherwise.
+
+    A draw is ``argmax(probs / q)`` with ``q ~ Exp(1)`` i.i.d., which picks token ``i`` with
+    probability ``probs[i]`` (the exponential race).
+    """
+    tokens = probs.argmax(dim=-1)
+    random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if not random_rows:
+        return tokens
+    q = torch.empty(len(random_rows), probs.shape[-1], dtype=probs.dtype)
+    for j, i in enumerate(random_rows):
+        g = rows[i].generator
+        if g is None:
+            raise ValueError(f"row {i} samples at temperature {rows[i].params.temperature} but has no generator")
+        q[j].exponential_(generator=g)
+    q.clamp_(min=torch.finfo(q.dtype).tiny)   # q = 0 would make 0/0 = nan for excluded tokens
+    index = torch.tensor(random_rows, dtype=torch.long)
+    tokens[index] = (probs[index] / q).argmax(dim=-1)
+    return tokens
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow], num_logprobs: Optional[int] = None) -> SampleResult:
+    """Pick one token per row, with logprobs when asked.
+
+    ``num_logprobs``: None uses each row's ``params.logprobs`` (rows without get None, and
+    ``logprobs`` is None when no row asks); an int gives every row that many top alternatives.
+    """
+    if logits.dim() != 2 or logits.shape[0] != len(rows):
+        raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
+    tops = [num_logprobs for _ in rows] if num_logprobs is not None else [r.params.logprobs for r in rows]
+    want_logprobs = any(t is not None for t in tops)
+    if not want_logprobs and all(r.params.greedy and not r.params.needs_penalties for r in rows):
+        return SampleResult(logits.argmax(dim=-1), None)
+    penalized = apply_penalties(logits, rows)
+    if all(r.params.greedy for r in rows):
+        tokens = penalized.argmax(dim=-1)
+    else:
+        tokens = sample_from_probs(_probs(penalized, rows), rows)
+    return SampleResult(tokens, logprobs_for(penalized, tokens, tops) if want_logprobs else None)
+
+
+def logprobs_for(penalized: torch.Tensor, token_ids: torch.Tensor,
+                 tops: list[Optional[int]]) -> list[Optional[dict]]:
+    """Per row: the chosen token's logprob and the ``tops[i]`` most likely alternatives, under
+    ``log_softmax(penalized)``; None where ``tops[i]`` is None. Also used for verified tokens in
+    speculative decoding."""
+    logp = torch.log_softmax(penalized, dim=-1)
+    chosen = logp.gather(1, token_ids[:, None]).squeeze(1).tolist()
+    width = max((t for t in tops if t), default=0)
+    top_lp, top_ids = logp.topk(width, dim=-1) if width else (None, None)
+    top_lp = top_lp.tolist() if width else None
+    top_ids = top_ids.tolist() if width else None
+    out: list[Optional[dict]] = []
+    for i, (tid, n) in enumerate(zip(token_ids.tolist(), tops)):
+        if n is None:
+            out.append(None)
+            continue
+        top = list(zip(top_ids[i][:n], top_lp[i][:n])) if n else []
+        out.append({"token_id": tid, "logprob": chosen[i], "top": top})
+    return out
