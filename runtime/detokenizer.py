@@ -10,8 +10,9 @@ Each step decodes ``ids[_prefix:]`` (a window of a few tokens, so that a token's
 merged bytes come out as in a full decode) and emits what follows ``_prefix_text``. When that text
 ends in U+FFFD, a multi-byte character is still incomplete and nothing is emitted; the window then
 grows until the character completes (at most ``MAX_HELD_TOKENS`` tokens, after which the bytes are
-really invalid and the replacement character is emitted as ``decode`` would). Decoding cost is
-independent of the output length.
+really invalid and the replacement character is emitted as ``decode`` would). When several ids come
+at once, the window advances to the last of them after which the text is complete. Decoding cost
+per token is independent of the output length.
 
 Stop strings: text that could be the start of a stop string is held back in ``_pending``, so a stop
 string split over several tokens is still found, and the text emitted never contains one.
@@ -73,14 +74,25 @@ class IncrementalDetokenizer:
         return self._tok.decode(self._ids[start:end], skip_special_tokens=self._skip)
 
     def _complete_text(self, final: bool) -> str:
-        """New text up to the last complete character; advances the window when text is emitted."""
-        if len(self._ids) == self._read:
+        """New text up to the last token boundary where the text is complete; advances the window."""
+        end = len(self._ids)
+        if end == self._read:
             return ""
-        full = self._decode(self._prefix, len(self._ids))
-        if not final and full.endswith(_REPLACEMENT) and len(self._ids) - self._read < MAX_HELD_TOKENS:
-            return ""
-        delta = full[len(self._prefix_text):]
-        self._prefix, self._read = self._read, len(self._ids)
+        full = self._decode(self._prefix, end)
+        if final or not full.endswith(_REPLACEMENT):
+            return self._advance(full, end)
+        # Several ids may have come at once (speculation): find the last clean boundary among them.
+        for cut in range(end - 1, max(self._read, end - MAX_HELD_TOKENS), -1):
+            text = self._decode(self._prefix, cut)
+            if not text.endswith(_REPLACEMENT):
+                return self._advance(text, cut)
+        if end - self._read >= MAX_HELD_TOKENS:   # the bytes are invalid, not incomplete
+            return self._advance(full, end)
+        return ""
+
+    def _advance(self, text: str, end: int) -> str:
+        delta = text[len(self._prefix_text):]
+        self._prefix, self._read = self._read, end
         self._prefix_text = self._decode(self._prefix, self._read)
         if self._prefix >= _TRIM_AT:
             del self._ids[:self._prefix]

@@ -230,7 +230,10 @@ class Tokenizer:
         if len(text) > MAX_TEXT_CHARS:
             raise InvalidRequest(f"text is longer than {MAX_TEXT_CHARS} characters")
         tok = self._special if allow_special else self._text
-        ids = tok.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            ids = tok.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:   # the tokenizers library refuses lone surrogates this way
+            raise InvalidRequest("text is not valid Unicode (it holds a lone surrogate)") from None
         if add_special_tokens and self._add_bos and (not ids or ids[0] != self._bos):
             ids.insert(0, self._bos)
         return ids

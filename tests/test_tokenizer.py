@@ -60,6 +60,11 @@ def test_special_looking_text_stays_text(tok):
     assert tok.decode(with_specials) == "x = '' + ''"
 
 
+def test_lone_surrogate_is_invalid_request(tok):
+    with pytest.raises(InvalidRequest, match="surrogate"):
+        tok.encode("a\ud800b")
+
+
 def test_bos_added_by_post_processor_or_config(tmp_path):
     hf = build_hf_tokenizer()
     bos = hf.token_to_id("<|endoftext|>")
