@@ -1,0 +1,111 @@
+"""The `llmd serve` and `llmd status` subcommands, for the main command line to mount.
+
+    sub = parser.add_subparsers()
+    add_serve_parser(sub); add_status_parser(sub)
+    args = parser.parse_args(); sys.exit(args.func(args))
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("serve", help="run the llmd daemon on a local ZeroMQ socket",
+                              description="Run the llmd daemon. Settings come from /etc/llmd/llmd.toml, "
+                              "$XDG_CONFIG_HOME/llmd/llmd.toml, LLMD_* variables and these flags, in "
+                              "increasing precedence.")
+    a = p.add_argument
+    a("--model", help="model directory to load (setting `model`)")
+    a("--socket", help="ipc socket path (default $XDG_RUNTIME_DIR/llmd/llmd.sock, or /run/llmd/llmd.sock)")
+    a("--group", help="group that owns the socket and its directory (mode 0660/0750)")
+    a("--tcp", metavar="tcp://HOST:PORT", help="also listen on this TCP endpoint (off unless given)")
+    a("--dtype", help="weight and activation dtype, e.g. float32, bfloat16")
+    a("--device", help="device for the engine, e.g. cpu or cuda")
+    a("--kv-memory", help="memory for the KV cache, e.g. 256MiB or 4GiB")
+    a("--block-size", type=int, help="tokens per KV cache block")
+    a("--max-batch-tokens", type=int, help="token budget of one engine step")
+    a("--no-prefix-cache", dest="prefix_cache", action="store_const", const=False,
+      help="disable reuse of cached prompt prefixes")
+    a("--max-queue", type=int, help="requests in flight before new ones are refused with `busy`")
+    a("--drain-grace", dest="drain_grace_s", type=float, metavar="SECONDS",
+      help="on SIGTERM, time to let in-flight requests finish before cancelling them")
+    a("--config", metavar="FILE", help="user configuration file instead of $XDG_CONFIG_HOME/llmd/llmd.toml")
+    a("--log-level", choices=("debug", "info", "warning", "error"), help="log verbosity")
+    a("--print-config", action="store_true", help="print the merged settings and where each came from, then exit")
+    p.set_defaults(func=run_serve)
+    return p
+
+
+def add_status_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("status", help="show the state of a running llmd daemon",
+                              description="Ask the daemon for its state, model, uptime, requests, KV cache "
+                              "use, prefix hit rate, speculative acceptance and latency percentiles.")
+    p.add_argument("--socket", help="ipc socket path of the daemon (default: the usual location)")
+    p.add_argument("--json", action="store_true", help="print the raw stats as JSON")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for an answer (default 5)")
+    p.set_defaults(func=run_status)
+    return p
+
+
+_FLAGS = ("model", "socket", "group", "tcp", "dtype", "device", "kv_memory", "block_size", "max_batch_tokens",
+          "prefix_cache", "max_queue", "drain_grace_s", "log_level")
+
+
+def run_serve(args) -> int:
+    from pathlib import Path
+
+    from . import settings as settings_mod
+    flags = {k: getattr(args, k, None) for k in _FLAGS}
+    try:
+        s, source = settings_mod.load(flags, user_file=Path(args.config) if args.config else None)
+    except settings_mod.SettingsError as e:
+        print(f"llmd serve: {e}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(settings_mod.describe(s, source))
+        return 0
+    from .serve import serve
+    return serve(s)
+
+
+def run_status(args) -> int:
+    from llmd.clients.client import Client, ClientError
+    try:
+        with Client(args.socket, timeout=args.timeout) as c:
+            stats = c.stats()
+    except ClientError as e:
+        print(f"llmd status: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(stats, indent=2, sort_keys=True) if args.json else format_status(stats))
+    return 0
+
+
+def _pct(v) -> str:
+    return "-" if v is None else f"{100 * v:.1f}%"
+
+
+def format_status(s: dict) -> str:
+    e = s.get("engine") or {}
+    lat = s.get("latency_ms", {})
+
+    def row(name):
+        p = lat.get(name, {})
+        return " / ".join("-" if p.get(q) is None else f"{p[q]:.1f}" for q in ("p50", "p90", "p99"))
+
+    acceptance = e.get("spec_acceptance", e.get("spec_acceptance_rate"))
+    lines = [
+        f"state:        {s.get('state')} ({s.get('status')})",
+        f"model:        {s.get('model')}",
+        f"uptime:       {s.get('uptime_s', 0):.0f} s",
+        f"requests:     {e.get('running', '-')} running, {e.get('waiting', '-')} queued, "
+        f"{s.get('in_flight', 0)} in flight",
+        f"kv cache:     {_pct(e.get('kv_usage'))} used ({e.get('kv_blocks_used', '-')}/{e.get('kv_blocks_total', '-')} blocks)",
+        f"prefix hits:  {_pct(e.get('prefix_hit_rate'))}",
+        f"spec accept:  {_pct(acceptance)}",
+        f"ttft ms:      {row('ttft')}   (p50 / p90 / p99)",
+        f"e2e ms:       {row('e2e')}",
+        f"finished:     {', '.join(f'{k} {v}' for k, v in sorted(s.get('finished', {}).items())) or 'none'}",
+    ]
+    return "\n".join(lines)

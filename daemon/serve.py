@@ -1,0 +1,52 @@
+"""`llmd serve`: build the engine factory from settings, take over systemd's socket if any, run."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import signal
+import sys
+
+from . import systemd
+from .paths import AlreadyRunning
+from .server import Server
+from .settings import Settings, SettingsError
+
+
+def engine_factory(settings: Settings):
+    """A function the engine thread calls to build the Engine (so torch loads there, after bind)."""
+    def make():
+        from llmd.runtime.config import EngineConfig
+        from llmd.runtime.engine import Engine
+        known = {f.name for f in dataclasses.fields(EngineConfig)}
+        options = {"model": settings.model, "dtype": settings.dtype, "kv_memory": settings.kv_memory,
+                   "block_size": settings.block_size, "max_batch_tokens": settings.max_batch_tokens,
+                   "enable_prefix_cache": settings.prefix_cache, "device": settings.device}
+        return Engine(EngineConfig(**{k: v for k, v in options.items() if k in known and v is not None}))
+    return make
+
+
+def activated_socket(settings: Settings) -> tuple[Settings, int | None]:
+    """The listening socket systemd passed us, and settings pointing at its path."""
+    fds = systemd.listen_fds()
+    if not fds:
+        return settings, None
+    path = systemd.unix_socket_path(fds[0])
+    if path is None:
+        raise SettingsError("socket activation passed a socket that is not a unix socket with a path")
+    return dataclasses.replace(settings, socket=path), fds[0]
+
+
+def serve(settings: Settings, notifier: systemd.Notifier | None = None) -> int:
+    logging.basicConfig(level=settings.log_level.upper(), format="llmd: %(levelname)s %(message)s")
+    if not settings.model:
+        print("llmd serve: no model given (--model, LLMD_MODEL or `model` in llmd.toml)", file=sys.stderr)
+        return 2
+    settings, fd = activated_socket(settings)
+    server = Server(settings, engine_factory(settings), notifier or systemd.Notifier(), listen_fd=fd)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: server.request_stop())
+    try:
+        return server.run()
+    except AlreadyRunning as e:
+        print(f"llmd serve: {e}", file=sys.stderr)
+        return 1
