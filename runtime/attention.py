@@ -1,0 +1,125 @@
+"""Attention over the paged KV pool.
+
+The pool of one layer is a flat array of token slots, block after block:
+
+    k_pool[layer]: [num_blocks * block_size, kv_heads, head_dim]     slot = block_id * block_size + offset
+
+Each step, every layer first writes its new keys/values at ``slot_mapping`` (one slot per packed
+token), then attends. The fast path builds, once per step, padded gather indices and masks for at
+most two groups (all single-token rows together; all multi-token rows together) and runs one
+scaled_dot_product_attention per group and layer. The reference path loops over requests with
+explicit softmax; tests hold the fast path to it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class SeqSpan:
+    """One request's rows in the packed step: query rows [start, start+num_q) at positions
+    [ctx_len - num_q, ctx_len), attending to slots ``kv_slots`` (length ctx_len)."""
+
+    start: int
+    num_q: int
+    ctx_len: int
+    kv_slots: torch.Tensor
+
+
+@dataclass
+class Group:
+    """Requests attended together: q_index [B, Lq] into packed rows, kv_index [B, Lk] into slots."""
+
+    q_index: torch.Tensor
+    kv_index: torch.Tensor
+    mask: Optional[torch.Tensor]      # [B, 1, Lq, Lk] True = attend; None when nothing is masked
+    valid: torch.Tensor               # [B, Lq] bool: real (non-padding) query rows
+    rows: torch.Tensor                # packed row of each valid query, in valid order
+
+
+class PagedAttention:
+    """Holds the step's metadata and the pools; ``attend`` is called by each layer."""
+
+    def __init__(self, k_pool: torch.Tensor, v_pool: torch.Tensor, reference: bool = False):
+        self.k_pool, self.v_pool = k_pool, v_pool        # [L, S, kvh, d], owned by the ModelRunner
+        self.reference = reference
+        self.slot_mapping: torch.Tensor | None = None
+        self.spans: list[SeqSpan] = []
+        self.groups: list[Group] = []
+        self.num_rows = 0
+
+    def prepare(self, slot_mapping: torch.Tensor, spans: list[SeqSpan]) -> None:
+        self.slot_mapping, self.spans = slot_mapping, spans
+        self.num_rows = slot_mapping.numel()
+        if not self.reference:
+            singles = [s for s in spans if s.num_q == 1]
+            multis = [s for s in spans if s.num_q > 1]
+            self.groups = [g for g in (build_group(singles), build_group(multis)) if g is not None]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        kp, vp = self.k_pool[layer], self.v_pool[layer]
+        kp.index_copy_(0, self.slot_mapping, k.to(kp.dtype))
+        vp.index_copy_(0, self.slot_mapping, v.to(vp.dtype))
+        if self.reference:
+            return reference_attention(q, kp, vp, self.spans)
+        if len(self.groups) == 1 and len(self.spans) == 1:
+            return self._single(q, kp, vp)
+        out = q.new_empty(q.shape)
+        for g in self.groups:
+            out[g.rows] = self._group(q, kp, vp, g)
+        return out
+
+    def _single(self, q, kp, vp) -> torch.Tensor:
+        """One request: no padding, and a mask only when the chunk has more than one query."""
+        g = self.groups[0]
+        qq = q.unsqueeze(0).transpose(1, 2)                        # [1, H, T, D]
+        kk = kp[g.kv_index].transpose(1, 2).to(q.dtype)           # [1, kvh, Lk, D]
+        vv = vp[g.kv_index].transpose(1, 2).to(q.dtype)
+        o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=g.mask, enable_gqa=True)
+        return o.transpose(1, 2)[0]
+
+    def _group(self, q, kp, vp, g: Group) -> torch.Tensor:
+        qq = q[g.q_index].transpose(1, 2)                          # [B, H, Lq, D]
+        kk = kp[g.kv_index].transpose(1, 2).to(q.dtype)           # [B, kvh, Lk, D]
+        vv = vp[g.kv_index].transpose(1, 2).to(q.dtype)
+        o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=g.mask, enable_gqa=True)
+        return o.transpose(1, 2)[g.valid]                          # [rows, H, D]
+
+
+def build_group(spans: list[SeqSpan]) -> Group | None:
+    if not spans:
+        return None
+    b = len(spans)
+    lq = max(s.num_q for s in spans)
+    lk = max(s.ctx_len for s in spans)
+    q_index = torch.zeros(b, lq, dtype=torch.long)
+    kv_index = torch.zeros(b, lk, dtype=torch.long)
+    qpos = torch.zeros(b, lq, dtype=torch.long)     # padding rows attend to key 0 only (never all-masked)
+    valid = torch.zeros(b, lq, dtype=torch.bool)
+    for i, s in enumerate(spans):
+        q_index[i, :s.num_q] = torch.arange(s.start, s.start + s.num_q)
+        kv_index[i, :s.ctx_len] = s.kv_slots
+        qpos[i, :s.num_q] = torch.arange(s.ctx_len - s.num_q, s.ctx_len)
+        valid[i, :s.num_q] = True
+    needs_mask = lq > 1 or any(s.ctx_len != lk for s in spans)
+    mask = (torch.arange(lk).view(1, 1, lk) <= qpos.unsqueeze(-1)).unsqueeze(1) if needs_mask else None
+    return Group(q_index, kv_index, mask, valid, q_index[valid])
+
+
+def reference_attention(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, spans: list[SeqSpan]) -> torch.Tensor:
+    """Plain attention, one request at a time, in float32."""
+    out = torch.empty_like(q)
+    heads, kv_heads, d = q.shape[1], kp.shape[1], q.shape[2]
+    for s in spans:
+        qs = q[s.start:s.start + s.num_q].float()                              # [n, H, D]
+        ks = kp[s.kv_slots].float().repeat_interleave(heads // kv_heads, dim=1)  # [L, H, D]
+        vs = vp[s.kv_slots].float().repeat_interleave(heads // kv_heads, dim=1)
+        scores = torch.einsum("nhd,lhd->hnl", qs, ks) / d ** 0.5
+        qpos = torch.arange(s.ctx_len - s.num_q, s.ctx_len).view(1, -1, 1)
+        scores = scores.masked_fill(torch.arange(s.ctx_len).view(1, 1, -1) > qpos, float("-inf"))
+        out[s.start:s.start + s.num_q] = torch.einsum("hnl,lhd->nhd", scores.softmax(-1), vs).to(q.dtype)
+    return out

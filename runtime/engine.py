@@ -1,0 +1,244 @@
+"""Engine: the step loop the daemon and the offline API drive.
+
+    step():  schedule -> (propose) -> prepare inputs -> forward -> sample / verify -> advance & stop checks
+
+Single-threaded: exactly one thread calls add_request, abort and step.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .detokenizer import IncrementalDetokenizer
+from .errors import CapacityError, InvalidRequest, LLMDError
+from .loading import LoadedModel, load_for_engine
+from .model_runner import ModelRunner
+from .request import FinishReason, Priority, Request, SamplingParams
+from .sampler import SamplingRow, make_generator, sample
+from .scheduler import ScheduledRequest, Scheduler
+from .stats import EngineStats
+
+log = logging.getLogger("llmd.engine")
+MAX_REQUEST_ID_LEN = 256
+
+
+@dataclass
+class StepOutput:
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str
+    finished: bool = False
+    finish_reason: Optional[str] = None
+    error: Optional[str] = None
+    logprobs: Optional[list] = None
+    metrics: Optional[dict] = None
+
+
+class _Live:
+    """Per-request engine-side state that the scheduler does not own."""
+
+    __slots__ = ("detok", "generator", "new_ids", "text", "logprobs")
+
+    def __init__(self, detok: IncrementalDetokenizer, generator: Optional[torch.Generator]):
+        self.detok, self.generator = detok, generator
+        self.new_ids: list[int] = []
+        self.text = ""
+        self.logprobs: list = []
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, progress=None):
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        self.config = config
+        loaded: LoadedModel = load_for_engine(config, progress=progress)
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
+                                 loaded.config.max_position_embeddings)
+        self.block_manager = BlockManager(loaded.num_blocks, config.block_size, config.enable_prefix_cache)
+        self.scheduler = Scheduler(self.block_manager, config.max_batch_tokens, config.max_num_seqs)
+        self.runner = ModelRunner(loaded.model, loaded.num_blocks, config.block_size, config.dtype,
+                                  reference_attention=config.attention == "reference")
+        self.eos_token_ids = tuple(sorted(set(self.tokenizer.eos_token_ids) | set(loaded.config.eos_token_ids)))
+        self.stats_ = EngineStats()
+        self._live: dict[str, _Live] = {}
+        self._pending: list[StepOutput] = []     # aborts and failures reported at the next step
+        self._seeds = itertools.count(config.seed * 1_000_003 + 1)
+
+    # ---- requests in -----------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    priority: Priority | str = Priority.NORMAL, cache_salt: Optional[str] = None) -> None:
+        if not isinstance(request_id, str) or not 0 < len(request_id) <= MAX_REQUEST_ID_LEN:
+            raise InvalidRequest(f"request_id must be a string of 1 to {MAX_REQUEST_ID_LEN} characters")
+        if request_id in self.scheduler.requests:
+            raise InvalidRequest(f"request id {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequest("params must be SamplingParams")
+        if self.scheduler.num_waiting >= self.config.max_queue:
+            raise CapacityError(f"the queue is full ({self.config.max_queue} waiting); retry later")
+        priority = Priority.parse(priority)
+        ids = self._prompt_ids(prompt)
+        if self.block_manager.blocks_needed(len(ids) + 1) > self.block_manager.num_blocks:
+            raise CapacityError(f"the prompt needs {len(ids) + 1} KV slots but the pool has "
+                                f"{self.block_manager.num_blocks * self.config.block_size}; raise kv_memory")
+        req = Request(request_id, ids, params, priority, cache_salt, self.eos_token_ids)
+        gen = None if params.greedy else make_generator(params.seed if params.seed is not None else next(self._seeds))
+        detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens, params.stop)
+        self._live[request_id] = _Live(detok, gen)
+        self.scheduler.add(req)
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            vocab = self.model_config.vocab_size
+            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt):
+                raise InvalidRequest(f"token ids must be integers in [0, {vocab})")
+            ids = list(prompt)
+        else:
+            raise InvalidRequest("prompt must be a string or a list of token ids")
+        if not ids:
+            raise InvalidRequest("the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequest(f"the prompt has {len(ids)} tokens; the context window is {self.max_model_len}, "
+                                 "which leaves no room to generate")
+        return ids
+
+    def abort(self, request_id: str) -> bool:
+        req = self.scheduler.requests.get(request_id)
+        if req is None:
+            return False
+        self.scheduler.finish(req, FinishReason.ABORT)
+        self._pending.append(self._final(req))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    # ---- the step --------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        outputs, self._pending = self._pending, []
+        for req in sched.finished_out_of_memory:
+            outputs.append(self._final(req))
+        if sched.empty:
+            return outputs
+        try:
+            batch = self.runner.prepare(sched.scheduled)
+            logits = self.runner.run(batch)
+            sampled = self._sample(sched.scheduled, batch.sample_counts, logits)
+        except Exception as e:   # a failed forward fails its batch, never the engine
+            log.exception("model step failed")
+            for s in sched.scheduled:
+                outputs.append(self._fail(s.request, f"internal error in the model step: {e}"))
+            return outputs
+        touched = []
+        for s, tokens in zip(sched.scheduled, sampled):
+            self.scheduler.advance(s)
+            if tokens:
+                self._accept(s.request, tokens)
+                touched.append(s.request)
+        outputs.extend(self._collect(touched))
+        self.stats_.record_step(sched.num_tokens, len(sched.scheduled), time.perf_counter() - t0)
+        return outputs
+
+    def _sample(self, scheduled: list[ScheduledRequest], counts: list[int], logits: torch.Tensor) -> list[list]:
+        rows, owners = [], []
+        for s, k in zip(scheduled, counts):
+            if k:
+                r = s.request
+                rows.append(SamplingRow(r.params, self._live[r.request_id].generator,
+                                        r.token_ids if r.params.needs_penalties else None, r.num_prompt_tokens))
+                owners.append(s)
+        out: list[list] = [[] for _ in scheduled]
+        if not rows:
+            return out
+        result = sample(logits, rows)
+        index = {id(s): i for i, s in enumerate(scheduled)}
+        for j, (s, tok) in enumerate(zip(owners, result.token_ids.tolist())):
+            lp = result.logprobs[j] if result.logprobs else None
+            out[index[id(s)]] = [(tok, lp)]
+        return out
+
+    def _accept(self, req: Request, tokens: list[tuple[int, Optional[dict]]]) -> None:
+        """Append verified tokens one by one, stopping at the first stop condition."""
+        live = self._live[req.request_id]
+        now = time.monotonic()
+        if req.metrics.first_token_s is None:
+            req.metrics.first_token_s = now
+        for tok, lp in tokens:
+            req.token_ids.append(tok)
+            live.new_ids.append(tok)
+            if lp is not None:
+                live.logprobs.append(lp)
+            reason = self._stop_reason(req, tok, live)
+            if reason is not None:
+                self.scheduler.finish(req, reason)
+                return
+
+    def _stop_reason(self, req: Request, tok: int, live: _Live) -> Optional[FinishReason]:
+        p = req.params
+        if tok in req.eos_token_ids or tok in p.stop_token_ids:
+            req.stop_reason = tok
+            return FinishReason.STOP
+        delta, hit = live.detok.add([tok])
+        live.text += delta
+        if hit is not None:
+            req.stop_reason = hit
+            return FinishReason.STOP
+        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _collect(self, requests: list[Request]) -> list[StepOutput]:
+        outs = []
+        for req in requests:
+            if req.is_finished:
+                outs.append(self._final(req))
+                continue
+            live = self._live[req.request_id]
+            outs.append(StepOutput(req.request_id, live.new_ids, live.text, logprobs=live.logprobs or None))
+            live.new_ids, live.text, live.logprobs = [], "", []
+        return outs
+
+    def _final(self, req: Request, error: Optional[str] = None) -> StepOutput:
+        live = self._live.pop(req.request_id)
+        text = live.text
+        if req.finish_reason is not FinishReason.STOP or not isinstance(req.stop_reason, str):
+            text += live.detok.flush()
+        metrics = req.metrics.as_dict(req.num_prompt_tokens, req.num_output_tokens)
+        metrics["stop_reason"] = req.stop_reason
+        self.stats_.record_finished(req, metrics)
+        return StepOutput(req.request_id, live.new_ids, text, True, req.finish_reason.value, error,
+                          live.logprobs or None, metrics)
+
+    def _fail(self, req: Request, message: str) -> StepOutput:
+        req.error = message
+        self.scheduler.finish(req, FinishReason.ERROR)
+        return self._final(req, message)
+
+    # ---- observability ---------------------------------------------------------------------
+    def stats(self) -> dict:
+        running = self.scheduler.running
+        allocated = sum(len(r.block_ids) for r in running) * self.config.block_size
+        used = sum(min(r.num_computed_tokens, r.num_tokens) for r in running)
+        return {
+            **self.block_manager.stats(),
+            **self.stats_.snapshot(),
+            "running": len(running),
+            "waiting": self.scheduler.num_waiting,
+            "preemptions": self.scheduler.num_preemptions,
+            "kv_slots_unused": allocated - used,
+            "kv_bytes_total": self.runner.k_pool.numel() * self.runner.k_pool.element_size() * 2,
+            "max_model_len": self.max_model_len,
+        }

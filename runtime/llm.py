@@ -1,0 +1,93 @@
+"""LLM: the offline Python API over Engine.
+
+    llm = LLM("models/code-target", kv_memory="1GiB")
+    outs = llm.generate(["def fib(n):", [1, 2, 3]], SamplingParams(max_tokens=32))
+    for delta in llm.stream("def fib(n):", SamplingParams(max_tokens=32)): ...
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Iterator, Optional, Sequence
+
+from .config import EngineConfig
+from .engine import Engine, StepOutput
+from .request import Priority, SamplingParams
+
+
+@dataclass
+class Completion:
+    request_id: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: Optional[str] = None
+    error: Optional[str] = None
+    logprobs: Optional[list] = None
+    metrics: dict = field(default_factory=dict)
+
+
+class LLM:
+    def __init__(self, model: str, *, draft: Optional[str] = None, progress=None, **engine_options):
+        self.engine = Engine(EngineConfig(model=str(model), draft=draft, **engine_options), progress=progress)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 priority: Priority | str = Priority.NORMAL) -> list[Completion]:
+        """Run all prompts together through continuous batching; results in prompt order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        done: dict[str, Completion] = {}
+        order = []
+        for prompt, p in zip(prompts, plist, strict=True):
+            rid = f"llm-{next(self._ids)}"
+            self.engine.add_request(rid, prompt, p, priority)
+            done[rid] = Completion(rid)
+            order.append(rid)
+        try:
+            while any(done[r].finish_reason is None for r in order):
+                for out in self.engine.step():
+                    if out.request_id in done:
+                        _merge(done[out.request_id], out)
+        finally:
+            for r in order:
+                if done[r].finish_reason is None:
+                    self.engine.abort(r)
+        return [done[r] for r in order]
+
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
+               priority: Priority | str = Priority.NORMAL) -> Iterator[str]:
+        """Yield text deltas as they are produced. Leaving the loop early aborts the request."""
+        for out in self.stream_outputs(prompt, params, priority):
+            if out.text_delta:
+                yield out.text_delta
+
+    def stream_outputs(self, prompt, params=None, priority=Priority.NORMAL) -> Iterator[StepOutput]:
+        rid = f"llm-{next(self._ids)}"
+        self.engine.add_request(rid, prompt, params or SamplingParams(), priority)
+        finished = False
+        try:
+            while not finished:
+                for out in self.engine.step():
+                    if out.request_id == rid:
+                        finished = out.finished
+                        yield out
+        finally:
+            if not finished:
+                self.engine.abort(rid)
+                self.engine.step()
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+
+def _merge(c: Completion, out: StepOutput) -> None:
+    c.text += out.text_delta
+    c.token_ids.extend(out.new_token_ids)
+    if out.logprobs:
+        c.logprobs = (c.logprobs or []) + out.logprobs
+    if out.finished:
+        c.finish_reason, c.error, c.metrics = out.finish_reason, out.error, out.metrics or {}

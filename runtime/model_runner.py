@@ -1,0 +1,93 @@
+"""ModelRunner: owns the model, its KV pools, and turns a scheduled step into logits.
+
+Input preparation packs every scheduled request's new tokens along one axis:
+
+    packed rows:  | req A chunk (n_A rows) | req B (1 row) | req C (k+1 rows) | ...
+    positions:    | c_A .. c_A+n_A-1       | c_B           | c_C .. c_C+k     |
+    slot_mapping: the pool slot each row's key/value is written to
+
+and computes logits only for rows that are sampled (the last row of a request that reaches the end
+of its tokens, or all k+1 rows of a request whose proposals are verified).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .attention import PagedAttention, SeqSpan
+from .models.config import ModelConfig
+from .models.llama import LlamaForCausalLM
+from .scheduler import ScheduledRequest
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: str) -> int:
+    return 2 * cfg.num_layers * block_size * cfg.kv_size * DTYPES[dtype].itemsize
+
+
+@dataclass
+class StepBatch:
+    """The step's packed inputs, kept for callers that need positions (the speculative proposers)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    spans: list[SeqSpan]
+    sample_rows: torch.Tensor         # packed rows whose logits are computed
+    sample_counts: list[int]          # per scheduled request: how many of those rows are its own
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: str,
+                 reference_attention: bool = False):
+        cfg = model.config
+        self.model = model
+        self.config = cfg
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        shape = (cfg.num_layers, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.k_pool = torch.zeros(shape, dtype=DTYPES[dtype])
+        self.v_pool = torch.zeros(shape, dtype=DTYPES[dtype])
+        self.attn = PagedAttention(self.k_pool, self.v_pool, reference=reference_attention)
+        self._offsets = torch.arange(block_size)
+
+    def slots_of(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
+        blocks = torch.tensor(block_ids, dtype=torch.long)
+        return (blocks.unsqueeze(1) * self.block_size + self._offsets).flatten()[:num_tokens]
+
+    def prepare(self, scheduled: list[ScheduledRequest]) -> StepBatch:
+        ids: list[int] = []
+        positions, slots, spans, sample_rows, counts = [], [], [], [], []
+        row = 0
+        for s in scheduled:
+            r = s.request
+            c, n = r.num_computed_tokens, s.num_new_tokens
+            base = r.num_tokens
+            if c + n <= base:
+                ids.extend(r.token_ids[c:c + n])
+            else:
+                ids.extend(r.token_ids[c:])
+                ids.extend(r.spec_token_ids[:c + n - base])
+            kv_slots = self.slots_of(r.block_ids, c + n)
+            positions.append(torch.arange(c, c + n))
+            slots.append(kv_slots[c:])
+            spans.append(SeqSpan(row, n, c + n, kv_slots))
+            k = (s.num_spec_tokens + 1) if s.samples else 0
+            sample_rows.extend(range(row + n - k, row + n))
+            counts.append(k)
+            row += n
+        return StepBatch(torch.tensor(ids, dtype=torch.long), torch.cat(positions), torch.cat(slots), spans,
+                         torch.tensor(sample_rows, dtype=torch.long), counts)
+
+    @torch.inference_mode()
+    def run(self, batch: StepBatch) -> torch.Tensor:
+        """Forward the packed step; returns float32 logits [len(sample_rows), vocab]."""
+        self.attn.prepare(batch.slot_mapping, batch.spans)
+        hidden = self.model(batch.input_ids, batch.positions, self.attn)
+        if batch.sample_rows.numel() == 0:
+            return hidden.new_empty(0, self.config.vocab_size, dtype=torch.float32)
+        if batch.sample_rows.numel() != hidden.shape[0]:
+            hidden = hidden.index_select(0, batch.sample_rows)
+        return self.model.compute_logits(hidden).float()

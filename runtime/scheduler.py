@@ -1,0 +1,183 @@
+"""Scheduler: who runs this step and how many tokens each gets.
+
+One rule instead of phases: each request's ``num_computed_tokens`` chases ``num_tokens`` (plus its
+speculative tokens), within a per-step token budget. Running requests go first, in priority order, so
+a decode is never starved by a prompt; waiting requests then take what budget is left, a prompt
+possibly split into chunks across steps. When the pool runs out, the least important running request
+(lowest priority, latest arrival) is preempted: its blocks are freed and it is recomputed later from
+its tokens, which gives the same output.
+
+The scheduler is the only writer of the queues, of ``status`` and of ``num_computed_tokens``.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager
+from .request import FinishReason, Priority, Request, Status
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int            # tokens fed to the model this step, speculative ones included
+    num_spec_tokens: int = 0       # of which proposals being verified
+
+    @property
+    def samples(self) -> bool:
+        """Does this step reach the end of the request's tokens, so its last positions are sampled?"""
+        r = self.request
+        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens + self.num_spec_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    finished_out_of_memory: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_batch_tokens: int, max_num_seqs: int):
+        self.bm = block_manager
+        self.max_batch_tokens = max_batch_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: dict[Priority, deque[Request]] = {p: deque() for p in Priority}
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+        self.num_preemptions = 0
+
+    # ---- queue changes -------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        request.arrival_seq = next(self._arrivals)
+        request.status = Status.WAITING
+        self.requests[request.request_id] = request
+        self.waiting[request.priority].append(request)
+
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        """End a request in any state and free its blocks at once."""
+        if request.status is Status.FINISHED:
+            return
+        if request.status is Status.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting[request.priority].remove(request)
+        self.bm.free_request(request)
+        request.spec_token_ids = []
+        request.status = Status.FINISHED
+        request.finish_reason = reason
+        request.metrics.finished_s = time.monotonic()
+        del self.requests[request.request_id]
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(len(q) for q in self.waiting.values())
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the decision --------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_batch_tokens
+        self.running.sort(key=lambda r: (r.priority, r.arrival_seq))
+        candidates = list(self.running)
+        while candidates and budget > 0:
+            req = candidates.pop(0)
+            n, spec = self._wanted(req, budget)
+            while not self.bm.can_append(req, req.num_computed_tokens + n):
+                victim = candidates.pop() if candidates else req
+                if victim is req and not out.scheduled and not out.preempted:
+                    # Alone and still out of blocks: the pool cannot hold this request any longer.
+                    self.finish(req, FinishReason.LENGTH)
+                    out.finished_out_of_memory.append(req)
+                    break
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            if req.status is not Status.RUNNING:
+                continue
+            self.bm.append(req, req.num_computed_tokens + n)
+            out.scheduled.append(ScheduledRequest(req, n, spec))
+            budget -= n
+        if not out.preempted:
+            budget = self._admit(out, budget)
+        return out
+
+    def _wanted(self, req: Request, budget: int) -> tuple[int, int]:
+        """Tokens to feed this step and how many of them are speculative. Proposals that do not fit
+        the budget are dropped, never verified partially."""
+        base = req.num_tokens - req.num_computed_tokens
+        n = min(base + len(req.spec_token_ids), budget)
+        spec = max(0, n - base)
+        if spec < len(req.spec_token_ids):
+            del req.spec_token_ids[spec:]
+        return n, spec
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> int:
+        for priority in Priority:
+            queue = self.waiting[priority]
+            while queue and budget > 0 and len(self.running) < self.max_num_seqs:
+                req = queue[0]
+                if self.bm.blocks_needed(req.num_tokens + 1) > self.bm.num_blocks:
+                    # Even an empty pool could not hold it: end it rather than wait forever.
+                    self.finish(req, FinishReason.LENGTH)
+                    out.finished_out_of_memory.append(req)
+                    continue
+                hit = self.bm.lookup_prefix(req)
+                n = min(req.num_tokens - hit.num_tokens, budget)
+                if not self.bm.can_allocate(hit, hit.num_tokens + n):
+                    victim = self._lowest_running_below(priority, out)
+                    if victim is None:
+                        return budget
+                    self._preempt(victim, out)
+                    continue
+                queue.popleft()
+                first = req.metrics.first_scheduled_s is None
+                self.bm.allocate(req, hit, hit.num_tokens + n, count_hit=first)
+                if first:
+                    req.metrics.first_scheduled_s = time.monotonic()
+                    req.metrics.cached_tokens = hit.num_tokens
+                req.num_computed_tokens = req.num_cached_tokens = hit.num_tokens
+                req.status = Status.RUNNING
+                self.running.append(req)
+                out.scheduled.append(ScheduledRequest(req, n, 0))
+                budget -= n
+        return budget
+
+    def _lowest_running_below(self, priority: Priority, out: SchedulerOutput) -> Request | None:
+        """A running request less important than `priority` and not scheduled this step."""
+        scheduled = {id(s.request) for s in out.scheduled}
+        pool = [r for r in self.running if r.priority > priority and id(r) not in scheduled]
+        return max(pool, key=lambda r: (r.priority, r.arrival_seq), default=None)
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        self.bm.free_request(req)
+        req.num_computed_tokens = 0
+        req.spec_token_ids = []
+        req.status = Status.WAITING
+        req.metrics.preemptions += 1
+        self.num_preemptions += 1
+        self.waiting[req.priority].appendleft(req)
+        out.preempted.append(req)
+
+    # ---- after the model ran -------------------------------------------------------------
+    def advance(self, sched: ScheduledRequest, num_rejected: int = 0) -> None:
+        """Count the step's tokens as computed, less the rejected speculative ones, and key the
+        full blocks of verified tokens for the prefix cache."""
+        req = sched.request
+        req.num_computed_tokens += sched.num_new_tokens - num_rejected
+        self.bm.cache_full_blocks(req, min(req.num_computed_tokens, req.num_tokens))
