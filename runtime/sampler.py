@@ -9,8 +9,8 @@ All functions take float32 logits ``[N, V]`` on the CPU, one row per sampled pos
 ``processed_probs`` returns exactly that distribution and ``sample`` draws from it, so speculative
 decoding can use ``processed_probs`` for both the target and the draft model.
 
-Reproducibility: each random row draws from its own ``torch.Generator`` and consumes exactly ``V``
-exponential variates per draw, so a seeded request gets the same tokens whatever else is in the batch.
+Reproducibility: each random row draws from its own ``torch.Generator`` and consumes exactly one
+uniform number per draw, so a seeded request gets the same tokens whatever else is in the batch.
 
 Penalty semantics:
   * repetition_penalty (multiplicative, over prompt + output): a seen token's logit is divided by
@@ -31,6 +31,8 @@ from typing import Optional
 import torch
 
 from .request import SamplingParams
+
+_TOP_P_HEAD = 1024   # candidates tried before a full sort for top-p
 
 
 @dataclass
@@ -90,12 +92,15 @@ def processed_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
 
 
 def _probs(penalized: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    greedy = torch.tensor([r.params.greedy for r in rows])
-    onehot = torch.zeros_like(penalized).scatter_(1, penalized.argmax(-1, keepdim=True), 1.0)
-    if bool(greedy.all()):
-        return onehot
+    greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+    if len(greedy) == len(rows):
+        return torch.zeros_like(penalized).scatter_(1, penalized.argmax(-1, keepdim=True), 1.0)
     probs = _filtered_probs(penalized, rows)
-    return torch.where(greedy[:, None], onehot, probs)
+    if greedy:
+        index = torch.tensor(greedy, dtype=torch.long)
+        probs[index] = 0.0
+        probs[index, penalized[index].argmax(-1)] = 1.0
+    return probs
 
 
 def _filtered_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -103,7 +108,7 @@ def _filtered_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     computed at temperature 1 and discarded by the caller."""
     params = [r.params for r in rows]
     temp = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], dtype=logits.dtype)
-    x = logits / temp[:, None]
+    x = logits / temp[:, None] if bool((temp != 1.0).any()) else logits
     top_k = torch.tensor([p.top_k for p in params], dtype=torch.long)
     top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype)
     min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype)
@@ -129,34 +134,46 @@ def _top_k(x: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
 
 
 def _top_p(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose probability reaches top_p (at least one)."""
-    sorted_x, order = x.sort(dim=-1, descending=True)
-    sorted_p = torch.softmax(sorted_x, dim=-1)
+    """Keep the smallest set of most likely tokens whose probability reaches top_p (at least one).
+
+    Sorting the whole vocabulary is slow, so the most likely ``_TOP_P_HEAD`` tokens are tried first;
+    the full sort runs only when they do not reach top_p in some row.
+    """
+    probs = torch.softmax(x, dim=-1)
+    head = min(_TOP_P_HEAD, probs.shape[-1])
+    sorted_p, order = probs.topk(head, dim=-1)
     mass_before = sorted_p.cumsum(dim=-1) - sorted_p
-    drop_sorted = mass_before >= top_p[:, None]
-    drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
-    return x.masked_fill(drop, float("-inf"))
+    active = top_p < 1.0
+    if head < probs.shape[-1] and not bool((mass_before[active, -1] + sorted_p[active, -1] >= top_p[active]).all()):
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        mass_before = sorted_p.cumsum(dim=-1) - sorted_p
+    keep = torch.zeros_like(x, dtype=torch.bool).scatter_(1, order, mass_before < top_p[:, None])
+    keep |= ~active[:, None]
+    return x.masked_fill(~keep, float("-inf"))
 
 
 def sample_from_probs(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """One token per row: the argmax for greedy rows, a draw with the row's generator otherwise.
 
-    A draw is ``argmax(probs / q)`` with ``q ~ Exp(1)`` i.i.d., which picks token ``i`` with
-    probability ``probs[i]`` (the exponential race).
+    A draw inverts the row's CDF at one uniform number ``u`` from the row's generator: the token
+    ``i`` with ``cdf[i-1] <= u * cdf[-1] < cdf[i]``, so a token of probability zero is never drawn.
     """
-    tokens = probs.argmax(dim=-1)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+    tokens = probs.argmax(dim=-1) if len(random_rows) < len(rows) else None
     if not random_rows:
         return tokens
-    q = torch.empty(len(random_rows), probs.shape[-1], dtype=probs.dtype)
+    u = torch.empty(len(random_rows), 1, dtype=torch.float64)
     for j, i in enumerate(random_rows):
         g = rows[i].generator
         if g is None:
             raise ValueError(f"row {i} samples at temperature {rows[i].params.temperature} but has no generator")
-        q[j].exponential_(generator=g)
-    q.clamp_(min=torch.finfo(q.dtype).tiny)   # q = 0 would make 0/0 = nan for excluded tokens
-    index = torch.tensor(random_rows, dtype=torch.long)
-    tokens[index] = (probs[index] / q).argmax(dim=-1)
+        u[j] = torch.rand(1, dtype=torch.float64, generator=g)
+    chosen = probs if len(random_rows) == len(rows) else probs[torch.tensor(random_rows, dtype=torch.long)]
+    cdf = chosen.cumsum(dim=-1, dtype=torch.float64)   # float64: tail tokens keep their probability
+    drawn = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
+    if len(random_rows) == len(rows):
+        return drawn
+    tokens[torch.tensor(random_rows, dtype=torch.long)] = drawn
     return tokens
 
 

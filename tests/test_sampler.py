@@ -200,3 +200,27 @@ def test_make_generator():
 def test_shape_mismatch():
     with pytest.raises(ValueError, match="do not match"):
         sample(torch.zeros(3, 4), [row()])
+
+
+def reference_top_p(probs: torch.Tensor, p: float) -> torch.Tensor:
+    """The smallest most-likely set reaching mass p, by a plain full sort, renormalized."""
+    order = sorted(range(len(probs)), key=lambda i: -float(probs[i]))
+    keep, mass = [], 0.0
+    for i in order:
+        if mass >= p:
+            break
+        keep.append(i)
+        mass += float(probs[i])
+    return renormalized(probs, keep)
+
+
+@pytest.mark.parametrize("scale", [8.0, 0.05])      # peaked: the head suffices; flat: full sort
+def test_top_p_on_a_large_vocabulary(scale):
+    vocab = 3000
+    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(1)) * scale
+    rows = [row(1, temperature=1.0, top_p=0.8), row(2, temperature=1.0)]
+    probs = processed_probs(logits, rows)
+    full = torch.softmax(logits, -1)
+    assert torch.allclose(probs[0], reference_top_p(full[0], 0.8), atol=1e-6)
+    assert torch.allclose(probs[1], full[1], atol=1e-6)
+    assert (probs[0] > 0).sum() > (1 if scale == 8.0 else 1024)
