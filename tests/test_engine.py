@@ -1,0 +1,140 @@
+"""The engine's output never depends on batching, chunking, caching or preemption."""
+import random
+
+import pytest
+
+from llmd import LLM, SamplingParams
+from llmd.runtime.request import Priority
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+def prompts(n=8, seed=0, shared=0):
+    rng = random.Random(seed)
+    head = [rng.randrange(20, 400) for _ in range(shared)]
+    return [head + [rng.randrange(20, 400) for _ in range(rng.randrange(3, 70))] for _ in range(n)]
+
+
+def run(model, ps, params=GREEDY, **kw):
+    llm = LLM(str(model), **{"kv_memory": "8MiB", **kw})
+    outs = llm.generate(ps, params)
+    stats = llm.stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"], "blocks leaked"
+    return [o.token_ids for o in outs], stats
+
+
+@pytest.fixture(scope="module")
+def ps():
+    return prompts(8, shared=0)
+
+
+@pytest.fixture(scope="module")
+def alone(tiny_model_dir, ps):
+    return [run(tiny_model_dir, [p])[0][0] for p in ps]
+
+
+def test_batch_equals_alone(tiny_model_dir, ps, alone):
+    batched, _ = run(tiny_model_dir, ps)
+    assert batched == alone
+
+
+def test_chunked_prompts_equal_whole(tiny_model_dir, ps, alone):
+    chunked, _ = run(tiny_model_dir, ps, max_batch_tokens=16)
+    assert chunked == alone
+
+
+def test_reference_attention_equals_fast(tiny_model_dir, ps, alone):
+    ref, _ = run(tiny_model_dir, ps, attention="reference")
+    assert ref == alone
+
+
+def test_preemption_keeps_output(tiny_model_dir, ps, alone):
+    # 96 slots for 8 requests of up to ~94 tokens each: the pool must preempt and recompute.
+    small, stats = run(tiny_model_dir, ps, kv_memory=96 * 2 * 2 * 32 * 4, block_size=16)
+    assert stats["preemptions"] > 0
+    assert small == alone
+
+
+def test_prefix_cache_keeps_output_and_hits(tiny_model_dir):
+    ps = prompts(6, seed=3, shared=40)
+    off, _ = run(tiny_model_dir, ps, enable_prefix_cache=False)
+    llm = LLM(str(tiny_model_dir), kv_memory="8MiB")
+    first = llm.generate(ps[:1], GREEDY)[0].token_ids
+    rest = [o.token_ids for o in llm.generate(ps[1:], GREEDY)]
+    assert [first] + rest == off
+    st = llm.stats()
+    assert st["prefix_tokens_hit"] >= 5 * 32
+    assert 0 < st["prefix_hit_rate"] < 1
+
+
+def test_seeded_sampling_independent_of_batch(tiny_model_dir):
+    p = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.95, seed=1234, ignore_eos=True)
+    llm = LLM(str(tiny_model_dir), kv_memory="8MiB")
+    alone = llm.generate([[30, 31, 32]], p)[0].token_ids
+    others = [SamplingParams(max_tokens=10, temperature=0.7, seed=s, ignore_eos=True) for s in range(5)]
+    outs = llm.generate([[40, 41], [30, 31, 32], [50] * 30, [60, 61, 62, 63], [70] * 7, [80]],
+                        [others[0], p, others[1], others[2], others[3], others[4]])
+    assert outs[1].token_ids == alone
+    assert len(set(tuple(o.token_ids) for o in outs)) > 1
+
+
+def test_stop_conditions(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), kv_memory="8MiB")
+    free = llm.generate([[30, 31, 32]], GREEDY)[0]
+    tok = free.token_ids[5]
+    stopped = llm.generate([[30, 31, 32]], SamplingParams(max_tokens=24, stop_token_ids=(tok,), ignore_eos=True))[0]
+    first = free.token_ids.index(tok)
+    assert stopped.token_ids == free.token_ids[:first + 1] and stopped.finish_reason == "stop"
+    length = llm.generate([[30, 31, 32]], SamplingParams(max_tokens=3, ignore_eos=True))[0]
+    assert length.finish_reason == "length" and len(length.token_ids) == 3
+    text = llm.generate(["def fib(n):"], SamplingParams(max_tokens=40, ignore_eos=True))[0].text
+    if len(text) > 6:
+        stop = text[3:6]
+        cut = llm.generate(["def fib(n):"], SamplingParams(max_tokens=40, stop=(stop,), ignore_eos=True))[0]
+        assert cut.finish_reason == "stop" and cut.text == text[:text.index(stop)]
+
+
+def test_abort_in_every_state_frees_blocks(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), kv_memory="8MiB", max_batch_tokens=16)
+    e = llm.engine
+    e.add_request("queued", [1] * 10, GREEDY)
+    e.add_request("prompt", [2] * 60, GREEDY)       # 60-token prompt: several chunks of 16
+    e.add_request("decoding", [3] * 3, GREEDY)
+    e.abort("queued")
+    e.step()
+    # "prompt" is mid-prompt and "decoding" has started.
+    assert e.scheduler.requests["prompt"].num_computed_tokens < 60
+    e.step(); e.step()
+    assert e.abort("prompt") and e.abort("decoding")
+    outs = e.step()
+    assert {o.request_id for o in outs if o.finish_reason == "abort"} == {"prompt", "decoding"}
+    st = e.stats()
+    assert st["kv_blocks_free"] == st["kv_blocks_total"] and st["running"] == 0
+    assert not e.abort("unknown")
+
+
+def test_priority_admission_and_preemption(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), kv_memory="8MiB", max_num_seqs=1)
+    e = llm.engine
+    e.add_request("batch", [5] * 8, GREEDY, priority="batch")
+    e.add_request("normal", [6] * 8, GREEDY, priority="normal")
+    e.add_request("inter", [7] * 8, GREEDY, priority=Priority.INTERACTIVE)
+    e.step()
+    assert [r.request_id for r in e.scheduler.running] == ["inter"]
+    while e.has_unfinished():
+        e.step()
+    # Preemption picks the lowest priority: a pool for about two requests, three long ones.
+    llm = LLM(str(tiny_model_dir), kv_memory=2 * 64 * 2 * 2 * 32 * 4, block_size=16)
+    e = llm.engine
+    long = SamplingParams(max_tokens=60, ignore_eos=True)
+    e.add_request("b", [5] * 20, long, priority="batch")
+    e.add_request("i", [7] * 20, long, priority="interactive")
+    e.add_request("n", [6] * 20, long, priority="normal")
+    preempted = []
+    while e.has_unfinished():
+        before = {r.request_id: r.metrics.preemptions for r in e.scheduler.requests.values()}
+        e.step()
+        preempted += [rid for rid, n in before.items()
+                      if rid in e.scheduler.requests and e.scheduler.requests[rid].metrics.preemptions > n]
+    assert preempted and "i" not in preempted
+    assert preempted[0] == "b"
