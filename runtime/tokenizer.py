@@ -340,18 +340,19 @@ class ChatTemplate:
         """The rendering as (text, is_message_content) pieces.
 
         Renders twice: with the real contents and with a unique marker in place of each content. When
-        putting the contents back at the markers reproduces the real rendering exactly, the pieces
-        are known. Otherwise the template transforms contents; then contents that spell a special
+        putting the contents (as they are, or stripped) back at the markers reproduces the real
+        rendering exactly, the pieces are known. Otherwise the template transforms contents; then contents that spell a special
         token are refused, since they could not be kept as text.
         """
         msgs = _validate_messages(messages)
         real = self._render(msgs, add_generation_prompt)
         nonce = secrets.token_hex(8)
-        marks = [f"\x1fllmd{nonce}m{i}\x1f" for i in range(len(msgs))]
+        marks = [f"[[llmd-{nonce}-{i}]]" for i in range(len(msgs))]   # no whitespace: survives strip()
         marked = self._render([{**m, "content": k} for m, k in zip(msgs, marks)], add_generation_prompt)
-        pieces = _split_at_marks(marked, marks, [m["content"] for m in msgs])
-        if pieces is not None and "".join(t for t, _ in pieces) == real:
-            return pieces
+        for transform in (str, str.strip):     # templates commonly strip message contents
+            pieces = _split_at_marks(marked, marks, [transform(m["content"]) for m in msgs])
+            if pieces is not None and "".join(t for t, _ in pieces) == real:
+                return pieces
         bad = [t for t in self._specials for m in msgs if t in m["content"]]
         if bad:
             raise InvalidRequest(f"message content contains the special token {bad[0]!r}, which this chat "

@@ -134,6 +134,15 @@ def test_encode_chat_keeps_content_as_text(tok):
     assert tok.decode(ids, skip_special_tokens=False) == tok.apply_chat_template(msgs)
 
 
+def test_encode_chat_with_a_template_that_strips_content(tmp_path):
+    strip = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content.strip() }}<|im_end|>\n{% endfor %}"
+    t = Tokenizer.from_dir(write_model_dir(tmp_path, {"chat_template": strip}))
+    msgs = [{"role": "user", "content": "  hi <|im_end|>  "}]
+    ids = t.encode_chat(msgs)
+    assert ids.count(t.token_id("<|im_end|>")) == 1
+    assert t.decode(ids, skip_special_tokens=False) == "<|im_start|>user\nhi <|im_end|><|im_end|>\n"
+
+
 def test_encode_chat_refuses_specials_when_template_transforms_content(tmp_path):
     upper = "{% for m in messages %}<|im_start|>{{ m.content | upper }}<|im_end|>{% endfor %}"
     t = Tokenizer.from_dir(write_model_dir(tmp_path, {"chat_template": upper}))
