@@ -1,0 +1,111 @@
+"""The demo models' training text: the Python standard library's own sources.
+
+Every machine that runs llmd has this text, so the bundled target and draft can be rebuilt anywhere
+without a download. Files are split into train and held-out sets by a stable hash of their path
+relative to the stdlib root, so the split does not depend on the machine, the file order or a seed.
+
+Training samples are built per file chunk; about half are rearranged for fill-in-the-middle in the
+prefix-suffix-middle order real coder models use:
+
+    <|fim_prefix|> prefix <|fim_suffix|> suffix <|fim_middle|> middle <|endoftext|>
+"""
+from __future__ import annotations
+
+import hashlib
+import random
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+EOT = "<|endoftext|>"
+FIM_PREFIX, FIM_SUFFIX, FIM_MIDDLE = "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"
+FIM_PAD, FILE_SEP, REPO_NAME = "<|fim_pad|>", "<|file_sep|>", "<|repo_name|>"
+SPECIAL_TOKENS = (EOT, FIM_PREFIX, FIM_SUFFIX, FIM_MIDDLE, FIM_PAD, FILE_SEP, REPO_NAME)
+EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    rel: str          # path relative to the corpus root, '/'-separated: the split key
+    path: Path
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def list_sources(root: Path | None = None) -> list[SourceFile]:
+    """Every .py file under root except installed packages, sorted by relative path."""
+    root = Path(root) if root is not None else stdlib_root()
+    out = []
+    for p in root.rglob("*.py"):
+        rel = p.relative_to(root)
+        if EXCLUDED_DIRS.intersection(rel.parts[:-1]) or not p.is_file():
+            continue
+        out.append(SourceFile(rel.as_posix(), p))
+    return sorted(out, key=lambda f: f.rel)
+
+
+def is_heldout(rel: str, fraction: float = 0.05) -> bool:
+    """Stable: the first 8 bytes of sha256(path) decide, so every machine splits alike."""
+    h = int.from_bytes(hashlib.sha256(rel.encode("utf-8")).digest()[:8], "big")
+    return h / 2**64 < fraction
+
+
+def split(files: list[SourceFile], fraction: float = 0.05) -> tuple[list[SourceFile], list[SourceFile]]:
+    train = [f for f in files if not is_heldout(f.rel, fraction)]
+    held = [f for f in files if is_heldout(f.rel, fraction)]
+    return train, held
+
+
+def read_source(f: SourceFile) -> str:
+    """Undecodable bytes are dropped (a few test files hold deliberately broken encodings).
+    Special-token spellings inside the sources are left alone: they are tokenized as text."""
+    return f.path.read_bytes().decode("utf-8", errors="ignore")
+
+
+def chunks(text: str, max_chars: int) -> Iterator[str]:
+    """Line-aligned pieces of at most about max_chars characters."""
+    lines = text.splitlines(keepends=True)
+    buf, n = [], 0
+    for line in lines:
+        if n and n + len(line) > max_chars:
+            yield "".join(buf)
+            buf, n = [], 0
+        buf.append(line)
+        n += len(line)
+    if buf:
+        yield "".join(buf)
+
+
+def fim_rearrange(text: str, rng: random.Random) -> tuple[str, str, str]:
+    """Two random character positions cut text into (prefix, middle, suffix)."""
+    a, b = sorted(rng.randrange(len(text) + 1) for _ in range(2))
+    return text[:a], text[a:b], text[b:]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One training document: ordinary text pieces and control tokens, in order.
+
+    Text and control tokens stay separate so that a control-token spelling inside the sources can
+    never become a control token."""
+    parts: tuple[tuple[bool, str], ...]    # (is_control_token, text)
+
+
+def make_pieces(files: list[SourceFile], seed: int, fim_rate: float = 0.5,
+                max_chars: int = 2000) -> Iterator[Piece]:
+    """Documents for training or evaluation, deterministic for a seed and file list."""
+    rng = random.Random(seed)
+    for f in files:
+        for chunk in chunks(read_source(f), max_chars):
+            if not chunk.strip():
+                continue
+            if rng.random() < fim_rate:
+                pre, mid, suf = fim_rearrange(chunk, rng)
+                parts = ((True, FIM_PREFIX), (False, pre), (True, FIM_SUFFIX), (False, suf),
+                         (True, FIM_MIDDLE), (False, mid), (True, EOT))
+            else:
+                parts = ((False, chunk), (True, EOT))
+            yield Piece(tuple(p for p in parts if p[1]))

@@ -1,0 +1,202 @@
+"""``llmd distill``: train a small draft model to predict what a target model predicts.
+
+The draft learns the target's whole next-token distribution (KL(target || draft) at every position),
+not just the corpus' next token, so its guesses agree with the target's greedy choices more often
+than a draft trained on the same text alone; that agreement is what speculative decoding spends.
+
+    llmd distill --target models/code-target --out my-draft [--corpus DIR] [--minutes 20]
+
+Runs resume from ``<out>.ckpt/`` (or ``--work``). A draft must share the target's tokenizer: an
+``--init`` model or an existing ``--out`` directory with a different one is refused.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer
+
+from ..runtime.errors import ModelLoadError
+from ..runtime.models.config import ModelConfig
+from ..runtime.models.llama import LlamaForCausalLM
+from ..runtime.models.loader import load_model, save_model
+from . import bpe, corpus
+from .train_loop import TrainConfig, WindowSampler, init_weights, train
+
+DEFAULT_SHAPE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=5,
+                     num_attention_heads=4, num_key_value_heads=2)
+MAX_FLOPS_RATIO = 1 / 6
+
+
+def tokenizer_signature(model_dir: Path) -> dict:
+    """What decides token ids: the vocabulary with added tokens, and the BPE merges."""
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: file is missing; a draft and its target need tokenizer.json")
+    tok = Tokenizer.from_file(str(path))
+    model = json.loads(tok.to_str()).get("model", {})
+    return {"vocab": tok.get_vocab(with_added_tokens=True), "merges": model.get("merges"),
+            "type": model.get("type")}
+
+
+def check_same_tokenizer(target_dir: Path, draft_dir: Path) -> None:
+    """Raise ModelLoadError naming the first difference when the two tokenizers would disagree."""
+    a, b = tokenizer_signature(target_dir), tokenizer_signature(draft_dir)
+    if a == b:
+        return
+    if a["type"] != b["type"]:
+        why = f"tokenizer types differ ({a['type']} vs {b['type']})"
+    elif len(a["vocab"]) != len(b["vocab"]):
+        why = f"vocabulary sizes differ ({len(a['vocab'])} vs {len(b['vocab'])})"
+    elif a["vocab"] != b["vocab"]:
+        tok = next(t for t in sorted(a["vocab"]) if a["vocab"][t] != b["vocab"].get(t))
+        why = f"token {tok!r} has id {a['vocab'][tok]} in the target but {b['vocab'].get(tok)} in the draft"
+    else:
+        why = "BPE merges differ"
+    raise ModelLoadError(f"draft {draft_dir} and target {target_dir} use different tokenizers: {why}; "
+                         "a draft must use its target's tokenizer")
+
+
+def draft_config(target_cfg: dict, shape: dict, seq_len: int) -> dict:
+    keep = ("vocab_size", "bos_token_id", "eos_token_id", "rms_norm_eps", "rope_theta")
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **shape,
+            **{k: target_cfg[k] for k in keep if k in target_cfg}, "max_position_embeddings": seq_len,
+            "hidden_act": "silu", "tie_word_embeddings": True, "attention_bias": False, "mlp_bias": False,
+            "torch_dtype": "float32"}
+
+
+def kl_loss(target: LlamaForCausalLM):
+    """KL(target || draft) per position, averaged; the target runs without gradients."""
+    def loss(draft: LlamaForCausalLM, batch: torch.Tensor) -> torch.Tensor:
+        inputs = batch[:, :-1]
+        with torch.no_grad():
+            t_logp = F.log_softmax(target.forward_dense(inputs).float(), dim=-1)
+        d_logp = F.log_softmax(draft.forward_dense(inputs).float(), dim=-1)
+        return F.kl_div(d_logp.flatten(0, 1), t_logp.flatten(0, 1), log_target=True, reduction="batchmean")
+    return loss
+
+
+def distill(target_dir: Path, out: Path, tokens: np.ndarray, cfg: TrainConfig, work: Path,
+            shape: dict | None = None, init: Path | None = None, session_steps: int | None = None) -> dict:
+    """Distill a draft of ``shape`` (or starting from ``init``) into ``out``; returns the loop state."""
+    target_dir, out = Path(target_dir), Path(out)
+    for other in (init, out if (out / "tokenizer.json").is_file() else None):
+        if other is not None:
+            check_same_tokenizer(target_dir, other)
+    target_cfg = json.loads((target_dir / "config.json").read_text())
+    target = load_model(target_dir)
+    target.requires_grad_(False)
+    if cfg.seq_len > target.config.max_position_embeddings:
+        raise ValueError(f"--seq-len {cfg.seq_len} exceeds the target's context "
+                         f"{target.config.max_position_embeddings}")
+    if init is not None:
+        config = json.loads((Path(init) / "config.json").read_text())
+        draft = load_model(init)
+        draft.requires_grad_(True)
+    else:
+        config = draft_config(target_cfg, shape or DEFAULT_SHAPE, cfg.seq_len)
+        draft = LlamaForCausalLM(ModelConfig.from_dict(config))
+        init_weights(draft, cfg.seed)
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise ModelLoadError(f"draft vocabulary {draft.config.vocab_size} differs from the target's "
+                             f"{target.config.vocab_size}")
+    ratio = draft.config.flops_per_token() / target.config.flops_per_token()
+    if ratio > MAX_FLOPS_RATIO:
+        print(f"warning: the draft costs {ratio:.2f} of the target's FLOPs per token; "
+              f"speculation pays best under {MAX_FLOPS_RATIO:.2f}")
+    state = train(draft, WindowSampler(tokens, cfg.seq_len, cfg.batch_size, cfg.seed), cfg, work,
+                  loss_fn=kl_loss(target), desc="distill", session_steps=session_steps)
+    write_draft(draft, config, target_dir, out)
+    return state
+
+
+def write_draft(draft: LlamaForCausalLM, config: dict, target_dir: Path, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    save_model(draft, out)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    gen = {"bos_token_id": config.get("bos_token_id"), "eos_token_id": config.get("eos_token_id"),
+           "do_sample": False}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (target_dir / name).is_file():
+            shutil.copyfile(target_dir / name, out / name)
+
+
+def corpus_tokens(target_dir: Path, root: Path | None, work: Path, seed: int) -> np.ndarray:
+    """The training split of a directory of .py files (default: the stdlib), in the target's tokens.
+    Cached in the work directory so a resumed run reads the same stream."""
+    cache = work / "tokens.npy"
+    if cache.is_file():
+        return np.load(cache, allow_pickle=False)
+    files = corpus.split(corpus.list_sources(root))[0]
+    if not files:
+        raise ValueError(f"no .py files found under {root or corpus.stdlib_root()}")
+    tok = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
+    tokens = bpe.encode_pieces(tok, corpus.make_pieces(files, seed))
+    work.mkdir(parents=True, exist_ok=True)
+    np.save(cache, tokens)
+    return tokens
+
+
+# ---- command line ------------------------------------------------------------------------------
+def add_distill_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("distill", help="train a draft model from a target (KL distillation)",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", type=Path, required=True, help="target model directory (Hugging Face layout)")
+    p.add_argument("--out", type=Path, required=True, help="where the draft model directory is written")
+    p.add_argument("--corpus", type=Path, default=None, help="directory of .py files (default: the stdlib)")
+    p.add_argument("--work", type=Path, default=None, help="checkpoint directory (default: <out>.ckpt)")
+    p.add_argument("--init", type=Path, default=None, help="start from this draft model instead of random")
+    p.add_argument("--minutes", type=float, default=20.0, help="wall-clock budget")
+    p.add_argument("--steps", type=int, default=3000, help="at most this many optimizer steps")
+    p.add_argument("--session-steps", type=int, default=None,
+                   help="stop this invocation after this many steps (checkpointed; rerun to continue)")
+    p.add_argument("--hidden-size", type=int, default=DEFAULT_SHAPE["hidden_size"])
+    p.add_argument("--intermediate-size", type=int, default=DEFAULT_SHAPE["intermediate_size"])
+    p.add_argument("--layers", type=int, default=DEFAULT_SHAPE["num_hidden_layers"])
+    p.add_argument("--heads", type=int, default=DEFAULT_SHAPE["num_attention_heads"])
+    p.add_argument("--kv-heads", type=int, default=DEFAULT_SHAPE["num_key_value_heads"])
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.set_defaults(func=main)
+    return p
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    work = args.work or args.out.with_name(args.out.name + ".ckpt")
+    shape = dict(hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
+                 num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads)
+    cfg = TrainConfig(seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr, max_steps=args.steps,
+                      warmup_steps=min(30, max(1, args.steps // 10)), budget_s=args.minutes * 60, seed=args.seed)
+    for d in (args.target, args.init):
+        if d is not None:
+            ModelConfig.from_dir(d)      # fails early, naming the file, before any work
+    if args.init is not None:
+        check_same_tokenizer(args.target, args.init)
+    if (args.out / "tokenizer.json").is_file():
+        check_same_tokenizer(args.target, args.out)
+    tokens = corpus_tokens(args.target, args.corpus, work, args.seed)
+    state = distill(args.target, args.out, tokens, cfg, work, shape=shape, init=args.init,
+                    session_steps=args.session_steps)
+    kl = "n/a" if state["loss_ema"] is None else f"{state['loss_ema']:.3f}"
+    print(f"draft written to {args.out}: {state['step']} steps, {state['elapsed_s']:.0f} s, KL {kl}")
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m llmd.export.distill")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_distill_parser(sub)
+    a = parser.parse_args(["distill", *__import__("sys").argv[1:]])
+    raise SystemExit(a.func(a))

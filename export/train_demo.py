@@ -1,0 +1,159 @@
+"""Build llmd's bundled demo pair from the Python standard library: tokenizer, target, distilled draft.
+
+    python -m llmd.export.train_demo --out models                 # everything (``make models``)
+    python -m llmd.export.train_demo --out models --stages target # one stage; stages resume
+
+Stages (each resumable from ``--work``): ``data`` trains the BPE and encodes the train and held-out
+token streams; ``target`` trains the Llama target; ``draft`` distills the draft from the target
+(what ``llmd distill`` does); ``raw`` trains the same draft shape on the data alone, for comparison;
+``eval`` measures all three and writes the model cards.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..runtime.models.config import ModelConfig
+from ..runtime.models.llama import LlamaForCausalLM
+from ..runtime.models.loader import load_model, save_model
+from . import bpe, corpus
+from .train_loop import TrainConfig, WindowSampler, init_weights, train
+
+SEED = 1234
+HELDOUT_FRACTION = 0.05
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+# The target: Llama with grouped-query attention and tied embeddings, 12.6M parameters.
+TARGET_SHAPE = dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
+                    num_attention_heads=6, num_key_value_heads=2)
+# The draft: 16% of the target's per-token FLOPs (at most 1/6 is allowed).
+DRAFT_SHAPE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=5,
+                   num_attention_heads=4, num_key_value_heads=2)
+TARGET_TRAIN = TrainConfig(seq_len=512, batch_size=8, lr=1.5e-3, warmup_steps=50, max_steps=1500, seed=SEED)
+DRAFT_TRAIN = TrainConfig(seq_len=512, batch_size=8, lr=3e-3, warmup_steps=30, max_steps=3000, seed=SEED + 1)
+
+
+def hf_config(shape: dict, vocab_size: int, eot_id: int, seq_len: int) -> dict:
+    """A Hugging Face config.json for a Llama of this shape."""
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **shape,
+            "vocab_size": vocab_size, "max_position_embeddings": seq_len, "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": True,
+            "attention_bias": False, "mlp_bias": False, "bos_token_id": eot_id, "eos_token_id": eot_id,
+            "torch_dtype": "float32"}
+
+
+def new_model(config: dict, seed: int) -> LlamaForCausalLM:
+    model = LlamaForCausalLM(ModelConfig.from_dict(config))
+    init_weights(model, seed)
+    return model
+
+
+def write_model_dir(model: LlamaForCausalLM, config: dict, tokenizer_dir: Path, out: Path) -> None:
+    """A complete Hugging Face model directory: weights, config, generation config, tokenizer."""
+    out.mkdir(parents=True, exist_ok=True)
+    save_model(model, out)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    gen = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"], "do_sample": False}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    for name in TOKENIZER_FILES:
+        shutil.copyfile(tokenizer_dir / name, out / name)
+
+
+# ---- stages ------------------------------------------------------------------------------------
+def stage_data(work: Path, seed: int) -> None:
+    """Tokenizer from the training files; token streams (uint16 .npy) for train and held-out."""
+    if (work / "heldout.npy").is_file():
+        return
+    train_files, held_files = corpus.split(corpus.list_sources(), HELDOUT_FRACTION)
+    tok = bpe.train_bpe(train_files)
+    bpe.save_tokenizer(tok, work / "tokenizer")
+    np.save(work / "train.npy", bpe.encode_pieces(tok, corpus.make_pieces(train_files, seed)))
+    np.save(work / "heldout.npy", bpe.encode_pieces(tok, corpus.make_pieces(held_files, seed + 1)))
+    (work / "split.json").write_text(json.dumps({"train": [f.rel for f in train_files],
+                                                 "heldout": [f.rel for f in held_files]}, indent=1))
+
+
+def load_tokens(work: Path, name: str) -> np.ndarray:
+    return np.load(work / f"{name}.npy", allow_pickle=False)
+
+
+def stage_target(work: Path, out: Path, cfg: TrainConfig) -> None:
+    tok_dir = work / "tokenizer"
+    vocab, eot = token_facts(tok_dir)
+    config = hf_config(TARGET_SHAPE, vocab, eot, cfg.seq_len)
+    model = new_model(config, cfg.seed)
+    state = train(model, WindowSampler(load_tokens(work, "train"), cfg.seq_len, cfg.batch_size, cfg.seed),
+                  cfg, work / "ckpt-target", desc="target")
+    write_model_dir(model, config, tok_dir, out / "code-target")
+    record(work, "target", state)
+
+
+def stage_raw(work: Path, cfg: TrainConfig) -> None:
+    tok_dir = work / "tokenizer"
+    vocab, eot = token_facts(tok_dir)
+    config = hf_config(DRAFT_SHAPE, vocab, eot, cfg.seq_len)
+    model = new_model(config, cfg.seed)
+    state = train(model, WindowSampler(load_tokens(work, "train"), cfg.seq_len, cfg.batch_size, cfg.seed),
+                  cfg, work / "ckpt-raw", desc="raw draft")
+    write_model_dir(model, config, tok_dir, work / "code-draft-raw")
+    record(work, "raw", state)
+
+
+def stage_draft(work: Path, out: Path, cfg: TrainConfig) -> None:
+    from .distill import distill
+    state = distill(out / "code-target", out / "code-draft", work / "train.npy", cfg, work / "ckpt-draft",
+                    shape=DRAFT_SHAPE)
+    record(work, "draft", state)
+
+
+def token_facts(tok_dir: Path) -> tuple[int, int]:
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    return tok.get_vocab_size(), tok.token_to_id(corpus.EOT)
+
+
+def record(work: Path, name: str, state: dict) -> None:
+    """Training facts for the model cards: steps, wall time, final loss, configuration."""
+    path = work / "runs.json"
+    runs = json.loads(path.read_text()) if path.is_file() else {}
+    runs[name] = {k: state[k] for k in ("step", "elapsed_s", "loss_ema", "config")}
+    path.write_text(json.dumps(runs, indent=2))
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m llmd.export.train_demo", description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, default=Path("models"), help="where code-target/ and code-draft/ go")
+    p.add_argument("--work", type=Path, default=Path("work-out/demo"), help="checkpoints and token caches")
+    p.add_argument("--stages", default="data,target,draft,raw,eval")
+    p.add_argument("--target-minutes", type=float, default=50.0)
+    p.add_argument("--draft-minutes", type=float, default=20.0)
+    p.add_argument("--raw-minutes", type=float, default=10.0)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    args.work.mkdir(parents=True, exist_ok=True)
+    stages = args.stages.split(",")
+    t0 = time.monotonic()
+    if "data" in stages:
+        stage_data(args.work, SEED)
+    if "target" in stages:
+        stage_target(args.work, args.out, replace(TARGET_TRAIN, budget_s=args.target_minutes * 60))
+    if "draft" in stages:
+        stage_draft(args.work, args.out, replace(DRAFT_TRAIN, budget_s=args.draft_minutes * 60))
+    if "raw" in stages:
+        stage_raw(args.work, replace(DRAFT_TRAIN, budget_s=args.raw_minutes * 60))
+    if "eval" in stages:
+        from .eval_demo import evaluate_and_write_cards
+        evaluate_and_write_cards(args.work, args.out)
+    print(f"done in {time.monotonic() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
