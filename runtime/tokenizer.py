@@ -83,12 +83,12 @@ class Tokenizer:
         self._special_ids = self._collect_special_ids(config)
         self._eos = self._collect_eos(config, gen_config)
         self._bos = self._find_bos(config, gen_config)
-        self._add_bos = self._decide_add_bos(config)
+        self._add_bos, self._post_adds_bos = self._decide_add_bos(config)
         self._fim = {k: self._first_id(names) for k, names in _FIM_NAMES.items()}
         self._chat = ChatTemplate(
             self._template_source(config), source,
-            bos_token=self._token_text(self._bos),
-            eos_token=self._token_text(self._eos[0] if self._eos else None),
+            bos_token=_token_string(config.get("bos_token")) or self._token_text(self._bos),
+            eos_token=_token_string(config.get("eos_token")) or self._token_text(self._eos[0] if self._eos else None),
             special_tokens=[self._special.id_to_token(i) or "" for i in self._special_ids],
             chatml=self._special.token_to_id("<|im_start|>") is not None
             and self._special.token_to_id("<|im_end|>") is not None)
@@ -147,14 +147,15 @@ class Tokenizer:
         name = _token_string(config.get("bos_token"))
         return None if name is None else self._special.token_to_id(name)
 
-    def _decide_add_bos(self, config: dict) -> bool:
-        """BOS is added when the post-processor adds it or tokenizer_config says add_bos_token."""
+    def _decide_add_bos(self, config: dict) -> tuple[bool, bool]:
+        """(whether encode adds BOS, whether the post-processor adds it). tokenizer_config's
+        add_bos_token wins over the post-processor, in both directions."""
         if self._bos is None:
-            return False
-        if config.get("add_bos_token") is True:
-            return True
+            return False, False
         probe = self._special.encode("a", add_special_tokens=True).ids
-        return bool(probe) and probe[0] == self._bos
+        post_adds = bool(probe) and probe[0] == self._bos
+        wanted = config.get("add_bos_token")
+        return (wanted if isinstance(wanted, bool) else post_adds), post_adds
 
     def _template_source(self, config: dict) -> Optional[str]:
         """tokenizer_config's chat_template (a string, or a list of named ones), else chat_template.jinja."""
@@ -222,8 +223,8 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True, allow_special: bool = False) -> list[int]:
         """Token ids of ``text``. Special-token spellings stay text unless ``allow_special``.
 
-        ``add_special_tokens`` adds what the post-processor adds (BOS for most models), and BOS when
-        tokenizer_config.json sets add_bos_token.
+        ``add_special_tokens`` adds what the post-processor adds (BOS for most models); the
+        add_bos_token of tokenizer_config.json, when set, decides about BOS.
         """
         if not isinstance(text, str):
             raise InvalidRequest(f"prompt must be a string, got {type(text).__name__}")
@@ -236,6 +237,8 @@ class Tokenizer:
             raise InvalidRequest("text is not valid Unicode (it holds a lone surrogate)") from None
         if add_special_tokens and self._add_bos and (not ids or ids[0] != self._bos):
             ids.insert(0, self._bos)
+        elif add_special_tokens and self._post_adds_bos and not self._add_bos:
+            del ids[0]
         return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

@@ -79,6 +79,12 @@ def test_bos_added_by_post_processor_or_config(tmp_path):
     t2 = Tokenizer.from_dir(other)
     assert t2.encode("hello")[0] == bos and t2.encode("hello")[1:] == t2.encode("hello", add_special_tokens=False)
 
+    off = tmp_path / "off"
+    off.mkdir()
+    write_model_dir(off, {"bos_token": "<|endoftext|>", "add_bos_token": False}, hf=hf)
+    t3 = Tokenizer.from_dir(off)
+    assert t3.encode("hello") == t3.encode("hello", add_special_tokens=False) == t.encode("hello")[1:]
+
 
 def test_eos_fallback_without_configs(tmp_path):
     t = Tokenizer.from_dir(write_model_dir(tmp_path))
