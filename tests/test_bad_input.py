@@ -1,0 +1,103 @@
+"""Bad input gets a clear, typed error, and the engine goes on serving everyone else."""
+import json
+import shutil
+import struct
+
+import pytest
+
+from llmd import LLM, SamplingParams
+from llmd.runtime.errors import InvalidRequest, ModelLoadError
+
+
+def copy_model(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_missing_model_dir(tmp_path):
+    with pytest.raises(ModelLoadError, match="no such model directory"):
+        LLM(str(tmp_path / "nope"))
+
+
+def test_truncated_safetensors(tiny_model_dir, tmp_path):
+    d = copy_model(tiny_model_dir, tmp_path / "m")
+    f = d / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-1000])
+    with pytest.raises(ModelLoadError, match="model.safetensors.*truncated or corrupt"):
+        LLM(str(d))
+
+
+def test_header_that_lies_about_sizes(tiny_model_dir, tmp_path):
+    d = copy_model(tiny_model_dir, tmp_path / "m")
+    f = d / "model.safetensors"
+    raw = f.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    name = next(k for k in header if k != "__metadata__")
+    start, end = header[name]["data_offsets"]
+    header[name]["data_offsets"] = [start, end + 10_000_000]       # claims far more bytes than exist
+    new = json.dumps(header).encode()
+    new += b" " * (-len(new) % 8)
+    f.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n:])
+    with pytest.raises(ModelLoadError, match="model.safetensors"):
+        LLM(str(d))
+
+
+def test_shape_mismatch_names_tensor(tiny_model_dir, tmp_path):
+    d = copy_model(tiny_model_dir, tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["intermediate_size"] = 96
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=r"tensor .model.layers.0.mlp.\w+_proj.weight. has shape \(\d+, \d+\), config.json implies"):
+        LLM(str(d))
+
+
+def test_unknown_architecture(tiny_model_dir, tmp_path):
+    d = copy_model(tiny_model_dir, tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=r"config.json: unsupported architecture \['GPT2LMHeadModel'\]"):
+        LLM(str(d))
+
+
+def test_malformed_config_json(tiny_model_dir, tmp_path):
+    d = copy_model(tiny_model_dir, tmp_path / "m")
+    (d / "config.json").write_text("{not json")
+    with pytest.raises(ModelLoadError, match="config.json: not valid JSON"):
+        LLM(str(d))
+
+
+@pytest.mark.parametrize("make_params, match", [
+    (lambda: SamplingParams(max_tokens=0), "max_tokens"),
+    (lambda: SamplingParams(max_tokens=-5), "max_tokens"),
+    (lambda: SamplingParams(temperature=float("nan")), "temperature must be a finite number"),
+    (lambda: SamplingParams(top_p=0.0), "top_p"),
+    (lambda: SamplingParams(logprobs=1000), "logprobs"),
+])
+def test_bad_sampling_params(make_params, match):
+    with pytest.raises(InvalidRequest, match=match):
+        make_params()
+
+
+def test_bad_requests_fail_alone(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), kv_memory="4MiB", max_model_len=64)
+    e = llm.engine
+    e.add_request("good", [30, 31, 32], SamplingParams(max_tokens=8, ignore_eos=True))
+    e.step()
+    with pytest.raises(InvalidRequest, match="context window is 64"):
+        e.add_request("long", [30] * 64, SamplingParams())
+    with pytest.raises(InvalidRequest, match=r"token ids must be integers in \[0, "):
+        e.add_request("oov", [30, 10**9], SamplingParams())
+    with pytest.raises(InvalidRequest, match="empty"):
+        e.add_request("empty", [], SamplingParams())
+    with pytest.raises(InvalidRequest, match="already in use"):
+        e.add_request("good", [1], SamplingParams())
+    texts = []
+    while e.has_unfinished():
+        for o in e.step():
+            texts.append(o)
+    final = [o for o in texts if o.finished]
+    assert [o.request_id for o in final] == ["good"] and final[0].metrics["output_tokens"] == 8
+    st = e.stats()
+    assert st["kv_blocks_free"] == st["kv_blocks_total"]
