@@ -330,6 +330,11 @@ class Client(_Base):
         ack: Ack = self._call({"type": "cancel", "id": self._next_id(), "target": request_id})
         return ack.found
 
+    def hello(self) -> dict:
+        """Connect if needed; the daemon's answer to ``hello`` (version, model, state, limits)."""
+        self._connect()
+        return self.server_info
+
     def health(self) -> dict:
         return self._call({"type": "health", "id": self._next_id()}).body
 
@@ -502,6 +507,10 @@ class AsyncClient(_Base):
 
     async def cancel(self, request_id: str) -> bool:
         return (await self._call({"type": "cancel", "id": self._next_id(), "target": request_id})).found
+
+    async def hello(self) -> dict:
+        await self._connect()
+        return self.server_info
 
     async def health(self) -> dict:
         return (await self._call({"type": "health", "id": self._next_id()})).body

@@ -23,6 +23,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     a("--tcp", metavar="tcp://HOST:PORT", help="also listen on this TCP endpoint (off unless given)")
     a("--dtype", help="weight and activation dtype, e.g. float32, bfloat16")
     a("--device", help="device for the engine, e.g. cpu or cuda")
+    a("--threads", type=int, help="CPU threads for the engine (default: torch's choice)")
     a("--kv-memory", help="memory for the KV cache, e.g. 256MiB or 4GiB")
     a("--block-size", type=int, help="tokens per KV cache block")
     a("--max-batch-tokens", type=int, help="token budget of one engine step")
@@ -49,7 +50,7 @@ def add_status_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-_FLAGS = ("model", "socket", "group", "tcp", "dtype", "device", "kv_memory", "block_size", "max_batch_tokens",
+_FLAGS = ("model", "socket", "group", "tcp", "dtype", "device", "threads", "kv_memory", "block_size", "max_batch_tokens",
           "prefix_cache", "max_queue", "drain_grace_s", "log_level")
 
 

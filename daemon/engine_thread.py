@@ -86,9 +86,10 @@ class LoadFailed:
 
 
 class EngineThread(threading.Thread):
-    """Owns the Engine built by ``make_engine``; talks to the socket thread only by queues."""
+    """Owns the Engine built by ``make_engine(progress=fn(done, total))``; talks to the socket
+    thread only by queues."""
 
-    def __init__(self, make_engine: Callable[[], Any], wake_endpoint: str, context: zmq.Context,
+    def __init__(self, make_engine: Callable[..., Any], wake_endpoint: str, context: zmq.Context,
                  notifier=None, warmup: bool = True, idle_wait_s: float = 0.5):
         super().__init__(name="llmd-engine", daemon=True)
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -129,7 +130,7 @@ class EngineThread(threading.Thread):
     def _load(self) -> bool:
         self._emit([Progress(0.0, "loading model")])
         try:
-            self.engine = self._make_engine()
+            self.engine = self._make_engine(progress=self._load_progress)
             if self._warmup:
                 self._emit([Progress(0.8, "warming up")])
                 self._warm_up()
@@ -139,6 +140,13 @@ class EngineThread(threading.Thread):
             return False
         self._emit([Loaded(self._info())])
         return True
+
+    def _load_progress(self, done: int, total: int) -> None:
+        """Called by the loader per tensor; reported in steps of 5% (loading is 0.05 .. 0.8)."""
+        fraction = 0.05 + 0.75 * done / max(total, 1)
+        if fraction - getattr(self, "_reported", 0.0) >= 0.05 or done == total:
+            self._reported = fraction
+            self._emit([Progress(fraction, f"loading model: {done}/{total} tensors")])
 
     def _warm_up(self) -> None:
         from llmd.runtime.request import SamplingParams

@@ -14,14 +14,16 @@ from .settings import Settings, SettingsError
 
 def engine_factory(settings: Settings):
     """A function the engine thread calls to build the Engine (so torch loads there, after bind)."""
-    def make():
+    def make(progress=None):
         from llmd.runtime.config import EngineConfig
         from llmd.runtime.engine import Engine
         known = {f.name for f in dataclasses.fields(EngineConfig)}
         options = {"model": settings.model, "dtype": settings.dtype, "kv_memory": settings.kv_memory,
                    "block_size": settings.block_size, "max_batch_tokens": settings.max_batch_tokens,
-                   "enable_prefix_cache": settings.prefix_cache, "device": settings.device}
-        return Engine(EngineConfig(**{k: v for k, v in options.items() if k in known and v is not None}))
+                   "enable_prefix_cache": settings.prefix_cache, "device": settings.device,
+                   "threads": settings.threads}
+        return Engine(EngineConfig(**{k: v for k, v in options.items() if k in known and v is not None}),
+                      progress=progress)
     return make
 
 

@@ -31,6 +31,7 @@ class Settings:
     tcp: Optional[str] = None             # extra tcp:// endpoint; none unless asked for
     dtype: str = "float32"
     device: Optional[str] = None          # passed to the engine when set
+    threads: Optional[int] = None         # torch threads for the engine; None keeps torch's default
     kv_memory: str = "256MiB"
     block_size: int = 16
     max_batch_tokens: int = 512
@@ -58,6 +59,8 @@ class Settings:
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0):
                 raise SettingsError(f"{name} must be a finite number >= 0, got {v}")
+        if self.threads is not None and self.threads <= 0:
+            raise SettingsError(f"threads must be positive, got {self.threads}")
         if self.tcp is not None and not self.tcp.startswith("tcp://"):
             raise SettingsError(f"tcp must be a tcp://host:port endpoint, got {self.tcp!r}")
         if self.log_level not in ("debug", "info", "warning", "error"):

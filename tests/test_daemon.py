@@ -1,0 +1,279 @@
+"""Black-box tests of the real daemon (server code, real engine, tiny random model) on ipc://."""
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import zmq
+
+from daemon_fixtures import (REPO, daemon_settings, make_engine_factory, offline_greedy, running_daemon,
+                             wait_until)
+from llmd.clients.client import Client, RequestError
+from llmd.clients.events import Done, Error, Sentence, Token
+from llmd.daemon import codec
+from llmd.daemon.paths import AlreadyRunning
+from llmd.daemon.server import Server
+
+PROMPTS = [f"def f{i}(x): return x * {i} +" for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def daemon(tiny_model_dir, tmp_path_factory):
+    settings = daemon_settings(tiny_model_dir, tmp_path_factory.mktemp("d"))
+    with running_daemon(settings) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_model_dir):
+    from llmd.runtime.config import EngineConfig
+    from llmd.runtime.engine import Engine
+    from daemon_fixtures import ENGINE_OPTIONS
+    return Engine(EngineConfig(model=str(tiny_model_dir), **ENGINE_OPTIONS))
+
+
+def client(server, **kw) -> Client:
+    return Client(server.settings.socket, **kw)
+
+
+def engine_stats(server) -> dict:
+    with client(server) as c:
+        return c.stats()["engine"]
+
+
+def collect(stream):
+    events = list(stream)
+    tokens = [e for e in events if isinstance(e, Token)]
+    return events, [t for e in tokens for t in e.token_ids], "".join(e.text for e in tokens)
+
+
+def test_eight_concurrent_clients_match_the_offline_engine(daemon, offline):
+    expected = offline_greedy(offline, PROMPTS, max_tokens=12)
+    results, errors = {}, []
+
+    def run(prompt):
+        try:
+            with client(daemon) as c:
+                results[prompt] = collect(c.generate(prompt, max_tokens=12))
+        except Exception as e:  # reported below, a thread cannot fail the test itself
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(p,)) for p in PROMPTS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    for p in PROMPTS:
+        events, ids, text = results[p]
+        assert (ids, text) == expected[p]
+        assert [e.seq for e in events if isinstance(e, Token)] == list(range(len(events) - 1))
+        done = events[-1]
+        assert isinstance(done, Done) and done.finish_reason in ("length", "stop")
+        assert done.usage["completion_tokens"] == len(ids)
+        assert done.timings["total_ms"] > 0
+
+
+def test_one_client_interleaves_many_streams(daemon, offline):
+    expected = offline_greedy(offline, PROMPTS[:4], max_tokens=6)
+    with client(daemon) as c:
+        streams = [c.generate(p, max_tokens=6) for p in PROMPTS[:4]]
+        for p, s in zip(PROMPTS[:4], streams):
+            assert collect(s)[1:] == expected[p]
+
+
+def test_cancel_during_decoding_stops_tokens_frees_blocks_and_spares_others(daemon, offline):
+    others = PROMPTS[4:7]
+    expected = offline_greedy(offline, others, max_tokens=40)
+    with client(daemon) as c:
+        keep = [c.generate(p, max_tokens=40) for p in others]
+        victim = c.generate("a long story begins", max_tokens=500, ignore_eos=True)
+        seen = [next(victim) for _ in range(3)]
+        assert all(isinstance(e, Token) for e in seen)
+        assert c.cancel(victim.id) is True
+        rest = list(victim)
+        # Everything after the ack is dropped by the daemon: the only event left is the final done.
+        assert len(rest) <= 1 + 0 and isinstance(rest[-1], Done) and rest[-1].finish_reason == "cancelled"
+        assert rest[-1].usage["completion_tokens"] >= 3
+        for p, s in zip(others, keep):
+            assert collect(s)[1:] == expected[p]
+    stats = engine_stats(daemon)
+    assert stats["running"] == 0 and stats["waiting"] == 0 and stats["kv_blocks_used"] == 0
+
+
+def test_cancel_during_the_prompt(daemon, offline):
+    long_prompt = [5 + i % 400 for i in range(900)]    # several prefill chunks of 256 tokens
+    expected = offline_greedy(offline, [PROMPTS[0]], max_tokens=20)
+    with client(daemon) as c:
+        other = c.generate(PROMPTS[0], max_tokens=20)
+        victim = c.generate(token_ids=long_prompt, max_tokens=50)
+        assert c.cancel(victim.id) is True
+        events = list(victim)
+        assert [type(e) for e in events] == [Done] and events[0].finish_reason == "cancelled"
+        assert events[0].usage["completion_tokens"] == 0
+        assert collect(other)[1:] == expected[PROMPTS[0]]
+        stats = c.stats()["engine"]
+    assert stats["running"] == 0 and stats["kv_blocks_used"] == 0
+    with client(daemon) as c:
+        assert c.cancel("no-such-request") is False
+
+
+def test_leaving_a_stream_early_cancels_it(daemon):
+    with client(daemon) as c:
+        with c.generate("x", max_tokens=400, ignore_eos=True) as s:
+            next(s)
+        assert wait_until(lambda: c.stats()["engine"]["running"] == 0, 2.0)
+
+
+def test_replace_burst_only_the_last_infill_completes(daemon):
+    with client(daemon) as c:
+        streams = [c.infill(f"def g{i}(", "):\n    pass\n", replace="buffer-1", max_tokens=8) for i in range(20)]
+        finals = [list(s)[-1] for s in streams]
+    assert [f.finish_reason for f in finals[:19]] == ["cancelled"] * 19
+    assert isinstance(finals[19], Done) and finals[19].finish_reason in ("length", "stop")
+    assert engine_stats(daemon)["kv_blocks_used"] == 0
+
+
+def test_chat_infill_and_sentences(daemon):
+    with client(daemon) as c:
+        events = list(c.chat([{"role": "user", "content": "Hi there."}], max_tokens=24, sentences=True))
+        text = "".join(e.text for e in events if isinstance(e, Token))
+        sentences = [e for e in events if isinstance(e, Sentence)]
+        assert isinstance(events[-1], Done)
+        # The sentences cover the whole text, in order, with nothing lost (whitespace aside).
+        assert "".join(s.text for s in sentences).replace(" ", "").replace("\n", "") == \
+            text.replace(" ", "").replace("\n", "")
+        assert [s.seq for s in sentences] == list(range(len(sentences)))
+        assert isinstance(list(c.infill("x = ", "\n", files=[("a.py", "y = 1\n")], max_tokens=4))[-1], Done)
+
+
+def test_health_models_hello_and_stats(daemon):
+    with client(daemon) as c:
+        info = c.hello()
+        assert info["version"] == 1 and info["state"] == "ready" and info["max_queue"] == 64
+        h = c.health()
+        assert h["state"] == "ready" and h["progress"] == 1.0 and h["uptime_s"] > 0
+        (m,) = c.models()
+        assert m["vocab_size"] > 0 and m["infill"] is True and m["chat"] is True
+        s = c.stats()
+        assert s["engine"]["kv_blocks_total"] > 0 and "p50" in s["latency_ms"]["ttft"]
+        assert s["finished"].get("length", 0) >= 1
+
+
+def test_typed_errors_for_bad_requests(daemon):
+    with client(daemon) as c:
+        err = list(c.generate("x", temperature=500.0))[-1]
+        assert isinstance(err, Error) and err.code == "invalid_request" and "temperature" in err.message
+        err = list(c.generate(token_ids=[10 ** 9]))[-1]
+        assert isinstance(err, Error) and err.code == "invalid_request"
+        s = c.generate("x", max_tokens=300, request_id="same", ignore_eos=True)
+        dup = list(c.generate("y", request_id="same"))
+        assert dup == [Error("same", "duplicate_id", dup[0].message)]
+        s.close()
+
+
+def test_deadline_ends_a_request(daemon):
+    with client(daemon) as c:
+        events = list(c.generate("x", max_tokens=800, ignore_eos=True, deadline=0.15))
+    assert isinstance(events[-1], Done) and events[-1].finish_reason == "deadline"
+    assert 150 <= events[-1].timings["total_ms"] < 1500
+
+
+def test_pickle_payload_is_refused_and_never_unpickled(daemon, tmp_path):
+    marker = tmp_path / "pwned"
+
+    class Exploit:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    payload = pickle.dumps(Exploit())
+    ctx = zmq.Context.instance()
+    with ctx.socket(zmq.DEALER) as s:
+        s.setsockopt(zmq.RCVTIMEO, 5000)
+        s.connect(daemon.settings.endpoint)
+        s.send(payload)
+        reply = codec.unpack(s.recv())
+        assert reply["type"] == "error" and reply["code"] == "bad_message"
+        s.send(codec.pack({"type": "generate", "id": "p", "prompt": payload}))
+        reply = codec.unpack(s.recv())
+        assert reply["type"] == "error" and reply["code"] == "invalid_request" and reply["id"] == "p"
+    assert not marker.exists()
+
+
+def test_a_second_daemon_on_the_same_socket_is_refused(daemon, tiny_model_dir):
+    second = Server(daemon.settings, make_engine_factory(tiny_model_dir))
+    with pytest.raises(AlreadyRunning, match=rf"already running \(pid {os.getpid()}\)"):
+        second.run()
+    proc = subprocess.run([sys.executable, "-m", "llmd.daemon", "serve", "--model", str(tiny_model_dir),
+                           "--socket", daemon.settings.socket], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and f"already running (pid {os.getpid()})" in proc.stderr
+    with client(daemon) as c:
+        assert c.health()["state"] == "ready"
+        assert isinstance(list(c.generate("still here", max_tokens=3))[-1], Done)
+
+
+def test_killed_client_is_aborted_and_its_blocks_freed_within_a_second(daemon):
+    script = textwrap.dedent(f"""
+        from llmd.clients.client import Client
+        c = Client({daemon.settings.socket!r})
+        s = c.generate("the client will die", max_tokens=600, ignore_eos=True)
+        next(s); print("streaming", flush=True)
+        import time; time.sleep(60)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "streaming"
+        assert engine_stats(daemon)["running"] == 1
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    killed = time.monotonic()
+    freed = wait_until(lambda: (lambda s: s["running"] == 0 and s["kv_blocks_used"] == 0)(engine_stats(daemon)), 1.0)
+    assert freed, f"still running {time.monotonic() - killed:.2f}s after the kill: {engine_stats(daemon)}"
+
+
+def test_a_vanished_client_is_found_while_its_request_is_queued(tiny_model_dir, tmp_path):
+    # Nothing is sent to a request in the prompt; the keepalive probe finds the client gone.
+    settings = daemon_settings(tiny_model_dir, tmp_path, max_batch_tokens=1)
+    with running_daemon(settings) as server:
+        ctx = zmq.Context.instance()
+        s = ctx.socket(zmq.DEALER)
+        s.connect(settings.endpoint)
+        s.send(codec.pack({"type": "generate", "id": "v", "token_ids": [5 + i % 400 for i in range(1000)], "params": {"max_tokens": 5}}))
+        assert wait_until(lambda: engine_stats(server)["running"] + engine_stats(server)["waiting"] == 1, 2.0)
+        s.close(linger=0)
+        assert wait_until(lambda: (lambda st: st["running"] + st["waiting"] == 0 and st["kv_blocks_used"] == 0)(
+            engine_stats(server)), 1.0)
+
+
+def test_busy_and_a_failure_inside_the_engine_fails_alone(tiny_model_dir, tmp_path):
+    def inject(engine):
+        real = engine.tokenizer.build_infill
+
+        def faulty(prefix, suffix, extra_files=()):
+            if prefix == "boom":
+                raise RuntimeError("injected fault")
+            return real(prefix, suffix, extra_files)
+        engine.tokenizer.build_infill = faulty
+
+    settings = daemon_settings(tiny_model_dir, tmp_path, max_queue=3)
+    with running_daemon(settings, make_engine_factory(tiny_model_dir, inject)) as server:
+        with client(server) as c:
+            a = c.generate("first", max_tokens=30)
+            boom = c.infill("boom", "", max_tokens=5)
+            b = c.generate("second", max_tokens=30)
+            failure = list(boom)
+            assert failure == [Error(boom.id, "internal", "injected fault")]
+            c3, c4 = c.generate("third", max_tokens=30), c.generate("fourth", max_tokens=30)
+            t0 = time.monotonic()
+            refused = list(c4)
+            assert refused[0].code == "busy" and time.monotonic() - t0 < 0.5
+            for s in (a, b, c3):
+                assert isinstance(list(s)[-1], Done)
