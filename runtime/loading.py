@@ -26,16 +26,30 @@ def load_for_engine(config: EngineConfig, progress=None) -> LoadedModel:
     path = Path(config.model)
     if not path.exists():
         raise ModelLoadError(f"{path}: no such model directory; pass a Hugging Face model directory "
-                             "(config.json, *.safetensors, tokenizer.json)")
+                             "(config.json, *.safetensors, tokenizer.json) or an llmd engine directory")
+    if (path / "manifest.json").is_file():
+        from llmd.export.engine_dir import load_engine_model     # quantized / compiled engines
+        model, cfg, tokenizer = load_engine_model(path, config, progress=progress)
+    else:
+        model, cfg, tokenizer = load_hf_model(path, config.dtype, progress)
+    return LoadedModel(model, cfg, tokenizer, kv_blocks(cfg, config))
+
+
+def load_hf_model(path: Path, dtype: str, progress=None) -> tuple[LlamaForCausalLM, ModelConfig, Tokenizer]:
     cfg = ModelConfig.from_dir(path)
     tokenizer = Tokenizer.from_dir(path)
     if tokenizer.vocab_size > cfg.vocab_size:
         raise ModelLoadError(f"{path / 'tokenizer.json'}: tokenizer has {tokenizer.vocab_size} tokens but "
                              f"config.json says vocab_size {cfg.vocab_size}")
-    model = load_model(path, config.dtype, cfg, progress=progress)
+    model = load_model(path, dtype, cfg, progress=progress)
     model.prepare_for_inference()
-    num_blocks = config.kv_memory_bytes // kv_bytes_per_block(cfg, config.block_size, config.dtype)
+    return model, cfg, tokenizer
+
+
+def kv_blocks(cfg: ModelConfig, config: EngineConfig) -> int:
+    per_block = kv_bytes_per_block(cfg, config.block_size, config.dtype)
+    num_blocks = config.kv_memory_bytes // per_block
     if num_blocks < 1:
         raise ModelLoadError(f"kv_memory {config.kv_memory} cannot hold one block of {config.block_size} tokens "
-                             f"for this model ({kv_bytes_per_block(cfg, config.block_size, config.dtype)} bytes)")
-    return LoadedModel(model, cfg, tokenizer, num_blocks)
+                             f"for this model ({per_block} bytes)")
+    return num_blocks
