@@ -31,14 +31,15 @@ class Notifier:
         self._lock = threading.Lock()
         self._sock = None
         if self.address:
-            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+            # Non-blocking: a full receive queue drops a status line instead of stalling the daemon.
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
 
     @property
     def enabled(self) -> bool:
         return self._sock is not None
 
     def notify(self, **fields) -> bool:
-        """notify(READY=1, STATUS="...") sends one datagram; returns whether it was sent."""
+        """notify(READY=1, STATUS="...") sends one datagram; returns whether it was sent (never blocks)."""
         if self._sock is None:
             return False
         text = "\n".join(f"{k}={v}" for k, v in fields.items())
