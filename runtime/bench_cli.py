@@ -1,0 +1,173 @@
+"""`llmd bench`: measure the engine (and transformers side by side) on one machine, in one run.
+
+Reports time to first token, inter-token latency and tokens/s for one stream, aggregate tokens/s for
+N concurrent streams, and the time to first token of a request whose long prefix is already cached.
+Peers are interleaved with llmd in the same process so machine noise hits both alike.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def add_bench_parser(sub) -> None:
+    p = sub.add_parser("bench", help="measure latency and throughput of the engine (optionally against transformers)",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("model", nargs="?", help="model directory; omit and use --shape for random weights")
+    p.add_argument("--shape", choices=("tiny", "qwen2-0.5b"), help="benchmark a random-weight model of this shape")
+    p.add_argument("--against", default="", help="comma-separated peers to run side by side: hf")
+    p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per request (default 128)")
+    p.add_argument("--gen", type=int, default=64, help="tokens generated per request (default 64)")
+    p.add_argument("--concurrency", type=int, default=16, help="concurrent streams for the throughput test (default 16)")
+    p.add_argument("--shared-prefix", type=int, default=1000, help="length of the cached prefix test (0 skips it)")
+    p.add_argument("--repeat", type=int, default=3, help="repetitions of the single-stream test; medians reported")
+    p.add_argument("--spec", action="store_true", help="also run the single stream with speculation (needs --draft)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    from llmd.cli import add_engine_flags
+    add_engine_flags(p)
+    p.set_defaults(func=run_bench)
+
+
+def run_bench(args) -> int:
+    import torch
+    from llmd.cli import engine_options
+    from llmd.runtime.llm import LLM
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = args.model
+    if model is None:
+        if not args.shape:
+            print("llmd bench: give a model directory or --shape", file=sys.stderr)
+            return 2
+        from llmd.runtime.models.random_model import write_random_model
+        model = str(write_random_model(Path(tempfile.mkdtemp(prefix="llmd-bench-")) / args.shape, args.shape))
+    opts = engine_options(args)
+    draft = opts.pop("draft", None)
+    llm = LLM(model, **opts)
+    spec_llm = LLM(model, draft=draft, **opts) if (args.spec and draft) else None
+    peers = [p for p in args.against.split(",") if p]
+    hf = load_hf(model) if "hf" in peers else None
+    vocab = min(llm.engine.model_config.vocab_size, llm.tokenizer.vocab_size)
+    rng = random.Random(0)
+    prompt = [rng.randrange(vocab) for _ in range(args.prompt_len)]
+    res: dict = {"model": model, "threads": torch.get_num_threads(), "prompt_len": args.prompt_len, "gen": args.gen}
+    singles, hfs, specs = [], [], []
+    single_stream(llm, prompt[:8], 8)                       # warm-up
+    for _ in range(args.repeat):
+        singles.append(single_stream(llm, prompt, args.gen))
+        if spec_llm:
+            specs.append(single_stream(spec_llm, prompt, args.gen))
+        if hf is not None:
+            hfs.append(hf_single(hf, prompt, args.gen))
+    res["llmd_single"] = median_dict(singles)
+    if specs:
+        res["llmd_spec_single"] = median_dict(specs)
+    if hfs:
+        res["hf_single"] = median_dict(hfs)
+        res["ratio_decode_vs_hf"] = res["llmd_single"]["decode_tok_s"] / res["hf_single"]["decode_tok_s"]
+        res["ratio_ttft_vs_hf"] = res["llmd_single"]["ttft_s"] / res["hf_single"]["ttft_s"]
+    res["llmd_concurrent"] = concurrent(llm, vocab, args.concurrency, args.prompt_len, args.gen, rng)
+    res["concurrency_gain"] = res["llmd_concurrent"]["aggregate_tok_s"] / res["llmd_single"]["decode_tok_s"]
+    if args.shared_prefix:
+        res["prefix"] = shared_prefix(llm, vocab, args.shared_prefix, rng)
+    res["engine_stats"] = {k: v for k, v in llm.stats().items() if not isinstance(v, dict)}
+    print(json.dumps(res, indent=1) if args.json else table(res))
+    return 0
+
+
+def single_stream(llm, prompt, gen) -> dict:
+    from llmd.runtime.request import SamplingParams
+    llm.engine.block_manager.reset_prefix_cache()
+    t0 = time.perf_counter()
+    first = None
+    stamps = []
+    for out in llm.stream_outputs(prompt, SamplingParams(max_tokens=gen, ignore_eos=True)):
+        now = time.perf_counter()
+        if first is None:
+            first = now - t0
+        stamps.append((now, len(out.new_token_ids)))
+    total = time.perf_counter() - t0
+    n = sum(k for _, k in stamps)
+    gaps = [b[0] - a[0] for a, b in zip(stamps, stamps[1:])]
+    return {"ttft_s": first, "decode_tok_s": (n - 1) / (total - first) if n > 1 else 0.0,
+            "itl_p50_s": statistics.median(gaps) if gaps else None, "e2e_s": total, "tokens": n}
+
+
+def concurrent(llm, vocab, n, prompt_len, gen, rng) -> dict:
+    from llmd.runtime.request import SamplingParams
+    llm.engine.block_manager.reset_prefix_cache()
+    prompts = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(n)]
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, SamplingParams(max_tokens=gen, ignore_eos=True))
+    wall = time.perf_counter() - t0
+    toks = sum(len(o.token_ids) for o in outs)
+    ttfts = sorted(o.metrics["ttft_s"] for o in outs)
+    return {"streams": n, "aggregate_tok_s": toks / wall, "wall_s": wall, "ttft_p50_s": ttfts[len(ttfts) // 2]}
+
+
+def shared_prefix(llm, vocab, length, rng) -> dict:
+    from llmd.runtime.request import SamplingParams
+    llm.engine.block_manager.reset_prefix_cache()
+    prefix = [rng.randrange(vocab) for _ in range(length)]
+    p = SamplingParams(max_tokens=1)
+    first = llm.generate([prefix + [rng.randrange(vocab) for _ in range(8)]], p)[0].metrics["ttft_s"]
+    second = llm.generate([prefix + [rng.randrange(vocab) for _ in range(8)]], p)[0]
+    return {"prefix_len": length, "first_ttft_s": first, "second_ttft_s": second.metrics["ttft_s"],
+            "second_cached_tokens": second.metrics["cached_tokens"], "ratio": second.metrics["ttft_s"] / first}
+
+
+def load_hf(model):
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        print("llmd bench: transformers is not installed (pip install 'llmd[bench]'); skipping the hf peer",
+              file=sys.stderr)
+        return None
+    return transformers.AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
+
+
+def hf_single(hf, prompt, gen) -> dict:
+    import torch
+    ids = torch.tensor([prompt])
+    kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        hf.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+        ttft = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        hf.generate(ids, max_new_tokens=gen, min_new_tokens=gen, **kw)
+        total = time.perf_counter() - t0
+    return {"ttft_s": ttft, "decode_tok_s": (gen - 1) / max(total - ttft, 1e-9), "e2e_s": total, "tokens": gen}
+
+
+def median_dict(rows: list[dict]) -> dict:
+    return {k: statistics.median(r[k] for r in rows) if rows[0][k] is not None else None for k in rows[0]}
+
+
+def table(r: dict) -> str:
+    ms = lambda s: "-" if s is None else f"{1000 * s:.1f} ms"   # noqa: E731
+    lines = [f"model {r['model']}  threads {r['threads']}  prompt {r['prompt_len']}  gen {r['gen']}", ""]
+    lines.append(f"{'':24}{'ttft':>12}{'decode tok/s':>14}{'itl p50':>12}")
+    for key, name in (("llmd_single", "llmd 1 stream"), ("llmd_spec_single", "llmd 1 stream, spec"),
+                      ("hf_single", "transformers 1 stream")):
+        if key in r:
+            s = r[key]
+            lines.append(f"{name:24}{ms(s['ttft_s']):>12}{s['decode_tok_s']:>14.1f}{ms(s.get('itl_p50_s')):>12}")
+    if "ratio_decode_vs_hf" in r:
+        lines.append(f"llmd / transformers: decode {r['ratio_decode_vs_hf']:.2f}x, ttft {r['ratio_ttft_vs_hf']:.2f}x "
+                     "(ttft: lower is better)")
+    c = r["llmd_concurrent"]
+    lines.append(f"llmd {c['streams']} streams: {c['aggregate_tok_s']:.1f} tok/s aggregate "
+                 f"({r['concurrency_gain']:.1f}x one stream), ttft p50 {ms(c['ttft_p50_s'])}")
+    if "prefix" in r:
+        p = r["prefix"]
+        lines.append(f"shared prefix {p['prefix_len']}: ttft {ms(p['first_ttft_s'])} cold, {ms(p['second_ttft_s'])} "
+                     f"cached ({100 * p['ratio']:.0f}%, {p['second_cached_tokens']} tokens from cache)")
+    return "\n".join(lines)
