@@ -1,0 +1,208 @@
+"""The client subcommands of `llmd`: run, complete, lsp, voice, batch.
+
+Only argparse lives here; each command's module (and pygls, wyoming, tqdm) is imported when the
+command runs, so `llmd serve` never pays for them.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+_SOCKET_HELP = "daemon socket (default: $LLMD_SOCKET or the usual location)"
+
+
+def add_client_parsers(subparsers) -> None:
+    for add in (add_run_parser, add_complete_parser, add_lsp_parser, add_voice_parser, add_batch_parser):
+        add(subparsers)
+
+
+def _sampling_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    a = p.add_argument
+    a("--socket", help=_SOCKET_HELP)
+    a("--max-tokens", type=int, default=max_tokens, help=f"most tokens per answer (default {max_tokens})")
+    a("--temperature", type=float, default=None, help="sampling temperature (default: greedy)")
+    a("--top-p", type=float, default=None, help="nucleus sampling mass")
+    a("--seed", type=int, default=None, help="seed for reproducible sampling")
+    a("--stop", action="append", default=None, help="stop string (repeatable)")
+    a("--ignore-eos", action="store_true", help="keep generating past the end-of-text token (for load tests)")
+
+
+def sampling_from_args(args) -> dict:
+    s = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed,
+         "stop": args.stop, "ignore_eos": True if args.ignore_eos else None}
+    return {k: v for k, v in s.items() if v is not None}
+
+
+def add_run_parser(subparsers) -> None:
+    p = subparsers.add_parser("run", help="interactive chat with the daemon's model (Ctrl-C stops an answer)",
+                              description="Chat with the daemon's model, streaming each answer. Ctrl-C stops the "
+                              "current answer and keeps the conversation; Ctrl-D ends it; /reset forgets it. "
+                              "With standard input not a terminal, it is read as one message and answered once.")
+    _sampling_flags(p, 512)
+    p.add_argument("--system", help="system message")
+    p.add_argument("--interactive", action="store_true", help="chat even when standard input is not a terminal")
+    p.set_defaults(func=run_chat)
+
+
+def add_complete_parser(subparsers) -> None:
+    p = subparsers.add_parser("complete", help="one completion from the daemon, streamed to standard output",
+                              description="Complete PROMPT (or standard input when PROMPT is '-' or missing) "
+                              "once and exit.")
+    p.add_argument("prompt", nargs="?", default="-", help="the prompt, or '-' for standard input (default)")
+    _sampling_flags(p, 128)
+    p.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
+    p.add_argument("--system", help="system message (with --chat)")
+    p.set_defaults(func=run_complete)
+
+
+def add_lsp_parser(subparsers) -> None:
+    p = subparsers.add_parser("lsp", help="language server (stdio) with inline code completion from the daemon",
+                              description="Run a language server on standard input/output that suggests code "
+                              "through the daemon (textDocument/inlineCompletion, textDocument/completion). "
+                              "Token budgets are measured in characters, --chars-per-token to one token.")
+    a = p.add_argument
+    a("--socket", help=_SOCKET_HELP)
+    a("--max-tokens", type=int, default=16, help="most tokens per suggestion (default 16)")
+    a("--max-lines", type=int, default=8, help="most lines per suggestion (default 8)")
+    a("--prefix-tokens", type=int, default=1024, help="budget for the text before the cursor (default 1024)")
+    a("--suffix-tokens", type=int, default=256, help="budget for the text after the cursor (default 256)")
+    a("--context-tokens", type=int, default=1024, help="budget for the other open files together (default 1024)")
+    a("--chars-per-token", type=float, default=3.0, help="characters counted as one token (default 3)")
+    a("--debounce-ms", type=float, default=15.0, help="wait this long for a newer keystroke first (default 15)")
+    a("--cache-size", type=int, default=64, help="recent suggestions kept for reuse (default 64)")
+    a("--log-file", help="write the log (each request's outcome and latency) here instead of standard error")
+    a("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.set_defaults(func=_lazy("llmd.clients.lsp", "run_lsp"))
+
+
+def add_voice_parser(subparsers) -> None:
+    p = subparsers.add_parser("voice", help="Wyoming 'handle' service (Home Assistant voice) answering via the daemon",
+                              description="Answer Wyoming transcripts with the daemon's chat model, streaming the "
+                              "answer a sentence at a time; a new transcript from a satellite interrupts its answer.")
+    a = p.add_argument
+    a("--uri", default="tcp://127.0.0.1:10700",
+      help="where to listen: tcp://HOST:PORT or unix://PATH (default tcp://127.0.0.1:10700)")
+    a("--socket", help=_SOCKET_HELP)
+    a("--system-prompt", default=None, help="system message of every conversation")
+    a("--max-tokens", type=int, default=256, help="most tokens per answer (default 256)")
+    a("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    a("--history-turns", type=int, default=8, help="exchanges remembered per conversation (default 8)")
+    a("--language", default="en", help="language advertised in info (default en)")
+    p.set_defaults(func=_lazy("llmd.clients.voice", "run_voice"))
+
+
+def add_batch_parser(subparsers) -> None:
+    p = subparsers.add_parser("batch", help="run a JSONL file of requests at batch priority (resumable)",
+                              description="Run every request of INPUT (JSON lines: id plus prompt, messages or "
+                              "prefix/suffix, and sampling keys) at batch priority and append the answers to "
+                              "OUTPUT. Ids already in OUTPUT are skipped, so an interrupted run resumes; a bad "
+                              "line becomes an error line.")
+    p.add_argument("input", help="input JSONL file")
+    p.add_argument("output", help="output JSONL file (appended)")
+    p.add_argument("--socket", help=_SOCKET_HELP)
+    p.add_argument("--concurrency", type=int, default=8, help="requests in flight at once (default 8)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--progress", action="store_true", help="progress bar even when standard error is not a terminal")
+    p.set_defaults(func=_lazy("llmd.clients.batch", "run_batch"))
+
+
+def _lazy(module: str, name: str):
+    def run(args) -> int:
+        try:
+            mod = __import__(module, fromlist=[name])
+        except ImportError as e:
+            print(f"llmd {args.command}: missing dependency: {e.name} (pip install 'llmd[editor,voice]')",
+                  file=sys.stderr)
+            return 2
+        return getattr(mod, name)(args)
+    return run
+
+
+# -- run and complete ---------------------------------------------------------------------------
+
+
+def _print_error(command: str, e: Exception) -> int:
+    print(f"llmd {command}: {e}", file=sys.stderr)
+    return 1
+
+
+def stream_answer(stream, out=sys.stdout) -> tuple[str, bool]:
+    """Write a stream's text as it arrives; returns (text, whether it was stopped by Ctrl-C).
+    Ctrl-C closes the stream, which cancels the request in the daemon."""
+    from .client import RequestError
+    from .events import Error, Token
+    parts = []
+    try:
+        for event in stream:
+            if isinstance(event, Token):
+                parts.append(event.text)
+                out.write(event.text)
+                out.flush()
+    except KeyboardInterrupt:
+        stream.close()
+        return "".join(parts), True
+    if isinstance(stream.final, Error):
+        raise RequestError(stream.final)
+    return "".join(parts), False
+
+
+def _read_message(prompt: str) -> str | None:
+    """One line typed by the user; None at end of input. Ctrl-C at the prompt gives an empty line."""
+    sys.stderr.write(prompt)
+    sys.stderr.flush()
+    try:
+        line = sys.stdin.readline()
+    except KeyboardInterrupt:
+        sys.stderr.write("\n")
+        return ""
+    return line if line else None
+
+
+def run_chat(args) -> int:
+    from .client import Client, ClientError
+    sampling = sampling_from_args(args)
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    history: list[dict] = []
+    interactive = args.interactive or sys.stdin.isatty()
+    try:
+        with Client(args.socket, timeout=120.0) as client:
+            if not interactive:
+                stream_answer(client.chat(system + [{"role": "user", "content": sys.stdin.read()}], **sampling))
+                print()
+                return 0
+            while (line := _read_message("> ")) is not None:
+                text = line.strip()
+                if text in ("/exit", "/quit"):
+                    break
+                if text == "/reset":
+                    history.clear()
+                    continue
+                if not text:
+                    continue
+                history.append({"role": "user", "content": text})
+                answer, stopped = stream_answer(client.chat(system + history, **sampling))
+                history.append({"role": "assistant", "content": answer})
+                print()
+                if stopped:
+                    print("[stopped]", file=sys.stderr, flush=True)
+    except ClientError as e:
+        return _print_error("run", e)
+    return 0
+
+
+def run_complete(args) -> int:
+    from .client import Client, ClientError
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    sampling = sampling_from_args(args)
+    try:
+        with Client(args.socket, timeout=120.0) as client:
+            if args.chat:
+                system = [{"role": "system", "content": args.system}] if args.system else []
+                stream = client.chat(system + [{"role": "user", "content": prompt}], **sampling)
+            else:
+                stream = client.generate(prompt, **sampling)
+            _, stopped = stream_answer(stream)
+    except ClientError as e:
+        return _print_error("complete", e)
+    print()
+    return 130 if stopped else 0

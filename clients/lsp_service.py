@@ -1,0 +1,151 @@
+"""The completion logic behind ``llmd lsp``, apart from the LSP wiring.
+
+One request goes: cache lookup (answer at once on a hit) → debounce (a newer request for the
+same document makes this one give up before reaching the daemon) → an ``infill`` sent with the
+document's ``replace`` key (the daemon cancels the document's previous infill still running) →
+trim → cache store. A request that gives up, is replaced or is cancelled by the editor answers
+None. Every outcome is counted and every answered request's latency is logged.
+
+State: ``_latest`` (the newest request number per document) is written only by ``complete``;
+the cache and the stats are written only here too. All of it lives on the server's event loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from .client import AsyncClient, ClientError
+from .events import Done, Error, Token
+from .lsp_cache import CompletionCache
+from .lsp_prompt import FimBudget, build_fim
+from .lsp_trim import trim_suggestion
+
+log = logging.getLogger("llmd.lsp")
+
+
+@dataclass(frozen=True)
+class LspConfig:
+    socket: Optional[str] = None
+    budget: FimBudget = field(default_factory=FimBudget)
+    max_tokens: int = 16
+    max_lines: int = 8
+    debounce_ms: float = 15.0
+    cache_size: int = 64
+    temperature: float = 0.0
+    timeout_s: float = 10.0
+
+    def __post_init__(self):
+        if self.max_tokens < 1 or self.max_lines < 1:
+            raise ValueError("max_tokens and max_lines must be >= 1")
+        if self.debounce_ms < 0 or self.timeout_s <= 0:
+            raise ValueError("debounce_ms must be >= 0 and timeout_s > 0")
+
+
+def replace_key(uri: str) -> str:
+    """The daemon-side ``replace`` key of a document: one infill in flight per document."""
+    return "lsp:" + hashlib.sha256(uri.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+def percentile(values: Sequence[float], q: float) -> Optional[float]:
+    """Nearest-rank percentile (q in 0..100) of ``values``; None when empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, -(-len(ordered) * q // 100))
+    return ordered[int(rank) - 1]
+
+
+class CompletionStats:
+    """Outcome counts and the latencies (ms) of the last ``window`` answered requests."""
+
+    OUTCOMES = ("completed", "cache_hit", "debounced", "replaced", "cancelled", "empty", "error")
+
+    def __init__(self, window: int = 1000):
+        self.counts = dict.fromkeys(self.OUTCOMES, 0)
+        self.latencies_ms: collections.deque = collections.deque(maxlen=window)
+
+    def record(self, outcome: str, ms: float) -> None:
+        self.counts[outcome] += 1
+        if outcome in ("completed", "cache_hit", "empty"):
+            self.latencies_ms.append(ms)
+        log.info("completion %s in %.1f ms", outcome, ms)
+
+    def snapshot(self) -> dict:
+        lat = list(self.latencies_ms)
+        return {**self.counts, "latency_ms": {"p50": percentile(lat, 50), "p95": percentile(lat, 95), "n": len(lat)}}
+
+
+class CompletionService:
+    def __init__(self, config: LspConfig, client: Optional[AsyncClient] = None):
+        self.config = config
+        self.client = client or AsyncClient(config.socket, timeout=config.timeout_s)
+        self.cache = CompletionCache(config.cache_size)
+        self.stats = CompletionStats()
+        self._latest: dict[str, int] = {}
+        self._serial = 0
+
+    async def complete(self, uri: str, text: str, offset: int, others: Sequence[tuple[str, str]] = ()) -> Optional[str]:
+        """A suggestion to insert at ``offset`` in document ``uri``, or None."""
+        start = time.perf_counter()
+        outcome, suggestion = "error", None
+        try:
+            outcome, suggestion = await self._complete(uri, text, offset, others)
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        except ClientError as e:
+            log.warning("completion failed: %s", e)
+        finally:
+            self.stats.record(outcome, 1000 * (time.perf_counter() - start))
+        return suggestion
+
+    async def _complete(self, uri, text, offset, others) -> tuple[str, Optional[str]]:
+        prefix_all, suffix_all = text[:offset], text[offset:]
+        self._serial += 1
+        me = self._latest[uri] = self._serial
+        hit = self.cache.lookup(uri, prefix_all, suffix_all)
+        if hit is not None:
+            return "cache_hit", hit
+        if self.config.debounce_ms:
+            await asyncio.sleep(self.config.debounce_ms / 1000)
+            if self._latest.get(uri) != me:
+                return "debounced", None
+        prompt = build_fim(text, offset, others, self.config.budget)
+        raw, final = await self._infill(uri, prompt)
+        if isinstance(final, Done) and final.finish_reason == "cancelled":
+            return "replaced", None
+        if isinstance(final, Error):
+            log.warning("daemon refused the completion: %s: %s", final.code, final.message)
+            return "error", None
+        line_before = prefix_all[prefix_all.rfind("\n") + 1:]
+        line_after = suffix_all.split("\n", 1)[0]
+        suggestion = trim_suggestion(raw, line_before, line_after, suffix_all, self.config.max_lines)
+        if not suggestion:
+            return "empty", None
+        self.cache.store(uri, prefix_all, suffix_all, suggestion)
+        return "completed", suggestion
+
+    async def _infill(self, uri: str, prompt) -> tuple[str, object]:
+        stream = await self.client.infill(prompt.prefix, prompt.suffix, files=list(prompt.files) or None,
+                                          replace=replace_key(uri), max_tokens=self.config.max_tokens,
+                                          priority="interactive", temperature=self.config.temperature)
+        parts = []
+        try:
+            async for event in stream:
+                if isinstance(event, Token):
+                    parts.append(event.text)
+        finally:
+            await stream.aclose()
+        return "".join(parts), stream.final
+
+    def forget(self, uri: str) -> None:
+        self._latest.pop(uri, None)
+        self.cache.forget(uri)
+
+    async def aclose(self) -> None:
+        await self.client.aclose()

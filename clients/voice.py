@@ -1,0 +1,231 @@
+"""``llmd voice``: a Wyoming "handle" service that answers transcripts through the daemon.
+
+Events, per connection::
+
+    describe   → info (one handle program, streaming)
+    transcript → handled-start, handled-chunk (one per sentence, as each completes),
+                 handled (the whole answer), handled-stop
+
+A chunk after the first starts with a space, so the chunks joined are the whole answer. History
+is kept per conversation id (``context.conversation_id`` of the transcript, else the satellite)
+as chat messages. Barge-in: a new transcript from the same satellite (``context.satellite_id``,
+else the connection) cancels the answer in progress at once; that answer ends with
+handled-stop and no handled, keeping what was already said in the history.
+
+``sentences``/``iter_sentences`` are the helper for other voice stacks: complete sentences of a
+stream as they arrive, cut by llmd.clients.sentences.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import sys
+from dataclasses import dataclass, field
+from functools import partial
+from typing import AsyncIterator, Iterator, Optional
+
+from wyoming.asr import Transcript
+from wyoming.event import Event
+from wyoming.handle import Handled, HandledChunk, HandledStart, HandledStop, NotHandled
+from wyoming.info import Attribution, Describe, HandleModel, HandleProgram, Info
+from wyoming.server import AsyncEventHandler, AsyncServer
+
+from llmd import __version__
+
+from .client import AsyncClient, ClientError, RequestError
+from .events import Error, Token
+from .sentences import SentenceSplitter
+
+log = logging.getLogger("llmd.voice")
+_ATTRIBUTION = Attribution(name="llmd", url="")
+
+
+async def sentences(stream) -> AsyncIterator[str]:
+    """Complete sentences of an AsyncStream as they arrive; the unfinished rest at the end.
+    Raises RequestError if the stream ends in an error. Leaving early cancels the request."""
+    splitter = SentenceSplitter()
+    try:
+        async for event in stream:
+            if isinstance(event, Token):
+                for sentence in splitter.feed(event.text):
+                    yield sentence
+    finally:
+        await stream.aclose()
+    if isinstance(stream.final, Error):
+        raise RequestError(stream.final)
+    rest = splitter.flush()
+    if rest:
+        yield rest
+
+
+def iter_sentences(stream) -> Iterator[str]:
+    """Blocking form of ``sentences`` for a Client's Stream."""
+    splitter = SentenceSplitter()
+    with stream:
+        for event in stream:
+            if isinstance(event, Token):
+                yield from splitter.feed(event.text)
+    if isinstance(stream.final, Error):
+        raise RequestError(stream.final)
+    rest = splitter.flush()
+    if rest:
+        yield rest
+
+
+@dataclass(frozen=True)
+class VoiceConfig:
+    socket: Optional[str] = None
+    system_prompt: str = ("You are a helpful voice assistant. Answer briefly, in plain spoken sentences "
+                          "without lists or markup.")
+    max_tokens: int = 256
+    temperature: float = 0.0
+    sampling: dict = field(default_factory=dict)   # other sampling keys, e.g. {"top_p": 0.9}
+    history_turns: int = 8
+    max_conversations: int = 256
+    language: str = "en"
+
+
+class Conversations:
+    """Chat history per conversation id, the last ``turns`` exchanges each, least recently used dropped."""
+
+    def __init__(self, turns: int, capacity: int):
+        self.turns, self.capacity = turns, capacity
+        self._history: collections.OrderedDict[str, collections.deque] = collections.OrderedDict()
+
+    def messages(self, cid: str, system: str, user_text: str) -> list[dict]:
+        past = list(self._history.get(cid, ()))
+        return ([{"role": "system", "content": system}] if system else []) + past + \
+            [{"role": "user", "content": user_text}]
+
+    def add(self, cid: str, user_text: str, answer: str) -> None:
+        turns = self._history.pop(cid, None) or collections.deque(maxlen=2 * self.turns)
+        turns.append({"role": "user", "content": user_text})
+        turns.append({"role": "assistant", "content": answer})
+        self._history[cid] = turns
+        while len(self._history) > self.capacity:
+            self._history.popitem(last=False)
+
+
+class VoiceBridge:
+    """What all connections share: the daemon client, the histories and the answer in progress per
+    satellite. ``_answers`` is written only by ``answer``."""
+
+    def __init__(self, config: VoiceConfig, client: Optional[AsyncClient] = None):
+        self.config = config
+        self.client = client or AsyncClient(config.socket, timeout=60.0)
+        self.conversations = Conversations(config.history_turns, config.max_conversations)
+        self._answers: dict[str, asyncio.Task] = {}
+
+    def info(self, model: str = "llmd") -> Info:
+        handle_model = HandleModel(name=model, attribution=_ATTRIBUTION, installed=True, description="llmd chat model",
+                                   version=__version__, languages=[self.config.language])
+        program = HandleProgram(name="llmd", attribution=_ATTRIBUTION, installed=True, version=__version__,
+                                description="answers through a local llmd daemon", models=[handle_model],
+                                supports_handled_streaming=True)
+        return Info(handle=[program])
+
+    async def answer(self, satellite: str, cid: str, text: str, write) -> asyncio.Task:
+        """Stop the satellite's answer in progress (barge-in), then start answering ``text``."""
+        old = self._answers.get(satellite)
+        if old is not None and not old.done():
+            old.cancel()
+            await asyncio.gather(old, return_exceptions=True)
+        task = asyncio.create_task(self._answer(cid, text, write))
+        self._answers[satellite] = task
+        task.add_done_callback(lambda t: self._answers.pop(satellite, None) if self._answers.get(satellite) is t
+                               else None)
+        return task
+
+    async def _answer(self, cid: str, text: str, write) -> None:
+        c = self.config
+        context = {"conversation_id": cid}
+        spoken: list[str] = []
+        await write(HandledStart(context=context).event())
+        try:
+            stream = await self.client.chat(self.conversations.messages(cid, c.system_prompt, text),
+                                            max_tokens=c.max_tokens, priority="interactive",
+                                            temperature=c.temperature, **c.sampling)
+            async for sentence in sentences(stream):
+                await write(HandledChunk(text=(" " if spoken else "") + sentence).event())
+                spoken.append(sentence)
+        except asyncio.CancelledError:
+            log.info("barge-in: stopped an answer after %d sentence(s)", len(spoken))
+            self.conversations.add(cid, text, " ".join(spoken))
+            await write(HandledStop().event())
+            raise
+        except ClientError as e:
+            log.warning("answer failed: %s", e)
+            await write(NotHandled(text=f"llmd: {e}", context=context).event())
+            await write(HandledStop().event())
+            return
+        answer = " ".join(spoken)
+        self.conversations.add(cid, text, answer)
+        await write(Handled(text=answer, context=context).event())
+        await write(HandledStop().event())
+
+    async def aclose(self) -> None:
+        for task in list(self._answers.values()):
+            task.cancel()
+        await asyncio.gather(*self._answers.values(), return_exceptions=True)
+        await self.client.aclose()
+
+
+_connections = itertools.count()
+
+
+class VoiceHandler(AsyncEventHandler):
+    """One Wyoming connection. Answers run as tasks so that a new transcript can interrupt them."""
+
+    def __init__(self, bridge: VoiceBridge, reader, writer):
+        super().__init__(reader, writer)
+        self.bridge = bridge
+        self.name = f"conn-{next(_connections)}"
+        self._tasks: set[asyncio.Task] = set()
+
+    async def handle_event(self, event: Event) -> bool:
+        if Describe.is_type(event.type):
+            await self.write_event(self.bridge.info(self.bridge.client.server_info.get("model") or "llmd").event())
+        elif Transcript.is_type(event.type):
+            t = Transcript.from_event(event)
+            ctx = t.context or {}
+            satellite = str(ctx.get("satellite_id") or self.name)
+            cid = str(ctx.get("conversation_id") or satellite)
+            task = await self.bridge.answer(satellite, cid, t.text, self.write_event)
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        return True
+
+    async def disconnect(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+
+
+async def serve_voice(uri: str, config: VoiceConfig, started: Optional[asyncio.Event] = None) -> None:
+    """Serve Wyoming on ``uri`` (tcp://HOST:PORT or unix://PATH) until cancelled."""
+    bridge = VoiceBridge(config)
+    server = AsyncServer.from_uri(uri)
+    try:
+        await server.start(partial(VoiceHandler, bridge))
+        if started is not None:
+            started.set()
+        await asyncio.Event().wait()
+    finally:
+        await server.stop()
+        await bridge.aclose()
+
+
+def run_voice(args) -> int:
+    logging.basicConfig(level="INFO", format="llmd voice: %(levelname)s %(message)s")
+    config = VoiceConfig(socket=args.socket, system_prompt=args.system_prompt or VoiceConfig.system_prompt, max_tokens=args.max_tokens,
+                         temperature=args.temperature, history_turns=args.history_turns, language=args.language)
+    try:
+        asyncio.run(serve_voice(args.uri, config))
+    except KeyboardInterrupt:
+        pass
+    except ValueError as e:
+        print(f"llmd voice: {e}", file=sys.stderr)
+        return 2
+    return 0
+
