@@ -1,0 +1,94 @@
+"""The Python clients against the real daemon: errors when it is absent, reconnection after a
+restart, timeouts, and the asyncio client."""
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import pytest
+
+from daemon_fixtures import daemon_settings, running_daemon, wait_until
+from llmd.clients.client import (AsyncClient, Client, ConnectionLost, DaemonUnavailable, RequestError, Timeout)
+from llmd.clients.events import Done, Token
+from llmd.daemon.engine_thread import Call
+
+
+def test_absent_daemon_is_a_clear_error(tmp_path):
+    with pytest.raises(DaemonUnavailable, match=r"no llmd daemon at ipc://.*start one with `llmd serve`"):
+        Client(str(tmp_path / "none.sock")).health()
+
+
+def test_stale_socket_file_times_out_as_unavailable(tmp_path):
+    path = tmp_path / "stale.sock"
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(str(path))                    # exists, but nobody listens
+    t0 = time.monotonic()
+    with pytest.raises(DaemonUnavailable, match="nothing answered"):
+        Client(str(path), connect_timeout=0.3).health()
+    assert time.monotonic() - t0 < 2
+    s.close()
+
+
+def test_reconnects_after_a_daemon_restart_and_fails_streams_cut_off(tiny_model_dir, tmp_path):
+    settings = daemon_settings(tiny_model_dir, tmp_path, drain_grace_s=0.0)
+    c = Client(settings.socket, timeout=10)
+    with running_daemon(settings):
+        first = c.generate("before restart", max_tokens=5).text()
+        cut = c.generate("cut off", max_tokens=900, ignore_eos=True)
+        next(cut)
+    try:
+        events = list(cut)               # the drain ends it with `shutdown`, or the connection drops
+        assert isinstance(events[-1], Done) and events[-1].finish_reason == "shutdown"
+    except ConnectionLost:
+        pass
+    with pytest.raises(DaemonUnavailable):
+        c.health()
+    with running_daemon(settings):
+        assert c.generate("before restart", max_tokens=5).text() == first
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def daemon(tiny_model_dir, tmp_path_factory):
+    with running_daemon(daemon_settings(tiny_model_dir, tmp_path_factory.mktemp("c"))) as server:
+        yield server
+
+
+def test_timeout_when_no_event_arrives(daemon):
+    with Client(daemon.settings.socket, timeout=0.2) as c:
+        daemon.engine.submit(Call(0, lambda engine: time.sleep(0.6)))     # the engine is busy elsewhere
+        with pytest.raises(Timeout):
+            list(c.generate("slow", max_tokens=3))
+        time.sleep(0.6)
+        assert wait_until(lambda: c.stats()["engine"]["running"] == 0, 2.0)
+
+
+def test_request_error_from_text(daemon):
+    with Client(daemon.settings.socket) as c:
+        with pytest.raises(RequestError) as e:
+            c.generate("x", top_p=0.0).text()
+        assert e.value.code == "invalid_request"
+        with pytest.raises(TypeError, match="unknown sampling"):
+            c.generate("x", temprature=1.0)
+
+
+def test_async_client_streams_and_cancels(daemon):
+    async def main():
+        async with AsyncClient(daemon.settings.socket) as c:
+            assert (await c.health())["state"] == "ready"
+            streams = [await c.generate(f"async {i}", max_tokens=6) for i in range(4)]
+            texts = await asyncio.gather(*(s.text() for s in streams))
+            async with await c.generate("leave early", max_tokens=500, ignore_eos=True) as s:
+                first = await s.__anext__()
+            assert isinstance(first, Token)
+            for _ in range(100):
+                if (await c.stats())["engine"]["running"] == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert (await c.stats())["engine"]["running"] == 0
+            return texts
+
+    texts = asyncio.run(main())
+    with Client(daemon.settings.socket) as c:
+        assert texts == [c.generate(f"async {i}", max_tokens=6).text() for i in range(4)]
