@@ -1,0 +1,367 @@
+"""Weight quantization as a module swap, plus the int8 KV-cache codec.
+
+Every quantized module keeps the forward signature of ``llmd.runtime.models.layers.Linear``
+(x [..., in] -> [..., out], output in x's dtype) and picks its kernel by the number of rows M:
+
+    method  stored (safetensors)                       M <= small_m                 M > small_m
+    int8    qweight int8 [N,K], scales f32 [N]         _weight_int8pack_mm (bf16)   bf16 matmul, weight
+                                                                                    dequantized once per call
+    int4    qweight u8 [N,K/2] (two nibbles, low       _weight_int4pack_mm_for_cpu  same as int8, from nibbles
+            first), scales/zeros f32 [N, K/G]          (bf16)
+    w8a8    qweight int8 [N,K], scales f32 [N]         _int_mm: activations quantized per token (dynamic,
+                                                       symmetric), int32 accumulation, at every M
+
+Formulas (q is the stored integer, G the group size):
+    int8:  w = q * s[n]                              q in [-127, 127]
+    int4:  w = (q - 8) * s[n, g] + z[n, g]           q in [0, 15]; symmetric groups have z = 0
+    w8a8:  y = (xq @ q^T) * sx[m] * s[n]             xq = round(x / sx), sx = max|x[m]| / 127
+
+Embedding and head: the output head is quantized to int8 (weight-only) unless ``head="float"``. In a
+tied model the embedding *is* the head's table, so it follows the head: an int8 head is looked up
+as int8 rows times their scales. An untied embedding stays float unless ``embed="int8"``. The
+embedding is read one row per token, so quantizing it saves memory but no time.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmd.runtime.errors import InvalidRequest
+from llmd.runtime.models.layers import Linear
+
+METHODS = ("none", "int8", "int4", "w8a8")
+SMALL_M = 4            # rows up to which the packed low-bit kernels beat dense bf16 here
+
+
+class QuantizationError(InvalidRequest):
+    """The requested quantization does not fit this model (shape, group size, method)."""
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    method: str = "none"          # none | int8 | int4 | w8a8
+    group_size: int = 128         # int4 only: input columns sharing one scale
+    symmetric: bool = False       # int4 only: zero points (False) or none (True)
+    head: str = "int8"            # float | int8: the output head (and a tied embedding)
+    embed: str = "float"          # float | int8: an untied embedding
+    kv_dtype: str = "auto"        # auto | int8 (recorded; the runtime owns the pool)
+    small_m: int = SMALL_M
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise QuantizationError(f"quantization must be one of {METHODS}, got {self.method!r}")
+        if self.group_size not in (32, 64, 128, 256):
+            raise QuantizationError(f"group size must be 32, 64, 128 or 256, got {self.group_size}")
+        if self.head not in ("float", "int8") or self.embed not in ("float", "int8"):
+            raise QuantizationError("head and embed must be 'float' or 'int8'")
+        if self.kv_dtype not in ("auto", "int8"):
+            raise QuantizationError(f"kv dtype must be auto or int8, got {self.kv_dtype!r}")
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "QuantSpec":
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+
+# ---- pure quantizers (also used by the round-trip tests) ---------------------------------------
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel symmetric: w [N,K] -> (q int8 [N,K], scale f32 [N]); |w - q*s| <= s/2."""
+    w = w.float()
+    scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale[:, None]
+
+
+def quantize_int4(w: torch.Tensor, group_size: int, symmetric: bool = False):
+    """Group-wise: w [N,K] -> (q uint8 [N,K] in [0,15], scales [N,K/G], zeros [N,K/G]) with
+    w ~ (q - 8) * s + z. Asymmetric groups span [min, max] in 15 steps; symmetric ones
+    [-8 s, 7 s] with s = max|w| / 8 clipped so that +max is representable to within s/2."""
+    n, k = w.shape
+    g = w.float().view(n, k // group_size, group_size)
+    if symmetric:
+        scale = (g.abs().amax(-1) / 7.5).clamp(min=1e-12)
+        zero = torch.zeros_like(scale)
+        q = torch.round(g / scale[..., None]).clamp(-8, 7) + 8
+    else:
+        lo, hi = g.amin(-1), g.amax(-1)
+        scale = ((hi - lo) / 15).clamp(min=1e-12)
+        q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15)
+        zero = lo + 8 * scale
+    return q.to(torch.uint8).view(n, k), scale, zero
+
+
+def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    n, k = q.shape
+    groups = scale.shape[1]
+    g = (q.float().view(n, groups, k // groups) - 8) * scale[..., None] + zero[..., None]
+    return g.view(n, k)
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """uint8 [N,K] values in [0,15] -> uint8 [N,K/2], column 2j in the low nibble."""
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+
+
+def unpack_nibbles(p: torch.Tensor) -> torch.Tensor:
+    return torch.stack((p & 15, p >> 4), dim=-1).view(p.shape[0], -1)
+
+
+# ---- modules -----------------------------------------------------------------------------------
+
+class QuantLinear(nn.Module):
+    """Common part: bias, shapes, and the row-count dispatch. Subclasses store their tensors as
+    persistent buffers (what the engine directory saves) and build kernel forms in ``prepare()``."""
+
+    method = ""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, small_m: int = SMALL_M):
+        super().__init__()
+        self.in_features, self.out_features, self.small_m = in_features, out_features, small_m
+        self.register_buffer("bias", torch.zeros(out_features) if bias else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        y = self.small(x2) if x2.shape[0] <= self.small_m else self.large(x2)
+        y = y.to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def large(self, x: torch.Tensor) -> torch.Tensor:
+        """Many rows: one dequantization amortized over all of them, then a dense bf16 product."""
+        return F.linear(x.to(torch.bfloat16), self.dense_weight().to(torch.bfloat16))
+
+    def prepare(self) -> None:
+        pass
+
+    def extra_repr(self) -> str:
+        return f"{self.method}, in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
+
+
+class Int8Linear(QuantLinear):
+    method = "int8"
+
+    def __init__(self, in_features, out_features, bias=False, small_m=SMALL_M):
+        super().__init__(in_features, out_features, bias, small_m)
+        self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8))
+        self.register_buffer("scales", torch.ones(out_features))
+        self._scales_bf16 = None
+
+    def load_weight(self, w: torch.Tensor) -> None:
+        self.qweight, self.scales = quantize_int8(w)
+
+    def prepare(self) -> None:
+        self._scales_bf16 = self.scales.to(torch.bfloat16)
+
+    def small(self, x: torch.Tensor) -> torch.Tensor:
+        if self._scales_bf16 is None:
+            self.prepare()
+        return torch._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), self.qweight, self._scales_bf16)
+
+    def dense_weight(self) -> torch.Tensor:
+        return dequantize_int8(self.qweight, self.scales)
+
+
+class W8A8Linear(Int8Linear):
+    """int8 weights and per-token dynamic int8 activations: integer products at every row count."""
+
+    method = "w8a8"
+
+    def small(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.float()
+        sx = (x.abs().amax(dim=1, keepdim=True) / 127).clamp(min=1e-12)
+        xq = torch.round(x / sx).to(torch.int8)
+        # qweight.t() is a column-major view; oneDNN reads it without a copy.
+        return torch._int_mm(xq, self.qweight.t()).float() * (sx * self.scales)
+
+    large = small
+
+
+class Int4Linear(QuantLinear):
+    method = "int4"
+
+    def __init__(self, in_features, out_features, bias=False, small_m=SMALL_M, group_size=128,
+                 symmetric=False):
+        super().__init__(in_features, out_features, bias, small_m)
+        check_int4_shape(in_features, out_features, group_size)
+        self.group_size, self.symmetric = group_size, symmetric
+        groups = in_features // group_size
+        self.register_buffer("qweight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8))
+        self.register_buffer("scales", torch.ones(out_features, groups))
+        self.register_buffer("zeros", torch.zeros(out_features, groups))
+        self._packed = self._scales_zeros = None
+
+    def load_weight(self, w: torch.Tensor) -> None:
+        q, self.scales, self.zeros = quantize_int4(w, self.group_size, self.symmetric)
+        self.qweight = pack_nibbles(q)
+
+    def prepare(self) -> None:
+        q = unpack_nibbles(self.qweight).to(torch.int32)
+        self._packed = torch._convert_weight_to_int4pack_for_cpu(q, 2)
+        # the kernel wants [K/G, N, 2] (scale, zero) in bf16
+        self._scales_zeros = torch.stack((self.scales, self.zeros), dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+
+    def small(self, x: torch.Tensor) -> torch.Tensor:
+        if self._packed is None:
+            self.prepare()
+        return torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16).contiguous(), self._packed,
+                                                 self.group_size, self._scales_zeros)
+
+    def dense_weight(self) -> torch.Tensor:
+        return dequantize_int4(unpack_nibbles(self.qweight), self.scales, self.zeros)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", group_size={self.group_size}, symmetric={self.symmetric}"
+
+
+class Int8Embedding(nn.Module):
+    """Rows of an int8 table times their scales. For a tied model the table is the head's own
+    (the same tensors, not a copy)."""
+
+    def __init__(self, table: Int8Linear, owns_table: bool):
+        super().__init__()
+        if owns_table:
+            self.table = table                      # registered: saved as embed_tokens.table.*
+        else:
+            object.__setattr__(self, "table", table)   # the head's module; saved once, as lm_head.*
+
+    @property
+    def weight(self) -> torch.Tensor:       # LlamaForCausalLM.embed() checks this is not None
+        return self.table.qweight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.table.qweight.index_select(0, ids.reshape(-1)).float()
+        rows = rows * self.table.scales.index_select(0, ids.reshape(-1))[:, None]
+        return rows.view(*ids.shape, -1)
+
+
+def check_int4_shape(in_features: int, out_features: int, group_size: int) -> None:
+    if in_features % group_size:
+        raise QuantizationError(f"int4 group size {group_size} does not divide the input width {in_features}; "
+                                "choose a group size that does (--group-size 32, 64 or 128)")
+    if out_features % 16:
+        raise QuantizationError(f"int4 needs output widths divisible by 16, got {out_features}")
+
+
+def make_quant_linear(spec: QuantSpec, in_features: int, out_features: int, bias: bool) -> QuantLinear:
+    if spec.method == "int8":
+        return Int8Linear(in_features, out_features, bias, spec.small_m)
+    if spec.method == "w8a8":
+        return W8A8Linear(in_features, out_features, bias, spec.small_m)
+    if spec.method == "int4":
+        return Int4Linear(in_features, out_features, bias, spec.small_m, spec.group_size, spec.symmetric)
+    raise QuantizationError(f"no quantized module for method {spec.method!r}")
+
+
+# ---- whole-model swap --------------------------------------------------------------------------
+
+def quantize_model(model: nn.Module, spec: QuantSpec, from_weights: bool = True) -> nn.Module:
+    """Replace every decoder ``Linear`` by the spec's module, then the head/embedding per the spec.
+
+    from_weights=True quantizes the current float weights (export); False builds empty modules of
+    the right shapes for tensors that are loaded afterwards (engine directories). Call before
+    ``prepare_for_inference()``; works in place and returns the model.
+    """
+    if spec.method == "none":
+        return model
+    for layer in model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, Linear):
+                    setattr(parent, name, _swap(child, make_quant_linear(spec, child.in_features, child.out_features,
+                                                                         child.bias is not None), from_weights))
+    _quantize_head(model, spec, from_weights)
+    return model
+
+
+def _swap(linear: Linear, q: QuantLinear, from_weights: bool) -> QuantLinear:
+    if from_weights:
+        q.load_weight(linear.dense_weight().detach())
+        if linear.bias is not None:
+            q.bias = linear.bias.detach().float().clone()
+    return q
+
+
+def _quantize_head(model: nn.Module, spec: QuantSpec, from_weights: bool) -> None:
+    cfg = model.config
+    if spec.head == "int8":
+        head = Int8Linear(cfg.hidden_size, cfg.vocab_size, False, spec.small_m)
+        if model.lm_head is not None:
+            model.lm_head = _swap(model.lm_head, head, from_weights)
+        else:   # tied: one int8 table serves as head and embedding
+            if from_weights:
+                head.load_weight(model.embed_tokens.weight.detach())
+            model.lm_head = head
+            model.embed_tokens = Int8Embedding(head, owns_table=False)
+    if spec.embed == "int8" and not isinstance(model.embed_tokens, Int8Embedding):
+        table = Int8Linear(cfg.hidden_size, cfg.vocab_size, False, spec.small_m)
+        if from_weights:
+            table.load_weight(model.embed_tokens.weight.detach())
+        model.embed_tokens = Int8Embedding(table, owns_table=True)
+
+
+def prepare_quantized(model: nn.Module) -> None:
+    """Build the kernel forms (packed int4, bf16 scales) after tensors are in place."""
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            m.prepare()
+
+
+def quantized_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every tensor an engine directory stores, each storage once (a tied int8 table appears under
+    lm_head.* only)."""
+    out, seen = {}, set()
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t is None or name.startswith("rotary.") or t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        out[name] = t.detach().contiguous()
+    return out
+
+
+# ---- int8 KV cache codec -----------------------------------------------------------------------
+#
+# Pool layout as in the runtime, with one float32 scale per (layer, block, kv head):
+#
+#     k_pool[layer]:   int8 [num_blocks * block_size, kv_heads, head_dim]
+#     k_scale[layer]:  f32  [num_blocks, kv_heads]          value = q * scale[slot // block_size, head]
+#
+# A block fills up a few tokens at a time, so its scale may have to grow: the writer then rescales
+# the block's earlier entries to the new scale (one extra rounding for those, bounded by the new
+# scale / 2), which keeps a single scale per block and head valid at all times.
+
+def write_kv_int8(pool: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor, new: torch.Tensor,
+                  block_size: int) -> None:
+    """Write new [T, H, D] float values at ``slots`` into an int8 pool [S, H, D] with per-block,
+    per-head scales [S // block_size, H]; growing a block's scale requantizes what it holds."""
+    new = new.float()
+    blocks = slots // block_size
+    need = new.abs().amax(dim=-1) / 127                                     # [T, H]
+    uniq, inverse = torch.unique(blocks, return_inverse=True)
+    want = torch.zeros(uniq.numel(), need.shape[1]).scatter_reduce_(0, inverse[:, None].expand_as(need), need, "amax")
+    old = scales[uniq]                                                      # [U, H]
+    grown = torch.maximum(old, want).clamp(min=1e-12)
+    changed = (grown > old) & (old > 0)
+    if changed.any():
+        rows = (uniq[:, None] * block_size + torch.arange(block_size)).flatten()
+        ratio = (old / grown).repeat_interleave(block_size, dim=0)[:, :, None]   # [U*bs, H, 1]
+        pool[rows] = torch.round(pool[rows].float() * ratio).to(torch.int8)
+    scales[uniq] = grown
+    s = scales[blocks][:, :, None]
+    pool[slots] = torch.round(new / s).clamp(-127, 127).to(torch.int8)
+
+
+def read_kv_int8(pool: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor, block_size: int,
+                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Gather slots [L] -> [L, H, D] dequantized values."""
+    return (pool[slots].float() * scales[slots // block_size][:, :, None]).to(dtype)

@@ -1,0 +1,158 @@
+"""Quantization: round-trip error bounds, each kernel against its dequantized reference at small and
+large row counts, whole-model logits against float32, and the int8 KV-cache codec."""
+import pytest
+import torch
+
+from llmd.export.quantize import (Int4Linear, Int8Embedding, Int8Linear, QuantizationError, QuantSpec,
+                                  W8A8Linear, dequantize_int4, dequantize_int8, pack_nibbles,
+                                  prepare_quantized, quantize_int4, quantize_int8, quantize_model,
+                                  read_kv_int8, unpack_nibbles, write_kv_int8)
+from llmd.runtime.models.loader import load_model
+
+
+def randw(n=64, k=128, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g)
+    w[3] *= 50                                       # rows of very different ranges
+    w[:, 7] *= 10                                    # an outlier input channel
+    return w
+
+
+def test_int8_round_trip_within_half_a_step_per_channel():
+    w = randw()
+    q, s = quantize_int8(w)
+    assert q.dtype == torch.int8 and s.shape == (64,)
+    err = (dequantize_int8(q, s) - w).abs()
+    assert (err <= s[:, None] / 2 + 1e-6).all()
+    assert (q.abs().amax(1) == 127).all()            # every channel uses its full range
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_round_trip_within_half_a_step_per_group(group, symmetric):
+    w = randw()
+    q, s, z = quantize_int4(w, group, symmetric)
+    assert q.max() <= 15 and s.shape == (64, 128 // group)
+    err = (dequantize_int4(q, s, z) - w).abs().view(64, -1, group)
+    assert (err <= s[..., None] / 2 + 1e-5).all()
+    if symmetric:
+        assert (z == 0).all()
+
+
+def test_nibbles_round_trip():
+    q = torch.randint(0, 16, (16, 64), dtype=torch.uint8)
+    assert torch.equal(unpack_nibbles(pack_nibbles(q)), q)
+    assert pack_nibbles(q).shape == (16, 32)
+
+
+def reference(x, module):
+    y = x.float() @ module.dense_weight().t()
+    return y + module.bias if module.bias is not None else y
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 33])           # both sides of the small-M switch
+@pytest.mark.parametrize("make", [
+    lambda: Int8Linear(128, 96, bias=True),
+    lambda: Int4Linear(128, 96, bias=True, group_size=32),
+    lambda: Int4Linear(128, 96, bias=False, group_size=64, symmetric=True),
+    lambda: W8A8Linear(128, 96, bias=True),
+])
+def test_quantized_linear_matches_its_dequantized_weight(make, rows):
+    m = make()
+    m.load_weight(randw(96, 128))
+    if m.bias is not None:
+        m.bias = torch.randn(96)
+    m.prepare()
+    x = torch.randn(2, rows, 128)
+    y = m(x)
+    assert y.shape == (2, rows, 96) and y.dtype == torch.float32
+    ref = reference(x.view(-1, 128), m).view(2, rows, 96)
+    # bf16 activations (and int8 activations for w8a8) bound the error relative to the output range
+    tol = (0.02 if isinstance(m, W8A8Linear) else 0.01) * ref.abs().max()
+    assert (y - ref).abs().max() <= tol
+
+
+def test_int4_rejects_a_group_size_that_does_not_divide_the_width():
+    with pytest.raises(QuantizationError, match="group size 128"):
+        Int4Linear(96, 64, group_size=128)
+    with pytest.raises(QuantizationError):
+        QuantSpec("int3")
+
+
+SPECS = {"int8": (QuantSpec("int8"), 0.01), "int4": (QuantSpec("int4", group_size=32), 0.02),
+         "int4-sym": (QuantSpec("int4", group_size=32, symmetric=True), 0.03),
+         "w8a8": (QuantSpec("w8a8"), 0.01), "int8-float-head": (QuantSpec("int8", head="float"), 0.003)}
+
+
+@pytest.fixture(scope="module")
+def small_model_dir(model_factory):
+    # std 0.02 as in real checkpoints: quantization error is then realistic, not swamped
+    return model_factory("qsmall", hidden=128, intermediate=256, layers=2, std=0.02, tie=True)
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_quantized_model_logits_close_to_float32(small_model_dir, name):
+    spec, tol = SPECS[name]
+    ids = torch.randint(0, 440, (2, 24), generator=torch.Generator().manual_seed(1))
+    ref = load_model(small_model_dir)
+    ref.prepare_for_inference()
+    m = load_model(small_model_dir)
+    quantize_model(m, spec)
+    m.prepare_for_inference()
+    prepare_quantized(m)
+    with torch.no_grad():
+        r = ref.forward_dense(ids)
+        for batch in (ids, ids[:1, :3]):              # large and small row counts
+            o = m.forward_dense(batch)
+            rr = r[:batch.shape[0], :batch.shape[1]]
+            assert (o - rr).abs().max() <= tol * rr.abs().max(), name
+    assert (o.argmax(-1) == r[:1, :3].argmax(-1)).float().mean() >= 0.99
+
+
+def test_tied_int8_head_is_also_the_embedding(small_model_dir):
+    m = load_model(small_model_dir)
+    emb = m.embed_tokens.weight.detach().clone()
+    quantize_model(m, QuantSpec("int8"))
+    assert isinstance(m.embed_tokens, Int8Embedding) and m.embed_tokens.table is m.lm_head
+    ids = torch.tensor([0, 5, 439])
+    q, s = quantize_int8(emb)
+    assert torch.equal(m.embed_tokens(ids), dequantize_int8(q, s)[ids])
+    names = [n for n, _ in m.named_buffers()]
+    assert "lm_head.qweight" in names and not any(n.startswith("embed_tokens.") for n in names)
+
+
+def test_float_head_keeps_tied_embedding_float(small_model_dir):
+    m = load_model(small_model_dir)
+    quantize_model(m, QuantSpec("int4", group_size=32, head="float"))
+    assert m.lm_head is None and isinstance(m.layers[0].mlp.down_proj, Int4Linear)
+
+
+# ---- int8 KV cache -------------------------------------------------------------------------------
+
+def test_kv_int8_round_trip_per_block_per_head_scales():
+    bs, blocks, heads, d = 4, 3, 2, 8
+    pool = torch.zeros(blocks * bs, heads, d, dtype=torch.int8)
+    scales = torch.zeros(blocks, heads)
+    g = torch.Generator().manual_seed(0)
+    values = torch.randn(blocks * bs, heads, d, generator=g)
+    values[:, 1] *= 20                                           # heads of different ranges
+    slots = torch.tensor([4, 5, 6, 7, 8, 9, 10, 11, 0, 1, 2, 3])   # any order of blocks
+    write_kv_int8(pool, scales, slots, values[slots], bs)
+    back = read_kv_int8(pool, scales, torch.arange(blocks * bs), bs)
+    per_slot_scale = scales.repeat_interleave(bs, 0)[:, :, None]
+    assert ((back - values).abs() <= per_slot_scale / 2 + 1e-6).all()
+    assert torch.allclose(scales, values.abs().view(blocks, bs, heads, d).amax((1, 3)) / 127)
+
+
+def test_kv_int8_growing_scale_requantizes_earlier_entries():
+    bs, heads, d = 4, 1, 4
+    pool = torch.zeros(bs, heads, d, dtype=torch.int8)
+    scales = torch.zeros(1, heads)
+    small = torch.full((1, heads, d), 0.5)
+    big = torch.full((1, heads, d), 10.0)
+    write_kv_int8(pool, scales, torch.tensor([0]), small, bs)       # a decode step at a time
+    write_kv_int8(pool, scales, torch.tensor([1]), big, bs)
+    assert scales[0, 0] == pytest.approx(10 / 127)
+    back = read_kv_int8(pool, scales, torch.tensor([0, 1]), bs)
+    assert torch.allclose(back[1], big[0])
+    assert (back[0] - 0.5).abs().max() <= scales[0, 0] / 2 * 2 + 1e-6   # at most two roundings
