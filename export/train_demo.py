@@ -13,12 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 
 from ..runtime.models.config import ModelConfig
 from ..runtime.models.llama import LlamaForCausalLM
@@ -29,6 +31,7 @@ from .train_loop import TrainConfig, WindowSampler, init_weights, train
 SEED = 1234
 HELDOUT_FRACTION = 0.05
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+MAX_WEIGHT_BYTES = 40 * 2**20
 
 # The target: Llama with grouped-query attention and tied embeddings, 12.6M parameters.
 TARGET_SHAPE = dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
@@ -56,9 +59,16 @@ def new_model(config: dict, seed: int) -> LlamaForCausalLM:
 
 
 def write_model_dir(model: LlamaForCausalLM, config: dict, tokenizer_dir: Path, out: Path) -> None:
-    """A complete Hugging Face model directory: weights, config, generation config, tokenizer."""
+    """A complete Hugging Face model directory: weights, config, generation config, tokenizer.
+
+    Weights are float32 unless that would exceed MAX_WEIGHT_BYTES; then bfloat16."""
     out.mkdir(parents=True, exist_ok=True)
     save_model(model, out)
+    if (out / "model.safetensors").stat().st_size > MAX_WEIGHT_BYTES:
+        tensors = load_file(str(out / "model.safetensors"))
+        save_file({k: v.to(torch.bfloat16) for k, v in tensors.items()}, str(out / "model.safetensors"),
+                  metadata={"format": "pt"})
+        config = {**config, "torch_dtype": "bfloat16"}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     gen = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"], "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
@@ -121,10 +131,12 @@ def token_facts(tok_dir: Path) -> tuple[int, int]:
 
 def record(work: Path, name: str, state: dict) -> None:
     """Training facts for the model cards: steps, wall time, final loss, configuration."""
-    path = work / "runs.json"
-    runs = json.loads(path.read_text()) if path.is_file() else {}
-    runs[name] = {k: state[k] for k in ("step", "elapsed_s", "loss_ema", "config")}
-    path.write_text(json.dumps(runs, indent=2))
+    run = {k: state[k] for k in ("step", "elapsed_s", "loss_ema", "config")}
+    (work / f"run-{name}.json").write_text(json.dumps(run, indent=2))   # one file per stage: stages may run at once
+
+
+def read_runs(work: Path) -> dict:
+    return {p.stem[len("run-"):]: json.loads(p.read_text()) for p in sorted(work.glob("run-*.json"))}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -132,10 +144,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, default=Path("models"), help="where code-target/ and code-draft/ go")
     p.add_argument("--work", type=Path, default=Path("work-out/demo"), help="checkpoints and token caches")
     p.add_argument("--stages", default="data,target,draft,raw,eval")
-    p.add_argument("--target-minutes", type=float, default=50.0)
-    p.add_argument("--draft-minutes", type=float, default=20.0)
-    p.add_argument("--raw-minutes", type=float, default=10.0)
+    p.add_argument("--target-minutes", type=float, default=48.0)
+    p.add_argument("--draft-minutes", type=float, default=22.0)
+    p.add_argument("--raw-minutes", type=float, default=22.0)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--card-command", default=None, help="the command line recorded in the model cards")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     args.work.mkdir(parents=True, exist_ok=True)
@@ -151,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
         stage_raw(args.work, replace(DRAFT_TRAIN, budget_s=args.raw_minutes * 60))
     if "eval" in stages:
         from .eval_demo import evaluate_and_write_cards
-        evaluate_and_write_cards(args.work, args.out)
+        evaluate_and_write_cards(args.work, args.out, args.card_command or " ".join(["python -m llmd.export.train_demo", *(argv or sys.argv[1:])]))
     print(f"done in {time.monotonic() - t0:.0f} s")
 
 

@@ -1,0 +1,296 @@
+"""Measure the demo pair on held-out stdlib files and write the figures into the model cards.
+
+Three measurements, all on files the models never trained on:
+
+- held-out loss: mean next-token cross-entropy (nats) on windows of the held-out token stream, which
+  mixes plain files and fill-in-the-middle samples as training did.
+- greedy acceptance: for a completion prompt, the target's greedy continuation g is decoded once. A
+  draft proposing 4 tokens at position i has its proposals accepted up to the first one that differs
+  from g, and decoding continues at i + accepted + 1 (the target's own token). Because a draft's
+  proposal only matters while it agrees with g, the draft's greedy choices along g (one forward pass
+  over prompt + g) decide every round exactly as a real speculative loop would.
+- fill-in-the-middle: 1 to 3 lines are cut out of a held-out function (only where the rest alone does
+  not parse); the target writes the middle from prefix and suffix, and we check that
+  prefix + middle + suffix parses. The same check with an
+  empty suffix shows what the suffix contributes.
+
+Greedy decoding uses the same weights through transformers' KV cache, which is much faster here
+than re-running the dense forward; the loss and the draft passes use llmd's own model.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import random
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..runtime.models.loader import load_model
+from . import corpus
+
+PROPOSE = 4
+PROMPT_TOKENS, CONTINUE_TOKENS = 128, 32
+FIM_MAX_NEW = 64
+
+
+# ---- held-out loss -----------------------------------------------------------------------------
+@torch.no_grad()
+def heldout_loss(model, tokens: np.ndarray, windows: int = 64, seq_len: int = 512, seed: int = 0) -> float:
+    width = seq_len + 1
+    starts = np.random.default_rng(seed).choice(len(tokens) // width, size=windows, replace=False) * width
+    total = 0.0
+    for s in starts:
+        row = torch.from_numpy(tokens[s:s + width].astype(np.int64))[None]
+        logits = model.forward_dense(row[:, :-1])
+        total += F.cross_entropy(logits[0].float(), row[0, 1:]).item()
+    return total / windows
+
+
+# ---- greedy decoding with a KV cache (transformers, same weights) --------------------------------
+@torch.no_grad()
+def greedy(hf_model, ids: torch.Tensor, max_new: int, stop_id: int | None = None) -> torch.Tensor:
+    """[B, T] -> [B, max_new] greedy tokens; rows stop growing meaningfully after stop_id."""
+    out = hf_model(input_ids=ids, use_cache=True)
+    past, new = out.past_key_values, []
+    nxt = out.logits[:, -1].argmax(-1)
+    for _ in range(max_new):
+        new.append(nxt)
+        if stop_id is not None and ids.shape[0] == 1 and nxt.item() == stop_id:
+            break
+        out = hf_model(input_ids=nxt[:, None], past_key_values=past, use_cache=True)
+        past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1)
+    return torch.stack(new, dim=1)
+
+
+def completion_prompts(files, encode, n: int, seed: int) -> torch.Tensor:
+    """n prompts of PROMPT_TOKENS tokens from random places in held-out files (plain text, no FIM)."""
+    rng = random.Random(seed)
+    streams = [ids for ids in (encode(corpus.read_source(f)) for f in files)
+               if len(ids) > PROMPT_TOKENS + CONTINUE_TOKENS]
+    rows = []
+    for _ in range(n):
+        ids = rng.choice(streams)
+        s = rng.randrange(len(ids) - PROMPT_TOKENS - CONTINUE_TOKENS)
+        rows.append(ids[s:s + PROMPT_TOKENS])
+    return torch.tensor(rows)
+
+
+@torch.no_grad()
+def acceptance(draft, prompts: torch.Tensor, continuation: torch.Tensor) -> dict:
+    """Accepted / proposed draft tokens, 4 proposed per round, along the target's greedy path."""
+    seq = torch.cat([prompts, continuation], dim=1)
+    guess = draft.forward_dense(seq).argmax(-1)[:, PROMPT_TOKENS - 1:-1]    # draft's pick for g[j]
+    agree = (guess == continuation).tolist()
+    accepted = proposed = rounds = 0
+    for row in agree:
+        i = 0
+        while i + PROPOSE <= len(row):
+            k = 0
+            while k < PROPOSE and row[i + k]:
+                k += 1
+            accepted, proposed, rounds = accepted + k, proposed + PROPOSE, rounds + 1
+            i += k + 1
+    return {"accepted": accepted, "proposed": proposed, "rate": accepted / proposed,
+            "tokens_per_target_pass": (accepted + rounds) / rounds}
+
+
+# ---- fill-in-the-middle --------------------------------------------------------------------------
+def fim_cases(files, n: int, seed: int, max_chars: int = 1200) -> list[tuple[str, str, str]]:
+    """(prefix, middle, suffix): middle is 1 to 3 whole lines of a held-out function's body, chosen so
+    that prefix + suffix alone does not parse (an empty middle never passes the check)."""
+    rng = random.Random(seed)
+    pool = []
+    for f in files:
+        text = corpus.read_source(f)
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                src = ast.get_source_segment(text, node, padded=True)
+                if src and len(src) <= max_chars and src.count("\n") >= 3:
+                    pool.append(textwrap.dedent(src))
+    rng.shuffle(pool)
+    cases = []
+    for src in pool:
+        lines = src.splitlines(keepends=True)
+        a = rng.randrange(1, len(lines))
+        b = min(len(lines), a + rng.randint(1, 3))
+        pre, mid, suf = "".join(lines[:a]), "".join(lines[a:b]), "".join(lines[b:])
+        if mid.strip() and len(mid) <= 160 and parses(src) and not parses(pre + suf):
+            cases.append((pre, mid, suf))
+        if len(cases) == n:
+            break
+    return cases
+
+
+def parses(text: str) -> bool:
+    try:
+        ast.parse(text)
+        return True
+    except (SyntaxError, ValueError):
+        return False
+
+
+def fim_check(hf_model, tok, cases, with_suffix: bool) -> dict:
+    """Fraction of cases where prefix + generated middle + suffix parses, and exact middles."""
+    ids = {t: tok.token_to_id(t) for t in corpus.SPECIAL_TOKENS}
+    ok = exact = 0
+    for pre, mid, suf in cases:
+        prompt = ([ids[corpus.FIM_PREFIX]] + tok.encode(pre).ids + [ids[corpus.FIM_SUFFIX]]
+                  + (tok.encode(suf).ids if with_suffix else []) + [ids[corpus.FIM_MIDDLE]])
+        out = greedy(hf_model, torch.tensor([prompt]), FIM_MAX_NEW, stop_id=ids[corpus.EOT])[0].tolist()
+        if ids[corpus.EOT] in out:
+            out = out[:out.index(ids[corpus.EOT])]
+        middle = tok.decode(out, skip_special_tokens=True)
+        ok += parses(pre + middle + suf)
+        exact += middle.strip() == mid.strip()
+    return {"cases": len(cases), "parses": ok / len(cases), "exact": exact / len(cases)}
+
+
+# ---- the whole evaluation --------------------------------------------------------------------------
+def evaluate(work: Path, out: Path, seed: int = 0) -> dict:
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
+
+    tok = Tokenizer.from_file(str(out / "code-target" / "tokenizer.json"))
+    tok.encode_special_tokens = True
+    split = json.loads((work / "split.json").read_text())
+    root = corpus.stdlib_root()
+    held = [corpus.SourceFile(rel, root / rel) for rel in split["heldout"]]
+    heldout = np.load(work / "heldout.npy", allow_pickle=False)
+    models = {"target": out / "code-target", "draft": out / "code-draft", "raw draft": work / "code-draft-raw"}
+    results: dict = {"loss": {}, "acceptance": {}}
+    t0 = time.monotonic()
+    loaded = {name: load_model(d) for name, d in models.items() if (d / "model.safetensors").is_file()}
+    for name, m in loaded.items():
+        results["loss"][name] = heldout_loss(m, heldout)
+    hf = AutoModelForCausalLM.from_pretrained(str(models["target"]), torch_dtype=torch.float32).eval()
+    prompts = completion_prompts(held, lambda s: tok.encode(s, add_special_tokens=False).ids, 200, seed)
+    probe = prompts[:2]
+    results["hf_max_logit_diff"] = (hf(input_ids=probe).logits - loaded["target"].forward_dense(probe)).abs().max().item()
+    cont = torch.cat([greedy(hf, prompts[i:i + 50], CONTINUE_TOKENS) for i in range(0, len(prompts), 50)])
+    for name in ("draft", "raw draft"):
+        if name in loaded:
+            results["acceptance"][name] = acceptance(loaded[name], prompts, cont)
+    cases = fim_cases(held, 100, seed)
+    results["fim"] = {"with_suffix": fim_check(hf, tok, cases, True),
+                      "without_suffix": fim_check(hf, tok, cases, False)}
+    results["flops_ratio"] = loaded["draft"].config.flops_per_token() / loaded["target"].config.flops_per_token()
+    results["params"] = {n: m.config.num_parameters() for n, m in loaded.items()}
+    results["eval_s"] = time.monotonic() - t0
+    return results
+
+
+def evaluate_and_write_cards(work: Path, out: Path, command: str) -> dict:
+    results = evaluate(work, out)
+    (work / "eval.json").write_text(json.dumps(results, indent=2))
+    from .train_demo import read_runs
+    runs = read_runs(work)
+    for name in ("code-target", "code-draft"):
+        (out / name / "MODEL_CARD.md").write_text(model_card(name, out, work, results, runs, command))
+    print(json.dumps(results, indent=2))
+    return results
+
+
+# ---- model cards -------------------------------------------------------------------------------
+def _run_line(name: str, run: dict | None) -> str:
+    if not run:
+        return f"| {name} | not run | | | |"
+    c = run["config"]
+    tokens = run["step"] * c["batch_size"] * c["seq_len"]
+    return (f"| {name} | {run['step']} | {tokens / 1e6:.2f}M | {run['elapsed_s'] / 60:.1f} min | "
+            f"{run['loss_ema']:.3f} | {c['lr']:g} | {c['seed']} |")
+
+
+def model_card(name: str, out: Path, work: Path, results: dict, runs: dict, command: str) -> str:
+    import platform
+    split = json.loads((work / "split.json").read_text())
+    n_train = len(np.load(work / "train.npy", mmap_mode="r"))
+    n_held = len(np.load(work / "heldout.npy", mmap_mode="r"))
+    role = ("the **target** of llmd's bundled demo pair" if name == "code-target" else
+            "the **draft** of llmd's bundled demo pair, distilled from `code-target` with `llmd distill`")
+    acc, fim, loss = results["acceptance"], results["fim"], results["loss"]
+    acc_rows = "\n".join(f"| {n} | {a['rate']:.3f} | {a['accepted']} / {a['proposed']} | "
+                          f"{a['tokens_per_target_pass']:.2f} |" for n, a in acc.items())
+    loss_rows = "\n".join(f"| {n} | {v:.3f} | {results['params'].get(n, 0) / 1e6:.2f}M |" for n, v in loss.items())
+    return f"""# {name}
+
+This is {role}. It is a small Llama (`LlamaForCausalLM`, Hugging Face layout,
+{json.loads((out / name / "config.json").read_text())["torch_dtype"]} safetensors) trained from scratch on the Python standard library's own sources, so every machine can rebuild it
+without a download. It completes Python code and fills in the middle; it does not chat.
+
+## Data
+
+- Source: every `.py` file under `sysconfig.get_paths()["stdlib"]` (Python {platform.python_version()}),
+  excluding `site-packages`, `dist-packages` and `__pycache__`; bytes that are not UTF-8 are dropped.
+- Split by file: a file is held out when the first 8 bytes of sha256(relative path), read as a
+  fraction of 2^64, are below 0.05. {len(split["train"])} training files, {len(split["heldout"])} held-out files.
+- Samples: each file is cut into line-aligned chunks of at most 2,000 characters; about half (seed 1234)
+  are rearranged for fill-in-the-middle as `<|fim_prefix|>` prefix `<|fim_suffix|>` suffix
+  `<|fim_middle|>` middle at two random character positions. Every sample ends with `<|endoftext|>`.
+  {n_train / 1e6:.2f}M training tokens, {n_held / 1e6:.3f}M held-out tokens.
+- Tokenizer: byte-level BPE trained with `tokenizers` on the training files, 8,192 ids; ids 0-6 are
+  `<|endoftext|>`, `<|fim_prefix|>`, `<|fim_suffix|>`, `<|fim_middle|>`, `<|fim_pad|>`, `<|file_sep|>`,
+  `<|repo_name|>`. Text that spells a control token is encoded as ordinary text.
+
+## How it was made
+
+```
+{command}
+```
+
+Training: AdamW (betas 0.9/0.95, weight decay 0.1), bfloat16 autocast on CPU, batches of 8 x 512 tokens
+drawn as non-overlapping windows in a seeded order, cosine learning rate over the wall-clock budget,
+2 CPU threads. The draft minimises KL(target || draft) over the full vocabulary at every position;
+the raw draft has the draft's shape and is trained on the same token stream with plain cross-entropy,
+for comparison only (it is not committed).
+
+| run | steps | tokens | wall time | final train loss (EMA) | peak lr | seed |
+|---|---|---|---|---|---|---|
+{_run_line("target (cross-entropy)", runs.get("target"))}
+{_run_line("draft (KL to target)", runs.get("draft"))}
+{_run_line("raw draft (cross-entropy)", runs.get("raw"))}
+
+The draft costs {results["flops_ratio"]:.3f} of the target's matmul FLOPs per token (limit 1/6).
+
+## Evaluation (held-out files only)
+
+Held-out next-token loss (nats per token, 64 windows of 512 tokens of the held-out stream, which mixes
+plain and fill-in-the-middle samples like training):
+
+| model | loss | parameters |
+|---|---|---|
+{loss_rows}
+
+Greedy acceptance: 200 completion prompts of {PROMPT_TOKENS} tokens from held-out files; the target
+decodes {CONTINUE_TOKENS} tokens greedily, the draft proposes {PROPOSE} tokens per round and a proposal
+is accepted up to the first token the target's greedy choice rejects.
+
+| draft | accepted fraction | accepted / proposed | tokens per target pass |
+|---|---|---|---|
+{acc_rows}
+
+Fill-in-the-middle: {fim["with_suffix"]["cases"]} held-out functions with 1 to 3 whole body lines removed,
+chosen so that the function does not parse without them; the target generates greedily (at most {FIM_MAX_NEW} tokens, until `<|endoftext|>`), and
+`ast.parse(prefix + middle + suffix)` is checked.
+
+| prompt | parses | middle exactly right |
+|---|---|---|
+| prefix and suffix | {fim["with_suffix"]["parses"]:.2f} | {fim["with_suffix"]["exact"]:.2f} |
+| prefix only (empty suffix) | {fim["without_suffix"]["parses"]:.2f} | {fim["without_suffix"]["exact"]:.2f} |
+
+`transformers`' `AutoModelForCausalLM.from_pretrained` loads this directory; its logits differ from
+llmd's by at most {results["hf_max_logit_diff"]:.1e}. Evaluation took {results["eval_s"]:.0f} s.
+
+## Limits
+
+A demo model: {results["params"].get("target", 0) / 1e6:.1f}M parameters trained for under an hour on two
+CPU cores. It writes plausible standard-library-style Python, often wrong. Use your own models for real work.
+"""
