@@ -277,3 +277,15 @@ def test_busy_and_a_failure_inside_the_engine_fails_alone(tiny_model_dir, tmp_pa
             assert refused[0].code == "busy" and time.monotonic() - t0 < 0.5
             for s in (a, b, c3):
                 assert isinstance(list(s)[-1], Done)
+
+
+def test_llmd_status_prints_the_daemon_state(daemon):
+    proc = subprocess.run([sys.executable, "-m", "llmd.daemon", "status", "--socket", daemon.settings.socket],
+                          cwd=REPO, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    fields = dict(line.split(":", 1) for line in proc.stdout.splitlines())
+    assert fields["state"].split()[0] == "ready" and "requests" in fields and "kv cache" in fields
+    assert "p50" in fields["ttft ms"]
+    absent = subprocess.run([sys.executable, "-m", "llmd.daemon", "status", "--socket", daemon.settings.socket + ".x"],
+                            cwd=REPO, capture_output=True, text=True, timeout=30)
+    assert absent.returncode == 1 and "start one with `llmd serve`" in absent.stderr
