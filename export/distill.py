@@ -63,6 +63,17 @@ def check_same_tokenizer(target_dir: Path, draft_dir: Path) -> None:
                          "a draft must use its target's tokenizer")
 
 
+def preflight(target_dir: Path, out: Path, init: Path | None) -> None:
+    """Fail before any work when the target (or an --init draft) is unreadable, or when a draft that
+    already sits in ``out`` or ``init`` has another tokenizer."""
+    for d in (target_dir, init):
+        if d is not None:
+            ModelConfig.from_dir(d)
+    for other in (init, out if (out / "tokenizer.json").is_file() else None):
+        if other is not None:
+            check_same_tokenizer(target_dir, other)
+
+
 def draft_config(target_cfg: dict, shape: dict, seq_len: int) -> dict:
     keep = ("vocab_size", "bos_token_id", "eos_token_id", "rms_norm_eps", "rope_theta")
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **shape,
@@ -86,9 +97,7 @@ def distill(target_dir: Path, out: Path, tokens: np.ndarray, cfg: TrainConfig, w
             shape: dict | None = None, init: Path | None = None, session_steps: int | None = None) -> dict:
     """Distill a draft of ``shape`` (or starting from ``init``) into ``out``; returns the loop state."""
     target_dir, out = Path(target_dir), Path(out)
-    for other in (init, out if (out / "tokenizer.json").is_file() else None):
-        if other is not None:
-            check_same_tokenizer(target_dir, other)
+    preflight(target_dir, out, init)
     target_cfg = json.loads((target_dir / "config.json").read_text())
     target = load_model(target_dir)
     target.requires_grad_(False)
@@ -179,13 +188,7 @@ def main(args: argparse.Namespace) -> int:
                  num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads)
     cfg = TrainConfig(seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr, max_steps=args.steps,
                       warmup_steps=min(30, max(1, args.steps // 10)), budget_s=args.minutes * 60, seed=args.seed)
-    for d in (args.target, args.init):
-        if d is not None:
-            ModelConfig.from_dir(d)      # fails early, naming the file, before any work
-    if args.init is not None:
-        check_same_tokenizer(args.target, args.init)
-    if (args.out / "tokenizer.json").is_file():
-        check_same_tokenizer(args.target, args.out)
+    preflight(args.target, args.out, args.init)
     tokens = corpus_tokens(args.target, args.corpus, work, args.seed)
     state = distill(args.target, args.out, tokens, cfg, work, shape=shape, init=args.init,
                     session_steps=args.session_steps)
