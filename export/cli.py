@@ -1,0 +1,226 @@
+"""`llmd export`: quantize (and compile) a target and an optional draft into an engine directory.
+
+Phases, each with its own progress bar:
+    load      the float models and the held-out windows; the reference's predictions are kept
+    quantize  module swap per --quant
+    compile   weights written; backend artifacts (ONNX graph, TensorRT engine, AOT package)
+    validate  the written weights are loaded back and measured against the reference (quality gate)
+The manifest is written last, and only when the gate passes: without it the directory is refused.
+"""
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    target: str
+    out: str
+    draft: Optional[str] = None
+    quant: str = "int8"
+    group_size: int = 128
+    symmetric: bool = False
+    head: str = "int8"
+    embed: str = "float"
+    kv_dtype: str = "auto"
+    backend: str = "torch"
+    aot: bool = False
+    eval_file: Optional[str] = None
+    eval_windows: int = 8
+    eval_tokens: int = 128
+    max_ppl_increase: Optional[float] = None     # percent
+    force: bool = False
+    shape_buckets: dict = field(default_factory=lambda: {"batch": [1, 2, 4, 8, 16, 32, 64],
+                                                         "tokens": [1, 16, 64, 256, 512]})
+
+
+class QualityGateFailed(Exception):
+    pass
+
+
+def add_export_parser(sub) -> None:
+    p = sub.add_parser("export", help="quantize and compile a model (and draft) into an engine directory",
+                       description=__doc__.split("\n\n")[0])
+    a = p.add_argument
+    a("--target", required=True, help="target model directory (Hugging Face layout)")
+    a("--draft", help="draft model directory, exported with the same quantization")
+    a("--quant", default="int8", choices=("none", "int8", "int4", "w8a8"), help="weight quantization (default int8)")
+    a("--group-size", type=int, default=128, choices=(32, 64, 128), help="int4 group size (default 128)")
+    a("--symmetric", action="store_true", help="int4 without zero points")
+    a("--head", default="int8", choices=("float", "int8"), help="output head (and tied embedding) storage (default int8)")
+    a("--embed", default="float", choices=("float", "int8"), help="untied embedding storage (default float)")
+    a("--kv-dtype", default="auto", choices=("auto", "int8"), help="KV cache dtype recorded for the runtime")
+    a("--backend", default="torch", choices=("torch", "onnxruntime", "tensorrt"))
+    a("--aot", action="store_true", help="torch: also build an AOTInductor package so serve starts warm")
+    a("--eval-file", help="held-out text for the quality gate (default: the demo corpus's held-out split)")
+    a("--eval-windows", type=int, default=8, help="windows of held-out text measured (default 8)")
+    a("--eval-tokens", type=int, default=128, help="tokens per window (default 128)")
+    a("--max-ppl-increase", type=float, help="fail when perplexity rises by more than this many percent")
+    a("--force", action="store_true", help="replace an existing output directory")
+    a("--out", required=True, help="engine directory to write")
+    p.set_defaults(func=run_export)
+
+
+def run_export(args) -> int:
+    from llmd.runtime.errors import LLMDError
+    keys = ExportOptions.__dataclass_fields__
+    opts = ExportOptions(**{k: v for k, v in vars(args).items() if k in keys})
+    try:
+        summary = export_engine(opts, TqdmProgress())
+    except QualityGateFailed as e:
+        print(f"llmd export: quality gate failed: {e}", file=sys.stderr)
+        return 3
+    except (LLMDError, OSError, ValueError) as e:
+        print(f"llmd export: {e}", file=sys.stderr)
+        return 2
+    print(format_summary(summary))
+    return 0
+
+
+class TqdmProgress:
+    """One bar per phase: ``phase(name, total)`` opens it, ``advance(n)`` moves it."""
+
+    def __init__(self):
+        self.bar = None
+
+    def phase(self, name: str, total: int) -> None:
+        from tqdm import tqdm
+        self.close()
+        self.bar = tqdm(total=total, desc=f"{name:9s}", unit="step", leave=True, file=sys.stderr)
+
+    def advance(self, n: int = 1) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+class NoProgress(TqdmProgress):
+    def phase(self, name: str, total: int) -> None:
+        pass
+
+
+def export_engine(opts: ExportOptions, progress: TqdmProgress | None = None) -> dict:
+    """Run the four phases; returns the summary (also stored in the manifest)."""
+
+    from llmd.runtime.models.loader import load_model
+    from llmd.runtime.tokenizer import Tokenizer
+
+    from . import quality
+    from .engine_dir import load_model_dir, save_model_dir, source_hashes
+    from .manifest import write_manifest
+    from .quantize import QuantSpec, quantize_model
+
+    progress = progress or NoProgress()
+    spec = QuantSpec(opts.quant, opts.group_size, opts.symmetric, opts.head, opts.embed, opts.kv_dtype)
+    out, target = Path(opts.out), Path(opts.target)
+    prepare_out(out, opts.force)
+    parts = {"target": target} | ({"draft": Path(opts.draft)} if opts.draft else {})
+    times: dict[str, float] = {}
+
+    t = time.perf_counter()
+    progress.phase("load", len(parts) + 2)
+    models = {}
+    for name, src in parts.items():
+        models[name] = load_model(src, "float32")
+        progress.advance()
+    tokenizer = Tokenizer.from_dir(target)
+    texts, source = quality.heldout_texts(opts.eval_file)
+    windows = quality.token_windows(tokenizer, texts, opts.eval_tokens, opts.eval_windows,
+                                    models["target"].config.vocab_size)
+    reference = quality.predict(models["target"], windows)
+    progress.advance(2)
+    times["load"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    progress.phase("quantize", len(parts))
+    for name in parts:
+        quantize_model(models[name], spec)
+        progress.advance()
+    times["quantize"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    progress.phase("compile", len(parts) + 1)
+    for name, src in parts.items():
+        save_model_dir(models[name], src, out / name, spec)
+        progress.advance()
+    del models
+    artifacts = compile_backend(opts, out, spec)
+    progress.advance()
+    times["compile"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    progress.phase("validate", len(parts))
+    loaded = {}
+    for name in parts:
+        loaded[name], _ = load_model_dir(out / name, spec, "float32")
+        progress.advance()
+    quant_pred = quality.predict(loaded["target"], windows)
+    draft_pred = quality.predict(loaded["draft"], windows) if "draft" in loaded else None
+    measured = quality.compare(reference, quant_pred, draft_pred, source)
+    times["validate"] = time.perf_counter() - t
+    progress.close()
+
+    if opts.max_ppl_increase is not None and measured.ppl_increase * 100 > opts.max_ppl_increase:
+        raise QualityGateFailed(f"perplexity rose {100 * measured.ppl_increase:.2f} % ({measured.ppl_reference:.3f} -> "
+                                f"{measured.ppl_quantized:.3f}), more than --max-ppl-increase {opts.max_ppl_increase} %; "
+                                f"{out} has no manifest and will be refused")
+    summary = {"quality": measured.to_dict(), "times_s": times,
+               "sizes": {name: {"source_bytes": dir_bytes(src, "*.safetensors"),
+                                "engine_bytes": dir_bytes(out / name, "*.safetensors")} for name, src in parts.items()}}
+    write_manifest(out, {
+        "backend": opts.backend, "quantization": spec.to_dict(), "shape_buckets": opts.shape_buckets,
+        "models": {name: {"dir": name, "source": source_hashes(src)} for name, src in parts.items()},
+        "tokenizer": {"dir": "target", "files": sorted(p.name for p in (out / "target").glob("tokenizer*"))},
+        "artifacts": artifacts, **summary})
+    return summary | {"out": str(out), "quantization": spec.to_dict(), "backend": opts.backend}
+
+
+def prepare_out(out: Path, force: bool) -> None:
+    if out.exists() and any(out.iterdir()):
+        if not force:
+            raise ValueError(f"{out} exists and is not empty; pass --force to replace it")
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def compile_backend(opts: ExportOptions, out: Path, spec) -> dict:
+    """Backend artifacts, paths relative to the engine directory."""
+    artifacts = {}
+    if opts.backend in ("onnxruntime", "tensorrt"):
+        from .onnx import export_onnx
+        artifacts["onnx"] = export_onnx(Path(opts.target), out, spec)
+    if opts.backend == "tensorrt":
+        from .tensorrt import build_engine
+        artifacts["tensorrt"] = build_engine(out, artifacts["onnx"], opts.shape_buckets)
+    if opts.aot and opts.backend == "torch":
+        from .aot import build_aot_package
+        artifacts["aot"] = build_aot_package(out, spec)
+    return artifacts
+
+
+def dir_bytes(path: Path, pattern: str) -> int:
+    return sum(p.stat().st_size for p in Path(path).glob(pattern))
+
+
+def format_summary(s: dict) -> str:
+    q = s["quality"]
+    rows = [("engine directory", s["out"]),
+            ("quantization", f"{s['quantization']['method']} (head {s['quantization']['head']}), backend {s['backend']}")]
+    for name, sz in s["sizes"].items():
+        rows.append((f"{name} size", f"{sz['source_bytes'] / 2**20:.1f} MiB -> {sz['engine_bytes'] / 2**20:.1f} MiB"))
+    rows.append(("time", ", ".join(f"{k} {v:.1f} s" for k, v in s["times_s"].items())))
+    rows.append(("perplexity", f"{q['ppl_reference']:.3f} -> {q['ppl_quantized']:.3f} ({100 * q['ppl_increase']:+.2f} %)"))
+    rows.append(("top-1 agreement", f"{100 * q['top1_agreement']:.2f} % of {q['num_tokens']} tokens ({q['source']})"))
+    if q["draft_acceptance"] is not None:
+        rows.append(("draft acceptance", f"{100 * q['draft_acceptance']:.2f} % (greedy, one token)"))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

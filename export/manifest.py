@@ -1,0 +1,104 @@
+"""manifest.json of an engine directory: what it holds, how it was made, and a hash of every file.
+
+    ENGINE/
+      manifest.json          this file's contents (below); written last, so its presence means complete
+      target/                config.json, tokenizer files, weights.safetensors (quantized tensors)
+      draft/                 the same for the draft model (optional)
+      onnx/, aot/            backend artifacts (optional)
+
+    {"format": "llmd-engine", "format_version": 1, "llmd_version": "0.1.0", "torch_version": "...",
+     "backend": "torch" | "onnxruntime" | "tensorrt",
+     "quantization": {QuantSpec fields},
+     "models": {"target": {"dir": "target", "source": {"path": ..., "sha256": {file: hash}}}, "draft": {...}},
+     "tokenizer": {"dir": "target", "files": [...]},
+     "shape_buckets": {"batch": [...], "tokens": [...]},
+     "artifacts": {"onnx": "onnx/target.onnx", ...},
+     "quality": {...},
+     "files": {"target/weights.safetensors": {"sha256": "...", "bytes": 123}, ...}}
+
+Every file listed under "files" must exist with that size and hash. The format version is the
+compatibility key: any other version is refused (re-export with this llmd).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from llmd.runtime.errors import EngineDirError
+
+FORMAT = "llmd-engine"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def hash_tree(root: Path) -> dict[str, dict]:
+    """Every regular file under root except the manifest: relative path -> sha256 and size."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        if p.is_file() and p.name != MANIFEST:
+            out[p.relative_to(root).as_posix()] = {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+    return out
+
+
+def write_manifest(root: Path, fields: dict) -> dict:
+    """Hash the directory's files and write manifest.json (atomically, last)."""
+    from llmd import __version__
+    import torch
+    manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "llmd_version": __version__,
+                "torch_version": torch.__version__, **fields, "files": hash_tree(root)}
+    tmp = root / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    tmp.replace(root / MANIFEST)
+    return manifest
+
+
+def read_manifest(root: Path, verify_hashes: bool = True) -> dict:
+    """Parse and check manifest.json; raises EngineDirError naming the problem and the fix."""
+    path = Path(root) / MANIFEST
+    if not path.is_file():
+        raise EngineDirError(f"{root}: no {MANIFEST}; this is not an llmd engine directory (or the export did "
+                             "not finish): run `llmd export` again")
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise EngineDirError(f"{path}: not valid JSON ({e}); the engine directory is damaged, re-export it") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise EngineDirError(f"{path}: not an llmd engine manifest (format is not {FORMAT!r})")
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise EngineDirError(f"{path}: engine format version {version!r} (written by llmd "
+                             f"{manifest.get('llmd_version', '?')}); this llmd reads version {FORMAT_VERSION}: "
+                             "re-export the model with this llmd")
+    for key in ("models", "quantization", "backend", "files"):
+        if not isinstance(manifest.get(key), dict if key != "backend" else str):
+            raise EngineDirError(f"{path}: field {key!r} is missing or malformed")
+    check_files(Path(root), manifest["files"], verify_hashes)
+    return manifest
+
+
+def check_files(root: Path, files: dict, verify_hashes: bool) -> None:
+    for name in files:
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            raise EngineDirError(f"{root / MANIFEST}: file entry {name!r} points outside the engine directory")
+    missing = [name for name in files if not (root / name).is_file()]
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise EngineDirError(f"{root}: incomplete engine directory, missing {', '.join(missing[:3])}{more}; "
+                             "re-export it")
+    for name, entry in files.items():
+        p = root / name
+        if p.stat().st_size != entry.get("bytes"):
+            raise EngineDirError(f"{p}: size {p.stat().st_size} bytes, the manifest says {entry.get('bytes')}; "
+                                 "the file was changed or truncated after export: re-export")
+        if verify_hashes and sha256_file(p) != entry.get("sha256"):
+            raise EngineDirError(f"{p}: sha256 does not match the manifest; the file was modified after export "
+                                 "(tampered or corrupted): re-export")
