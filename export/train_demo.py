@@ -118,7 +118,7 @@ def stage_raw(work: Path, cfg: TrainConfig) -> None:
 
 def stage_draft(work: Path, out: Path, cfg: TrainConfig) -> None:
     from .distill import distill
-    state = distill(out / "code-target", out / "code-draft", work / "train.npy", cfg, work / "ckpt-draft",
+    state = distill(out / "code-target", out / "code-draft", load_tokens(work, "train"), cfg, work / "ckpt-draft",
                     shape=DRAFT_SHAPE)
     record(work, "draft", state)
 
@@ -145,8 +145,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--work", type=Path, default=Path("work-out/demo"), help="checkpoints and token caches")
     p.add_argument("--stages", default="data,target,draft,raw,eval")
     p.add_argument("--target-minutes", type=float, default=48.0)
-    p.add_argument("--draft-minutes", type=float, default=22.0)
-    p.add_argument("--raw-minutes", type=float, default=22.0)
+    p.add_argument("--draft-minutes", type=float, default=28.0)
+    p.add_argument("--raw-minutes", type=float, default=28.0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--card-command", default=None, help="the command line recorded in the model cards")
     args = p.parse_args(argv)
