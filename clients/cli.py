@@ -206,3 +206,15 @@ def run_complete(args) -> int:
         return _print_error("complete", e)
     print()
     return 130 if stopped else 0
+
+
+def main(argv=None) -> int:
+    """``python -m llmd.clients.cli COMMAND``: the client commands alone, without the engine's imports."""
+    parser = argparse.ArgumentParser(prog="llmd", description="llmd client commands")
+    add_client_parsers(parser.add_subparsers(dest="command", metavar="COMMAND", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""The language server: prompt budgets, trimming and the cache exactly; then end to end with a real
+LSP client (pygls) talking to `llmd lsp` over stdio, and the server talking to a real daemon."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from daemon_fixtures import daemon_settings, running_daemon
+from llmd.clients.client import Client
+from llmd.clients.lsp_cache import CompletionCache
+from llmd.clients.lsp_probe import LspProbe, first_text
+from llmd.clients.lsp_prompt import FimBudget, build_fim
+from llmd.clients.lsp_service import percentile
+from llmd.clients.lsp_trim import trim_suggestion
+
+# -- prompt budgets -----------------------------------------------------------------------------
+
+
+def test_prefix_and_suffix_are_cut_to_their_budgets_at_line_boundaries():
+    text = "".join(f"line{i:02d}\n" for i in range(40))        # 7 characters a line
+    cursor = text.index("line20")
+    p = build_fim(text, cursor, [], FimBudget(prefix_tokens=10, suffix_tokens=5, chars_per_token=2.0))
+    assert p.prefix == "line18\nline19\n"                         # 20 chars allowed: 2 whole lines
+    assert p.suffix == "line20\n"                                 # 10 chars allowed: 1 whole line
+    whole = build_fim(text, cursor, [], FimBudget())
+    assert whole.prefix + whole.suffix == text
+
+
+def test_other_files_share_one_budget_nearest_first():
+    others = [("a.py", "a = 1\n" * 3), ("b.py", "b = 2\n" * 100), ("c.py", "c = 3\n")]
+    p = build_fim("x = ", 4, others, FimBudget(context_tokens=30, chars_per_token=1.0))
+    assert p.files[0] == ("a.py", "a = 1\n" * 3)
+    assert p.files[1][0] == "b.py" and p.files[1][1] == "b = 2\n" * 1   # what is left of 30, whole lines
+    assert len(p.files) == 2
+    assert build_fim("x", 1, others, FimBudget(context_tokens=0)).files == ()
+
+
+def test_bad_budgets_and_cursors_are_refused():
+    with pytest.raises(ValueError, match="prefix_tokens"):
+        FimBudget(prefix_tokens=-1)
+    with pytest.raises(ValueError, match="chars_per_token"):
+        FimBudget(chars_per_token=0)
+    with pytest.raises(ValueError, match="outside the document"):
+        build_fim("abc", 4, [], FimBudget())
+
+
+# -- trimming -----------------------------------------------------------------------------------
+
+
+def test_mid_line_suggestions_are_one_line_without_the_text_after_the_cursor():
+    assert trim_suggestion("a + b)\n    more", "    return add(", ")") == "a + b"
+    assert trim_suggestion("x, y\nz", "f(", ")") == "x, y"
+    assert trim_suggestion("   \n", "f(", ")") == ""
+
+
+def test_block_suggestions_stop_at_dedent_repeated_suffix_and_blank_pairs():
+    raw = "if x:\n        y = 1\n    return y\nprint(2)"
+    assert trim_suggestion(raw, "    ", "", "\n") == "if x:\n        y = 1\n    return y"
+    assert trim_suggestion("a = 1\nb = 2\nc = 3\n", "", "", "\nb = 2\n") == "a = 1"
+    assert trim_suggestion("a = 1\n\n\nb = 2", "", "", "") == "a = 1"
+    assert trim_suggestion("\n".join("abcdefghij"), "", "", "", max_lines=3) == "a\nb\nc"
+    assert trim_suggestion("total  \n", "x = ", "", "") == "total"
+
+
+# -- cache --------------------------------------------------------------------------------------
+
+
+def test_the_cache_serves_the_rest_of_a_suggestion_being_typed():
+    c = CompletionCache(capacity=2)
+    c.store("u", "def f(", ")\n", "a, b")
+    assert c.lookup("u", "def f(", ")\n") == "a, b"
+    assert c.lookup("u", "def f(a", ")\n") == ", b"
+    assert c.lookup("u", "def f(a, b", ")\n") is None          # all typed: nothing left to offer
+    assert c.lookup("u", "def f(x", ")\n") is None              # typed something else
+    assert c.lookup("u", "def f(a", "):\n") is None             # the text after the cursor changed
+    assert c.lookup("v", "def f(a", ")\n") is None              # another document
+    c.store("u", "q", "", "1")
+    c.store("u", "r", "", "2")                                   # evicts the oldest entry
+    assert c.lookup("u", "def f(", ")\n") is None and len(c) == 2
+    c.forget("u")
+    assert len(c) == 0
+
+
+def test_percentile_is_nearest_rank():
+    assert percentile([], 50) is None
+    assert percentile([5, 1, 3, 2, 4], 50) == 3
+    assert percentile(list(range(1, 101)), 95) == 95
+
+
+# -- end to end ---------------------------------------------------------------------------------
+
+DOC = "import math\n\ndef area(r):\n    return \n\nprint(area(2))\n"
+URI = "file:///work/area.py"
+
+
+@pytest.fixture(scope="module")
+def daemon(tiny_model_dir, tmp_path_factory):
+    settings = daemon_settings(tiny_model_dir, tmp_path_factory.mktemp("lsp"))
+    with running_daemon(settings) as server:
+        yield server
+
+
+def finished(server) -> dict:
+    with Client(server.settings.socket) as c:
+        return c.stats()["finished"]
+
+
+def delta(after: dict, before: dict) -> dict:
+    return {k: after.get(k, 0) - before.get(k, 0) for k in set(after) | set(before) if after.get(k, 0) != before.get(k, 0)}
+
+
+def lsp_args(server, tmp_path, *extra) -> list[str]:
+    return ["--socket", server.settings.socket, "--log-file", str(tmp_path / "lsp.log"), *extra]
+
+
+def test_inline_completion_is_the_daemons_infill_trimmed_to_fit(daemon, tmp_path):
+    cursor = DOC.index("return ") + len("return ")
+    with Client(daemon.settings.socket) as c:
+        raw = c.infill(DOC[:cursor], DOC[cursor:], max_tokens=16).text()
+    assert raw.strip(), "the model should propose something here for the test to mean anything"
+    expected = trim_suggestion(raw, "    return ", "", DOC[cursor:])
+
+    async def session():
+        async with LspProbe(lsp_args(daemon, tmp_path)) as lsp:
+            assert lsp.capabilities.inline_completion_provider is not None
+            lsp.open(URI, DOC)
+            inline = await lsp.inline(URI, 3, 11)
+            fallback = await lsp.completion(URI, 3, 11)
+            return inline, fallback, await lsp.stats()
+
+    inline, fallback, stats = asyncio.run(session())
+    assert inline == expected and inline
+    assert "\n" not in inline or all(ln.startswith("    ") for ln in inline.split("\n")[1:] if ln.strip())
+    assert fallback.items[0].text_edit.new_text == expected
+    assert stats["completed"] == 1 and stats["cache_hit"] == 1 and stats["latency_ms"]["n"] == 2
+    assert "completion completed in" in (tmp_path / "lsp.log").read_text()
+
+
+def test_typing_through_a_suggestion_reuses_it_without_asking_the_daemon(daemon, tmp_path):
+    async def session():
+        async with LspProbe(lsp_args(daemon, tmp_path)) as lsp:
+            lsp.open(URI, DOC)
+            first = await lsp.inline(URI, 3, 11)
+            before = await asyncio.to_thread(finished, daemon)
+            lsp.insert(URI, 3, 11, first[:2])
+            second = await lsp.inline(URI, 3, 13)
+            after = await asyncio.to_thread(finished, daemon)
+            return first, second, delta(after, before), await lsp.stats()
+
+    first, second, daemon_delta, stats = asyncio.run(session())
+    assert len(first) > 2 and second == first[2:]
+    assert daemon_delta == {} and stats["cache_hit"] == 1 and stats["completed"] == 1
+
+
+@pytest.mark.parametrize("debounce_ms", [15, 0])
+def test_a_burst_of_edits_completes_one_request_and_cancels_the_rest(daemon, tmp_path, debounce_ms):
+    """With a debounce the superseded requests never reach the daemon; without one, each new
+    request replaces the previous infill in the daemon (its ``replace`` key)."""
+    burst = 6
+    line = "    return "
+
+    async def session():
+        args = lsp_args(daemon, tmp_path, "--debounce-ms", str(debounce_ms), "--max-tokens", "200", "--cache-size", "0")
+        async with LspProbe(args) as lsp:
+            lsp.open(URI, DOC)
+            await lsp.stats()                              # the server is up before the burst starts
+            before = await asyncio.to_thread(finished, daemon)
+            futures = []
+            for i, ch in enumerate("math.p"[:burst]):       # one keystroke, one request, no waiting
+                lsp.insert(URI, 3, len(line) + i, ch)
+                futures.append(lsp.inline_future(URI, 3, len(line) + i + 1))
+            results = await asyncio.gather(*futures)
+            stats = await lsp.stats()
+            after = await asyncio.to_thread(finished, daemon)
+            return results, stats, delta(after, before)
+
+    results, stats, daemon_delta = asyncio.run(session())
+    assert [first_text(r) for r in results[:-1]] == [None] * (burst - 1)
+    assert first_text(results[-1])
+    assert stats["completed"] == 1
+    if debounce_ms:
+        assert stats["debounced"] == burst - 1 and daemon_delta == {"length": 1}
+    else:
+        assert stats["replaced"] == burst - 1 and daemon_delta == {"length": 1, "cancelled": burst - 1}
