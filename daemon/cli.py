@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -55,6 +56,7 @@ _FLAGS = ("model", "socket", "group", "tcp", "dtype", "device", "threads", "kv_m
 
 
 def run_serve(args) -> int:
+    """Load settings and run the daemon; once it has started, this ends the process itself."""
     from pathlib import Path
 
     from . import settings as settings_mod
@@ -68,7 +70,12 @@ def run_serve(args) -> int:
         print(settings_mod.describe(s, source))
         return 0
     from .serve import serve
-    return serve(s)
+    code = serve(s)
+    # Exit at once: interpreter teardown with torch loaded takes seconds, which would eat into
+    # systemd's stop timeout after the drain is already complete.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def run_status(args) -> int:

@@ -48,7 +48,9 @@ def serve(settings: Settings, notifier: systemd.Notifier | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: server.request_stop())
     try:
-        return server.run()
+        code = server.run()
+        logging.getLogger("llmd.daemon").info("stopped")
+        return code
     except AlreadyRunning as e:
         print(f"llmd serve: {e}", file=sys.stderr)
         return 1

@@ -24,7 +24,7 @@ def collect_notifications(sock, messages: list, stop: threading.Event) -> None:
 
 
 def test_sigterm_mid_stream_delivers_a_terminal_event_and_exits_0(tiny_model_dir, tmp_path):
-    settings = daemon_settings(tiny_model_dir, tmp_path, drain_grace_s=1.0)
+    settings = daemon_settings(tiny_model_dir, tmp_path, drain_grace_s=0.3)
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     notify.bind(str(tmp_path / "notify"))
     notify.settimeout(0.05)
@@ -41,9 +41,10 @@ def test_sigterm_mid_stream_delivers_a_terminal_event_and_exits_0(tiny_model_dir
             proc.send_signal(signal.SIGTERM)
             t0 = time.monotonic()
             events = list(stream)
-            assert isinstance(events[-1], Done) and events[-1].finish_reason == "shutdown"
+            # Cut off by the drain, unless the machine was fast enough to finish within the grace.
+            assert isinstance(events[-1], Done) and events[-1].finish_reason in ("shutdown", "length")
         assert proc.wait(timeout=10) == 0
-        assert time.monotonic() - t0 < settings.drain_grace_s + 2.0
+        assert time.monotonic() - t0 < settings.drain_grace_s + 1.5
     finally:
         if proc.poll() is None:
             proc.kill()
