@@ -17,6 +17,7 @@ import collections
 import itertools
 import os
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Optional
 
@@ -125,6 +126,7 @@ class Stream:
         self._client = client
         self._events: collections.deque = collections.deque()
         self._failure: Optional[Exception] = None
+        self._closed = False
         self.final: Optional[Any] = None      # the Done or Error event once received
 
     def __iter__(self):
@@ -156,8 +158,11 @@ class Stream:
         return "".join(parts)
 
     def close(self) -> None:
-        if self.final is None and self._client._streams.pop(self.id, None) is not None:
-            self._client._send_quiet({"type": "cancel", "id": self._client._next_id(), "target": self.id})
+        if self.final is None and not self._closed:
+            self._closed = True
+            self._client._streams.pop(self.id, None)
+            if self._failure is None:
+                self._client._send_quiet({"type": "cancel", "id": self._client._next_id(), "target": self.id})
 
     def __enter__(self):
         return self
@@ -180,7 +185,8 @@ class Client(_Base):
         self._ctx = zmq.Context.instance()
         self._sock = None
         self._monitor = None
-        self._streams: dict[str, Stream] = {}
+        # Weak: a stream the caller dropped is collected, and its __del__ cancels the request.
+        self._streams: "weakref.WeakValueDictionary[str, Stream]" = weakref.WeakValueDictionary()
         self._replies: dict[str, Any] = {}
         self._waiting: set[str] = set()
 
@@ -211,7 +217,7 @@ class Client(_Base):
         self._monitor.close(linger=0)
         self._sock.close(linger=0)
         self._sock = self._monitor = None
-        for stream in self._streams.values():
+        for stream in list(self._streams.values()):
             stream._failure = failure or ConnectionLost(f"connection to {self.address} lost")
         self._streams.clear()
 

@@ -127,9 +127,24 @@ def test_cancel_during_the_prompt(daemon, offline):
 
 def test_leaving_a_stream_early_cancels_it(daemon):
     with client(daemon) as c:
-        with c.generate("x", max_tokens=400, ignore_eos=True) as s:
+        def cancelled():
+            return c.stats()["finished"].get("cancelled", 0)
+        before = cancelled()
+        with c.generate("x", max_tokens=900, ignore_eos=True) as s:
             next(s)
-        assert wait_until(lambda: c.stats()["engine"]["running"] == 0, 2.0)
+        assert wait_until(lambda: cancelled() == before + 1, 2.0)
+        for event in c.generate("y", max_tokens=900, ignore_eos=True):
+            break                                  # the dropped stream is collected and cancelled
+        assert isinstance(event, Token)
+        assert wait_until(lambda: cancelled() == before + 2, 2.0)
+        assert c.stats()["engine"]["running"] == 0
+
+
+def test_socket_and_directory_permissions(daemon):
+    path = daemon.settings.socket_path
+    assert oct(path.stat().st_mode & 0o777) == oct(0o660)
+    assert oct(path.parent.stat().st_mode & 0o777) == oct(0o750)
+    assert (path.parent / "llmd.sock.lock").read_text().strip() == str(os.getpid())
 
 
 def test_replace_burst_only_the_last_infill_completes(daemon):
