@@ -96,6 +96,8 @@ class Server:
         r.setsockopt(zmq.MAXMSGSIZE, s.max_message_bytes)
         r.setsockopt(zmq.SNDHWM, s.send_hwm)
         r.setsockopt(zmq.RCVHWM, s.send_hwm)
+        if s.send_buffer_bytes:
+            r.setsockopt(zmq.SNDBUF, s.send_buffer_bytes)
         r.setsockopt(zmq.HEARTBEAT_IVL, s.heartbeat_ivl_ms)
         r.setsockopt(zmq.HEARTBEAT_TTL, s.heartbeat_timeout_ms)
         r.setsockopt(zmq.HEARTBEAT_TIMEOUT, s.heartbeat_timeout_ms)

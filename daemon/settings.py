@@ -39,6 +39,7 @@ class Settings:
     max_queue: int = 64                   # requests in flight (queued + running) before `busy`
     max_message_bytes: int = 1 << 20      # ZMQ_MAXMSGSIZE; larger frames drop the connection
     send_hwm: int = 1000                  # messages buffered per client before it counts as stuck
+    send_buffer_bytes: int = 0            # kernel send buffer per connection (SO_SNDBUF); 0: the OS default
     heartbeat_ivl_ms: int = 1000
     heartbeat_timeout_ms: int = 3000
     keepalive_s: float = 0.25             # probe clients with work in flight but no output this long

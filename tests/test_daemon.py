@@ -304,3 +304,20 @@ def test_llmd_status_prints_the_daemon_state(daemon):
     absent = subprocess.run([sys.executable, "-m", "llmd.daemon", "status", "--socket", daemon.settings.socket + ".x"],
                             cwd=REPO, capture_output=True, text=True, timeout=30)
     assert absent.returncode == 1 and "start one with `llmd serve`" in absent.stderr
+
+
+def test_a_client_that_stops_reading_is_dropped(tiny_model_dir, tmp_path):
+    settings = daemon_settings(tiny_model_dir, tmp_path, send_hwm=8, send_buffer_bytes=4096)
+    with running_daemon(settings) as server:
+        s = zmq.Context.instance().socket(zmq.DEALER)
+        s.setsockopt(zmq.RCVHWM, 1)
+        s.setsockopt(zmq.RCVBUF, 4096)
+        s.connect(settings.endpoint)
+        s.send(codec.pack({"type": "generate", "id": "stuck", "prompt": "never read",
+                           "params": {"max_tokens": 1000, "ignore_eos": True}}))
+        try:
+            assert wait_until(lambda: (lambda st: st["dropped_clients"] == 1 and st["engine"]["running"] == 0)(
+                client(server).stats()), 20.0)
+            assert client(server).stats()["finished"].get("length", 0) == 0
+        finally:
+            s.close(linger=0)
