@@ -41,6 +41,7 @@ def add_run_parser(subparsers) -> None:
     _sampling_flags(p, 512)
     p.add_argument("--system", help="system message")
     p.add_argument("--interactive", action="store_true", help="chat even when standard input is not a terminal")
+    p.add_argument("--stats", action="store_true", help="after each answer, print its token counts and timings")
     p.set_defaults(func=run_chat)
 
 
@@ -52,6 +53,7 @@ def add_complete_parser(subparsers) -> None:
     _sampling_flags(p, 128)
     p.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
     p.add_argument("--system", help="system message (with --chat)")
+    p.add_argument("--stats", action="store_true", help="after the answer, print its token counts and timings")
     p.set_defaults(func=run_complete)
 
 
@@ -146,6 +148,15 @@ def stream_answer(stream, out=sys.stdout) -> tuple[str, bool]:
     return "".join(parts), False
 
 
+def print_stats(stream) -> None:
+    from .events import Done
+    d = stream.final
+    if isinstance(d, Done):
+        print(f"[{d.usage.get('prompt_tokens')} prompt tokens ({d.usage.get('cached_tokens')} cached), "
+              f"{d.usage.get('completion_tokens')} generated, finish={d.finish_reason}, "
+              f"{d.timings.get('total_ms')} ms]", file=sys.stderr, flush=True)
+
+
 def _read_message(prompt: str) -> str | None:
     """One line typed by the user; None at end of input. Ctrl-C at the prompt gives an empty line."""
     sys.stderr.write(prompt)
@@ -159,7 +170,7 @@ def _read_message(prompt: str) -> str | None:
 
 
 def run_chat(args) -> int:
-    from .client import Client, ClientError
+    from .client import Client, ClientError, RequestError
     sampling = sampling_from_args(args)
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict] = []
@@ -167,8 +178,11 @@ def run_chat(args) -> int:
     try:
         with Client(args.socket, timeout=120.0) as client:
             if not interactive:
-                stream_answer(client.chat(system + [{"role": "user", "content": sys.stdin.read()}], **sampling))
-                print()
+                stream = client.chat(system + [{"role": "user", "content": sys.stdin.read()}], **sampling)
+                stream_answer(stream)
+                print(flush=True)
+                if args.stats:
+                    print_stats(stream)
                 return 0
             while (line := _read_message("> ")) is not None:
                 text = line.strip()
@@ -180,11 +194,19 @@ def run_chat(args) -> int:
                 if not text:
                     continue
                 history.append({"role": "user", "content": text})
-                answer, stopped = stream_answer(client.chat(system + history, **sampling))
+                stream = client.chat(system + history, **sampling)
+                try:
+                    answer, stopped = stream_answer(stream)
+                except RequestError as e:          # this message was refused; the session goes on
+                    print(f"\n[error: {e}]", file=sys.stderr, flush=True)
+                    history.pop()
+                    continue
                 history.append({"role": "assistant", "content": answer})
-                print()
+                print(flush=True)
                 if stopped:
                     print("[stopped]", file=sys.stderr, flush=True)
+                elif args.stats:
+                    print_stats(stream)
     except ClientError as e:
         return _print_error("run", e)
     return 0
@@ -202,9 +224,11 @@ def run_complete(args) -> int:
             else:
                 stream = client.generate(prompt, **sampling)
             _, stopped = stream_answer(stream)
+            print(flush=True)
+            if args.stats:
+                print_stats(stream)
     except ClientError as e:
         return _print_error("complete", e)
-    print()
     return 130 if stopped else 0
 
 
