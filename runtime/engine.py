@@ -22,8 +22,13 @@ from .errors import CapacityError, InvalidRequest, LLMDError
 from .loading import LoadedModel, load_for_engine
 from .model_runner import ModelRunner
 from .request import FinishReason, Priority, Request, SamplingParams
-from .sampler import SamplingRow, make_generator, sample
+from .sampler import SamplingRow, apply_penalties, logprobs_for, make_generator, processed_probs, sample
 from .scheduler import ScheduledRequest, Scheduler
+from .spec.controller import SpecController
+from .spec.draft import DraftProposer
+from .spec.ngram import NgramProposer
+from .spec.proposer import Proposal, Proposer
+from .spec.rejection import verify_greedy, verify_sampled
 from .stats import EngineStats
 
 log = logging.getLogger("llmd.engine")
@@ -69,6 +74,16 @@ class Engine:
         self.runner = ModelRunner(loaded.model, loaded.num_blocks, config.block_size, config.dtype,
                                   reference_attention=config.attention == "reference")
         self.eos_token_ids = tuple(sorted(set(self.tokenizer.eos_token_ids) | set(loaded.config.eos_token_ids)))
+        self.proposer: Optional[Proposer] = None
+        self.spec: Optional[SpecController] = None
+        if loaded.draft is not None:
+            self.draft_runner = ModelRunner(loaded.draft, loaded.num_blocks, config.block_size, config.dtype)
+            self.proposer = DraftProposer(self.draft_runner)
+        elif config.draft == "ngram":
+            self.proposer = NgramProposer(config.ngram_n)
+        if self.proposer is not None and config.num_speculative_tokens > 0:
+            self.spec = SpecController(config.num_speculative_tokens, self.max_model_len,
+                                       config.adaptive_speculation, proposer_is_free=self.proposer.name == "ngram")
         self.stats_ = EngineStats()
         self._live: dict[str, _Live] = {}
         self._pending: list[StepOutput] = []     # aborts and failures reported at the next step
@@ -127,48 +142,135 @@ class Engine:
     # ---- the step --------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         t0 = time.perf_counter()
+        if self.spec is not None:
+            self._plan_speculation()
         sched = self.scheduler.schedule()
         outputs, self._pending = self._pending, []
         for req in sched.finished_out_of_memory:
             outputs.append(self._final(req))
+        if self.proposer is not None:
+            for req in sched.preempted:
+                self.proposer.reset(req)
         if sched.empty:
             return outputs
         try:
+            proposals, draft_s = self._propose(sched.scheduled)
+            t1 = time.perf_counter()
             batch = self.runner.prepare(sched.scheduled)
             logits = self.runner.run(batch)
-            sampled = self._sample(sched.scheduled, batch.sample_counts, logits)
+            verify_s = time.perf_counter() - t1
+            sampled = self._sample(sched.scheduled, batch.sample_counts, logits, proposals)
         except Exception as e:   # a failed forward fails its batch, never the engine
             log.exception("model step failed")
             for s in sched.scheduled:
                 outputs.append(self._fail(s.request, f"internal error in the model step: {e}"))
             return outputs
+        if self.spec is not None:
+            self.spec.observe_target(sched.num_tokens, verify_s)
         touched = []
+        proposed = accepted = 0
         for s, tokens in zip(sched.scheduled, sampled):
-            self.scheduler.advance(s)
+            k = s.num_spec_tokens
+            old_len = s.request.num_tokens
+            self.scheduler.advance(s, num_rejected=k - (len(tokens) - 1) if k else 0)
+            if k:
+                proposed, accepted = proposed + k, accepted + len(tokens) - 1
+                self._after_verify(s.request, k, len(tokens) - 1, old_len)
             if tokens:
                 self._accept(s.request, tokens)
                 touched.append(s.request)
+            if k and not s.request.is_finished:
+                self.block_manager.trim(s.request, s.request.num_tokens)
+        if proposed:
+            self.stats_.record_spec(proposed, accepted, draft_s, verify_s)
         outputs.extend(self._collect(touched))
         self.stats_.record_step(sched.num_tokens, len(sched.scheduled), time.perf_counter() - t0)
         return outputs
 
-    def _sample(self, scheduled: list[ScheduledRequest], counts: list[int], logits: torch.Tensor) -> list[list]:
-        rows, owners = [], []
-        for s, k in zip(scheduled, counts):
-            if k:
-                r = s.request
-                rows.append(SamplingRow(r.params, self._live[r.request_id].generator,
-                                        r.token_ids if r.params.needs_penalties else None, r.num_prompt_tokens))
-                owners.append(s)
+    # ---- speculation -----------------------------------------------------------------------
+    def _plan_speculation(self) -> None:
+        decoding, other = [], 0
+        for r in self.scheduler.running:
+            if r.num_computed_tokens == r.num_tokens - 1:
+                decoding.append(r)
+            else:
+                other += r.num_tokens - r.num_computed_tokens
+        self.spec.plan(decoding, min(other, self.config.max_batch_tokens))
+
+    def _row(self, req: Request, extra: list[int]) -> SamplingRow:
+        history = req.token_ids + extra if req.params.needs_penalties else None
+        return SamplingRow(req.params, self._live[req.request_id].generator, history, req.num_prompt_tokens)
+
+    def _propose(self, scheduled: list[ScheduledRequest]) -> tuple[dict[int, Proposal], float]:
+        items = [s for s in scheduled if s.num_spec_tokens]
+        if not items:
+            return {}, 0.0
+        t0 = time.perf_counter()
+        props = self.proposer.propose([(s.request, s.num_spec_tokens) for s in items], self._row)
+        seconds = time.perf_counter() - t0
+        out = {}
+        for s, prop in zip(items, props):
+            got = prop.token_ids[:s.num_spec_tokens]
+            missing = s.num_spec_tokens - len(got)
+            s.num_spec_tokens -= missing
+            s.num_new_tokens -= missing
+            s.request.spec_token_ids = got
+            out[id(s)] = prop
+        if self.spec is not None and not self.spec.proposer_is_free:
+            forwards = max(1, max(len(p.token_ids) for p in props))
+            self.spec.observe_draft(len(items), seconds / forwards)
+        return out, seconds
+
+    def _after_verify(self, req: Request, proposed: int, accepted: int, old_len: int) -> None:
+        req.spec_token_ids = []
+        m = req.metrics
+        m.spec_proposed += proposed
+        m.spec_accepted += accepted
+        m.spec_steps += 1
+        self.proposer.on_verified(req, proposed, accepted, old_len)
+        if self.spec is not None:
+            self.spec.observe_acceptance(req.request_id, proposed, accepted)
+
+    def _sample(self, scheduled: list[ScheduledRequest], counts: list[int], logits: torch.Tensor,
+                proposals: dict[int, Proposal]) -> list[list]:
+        """Per scheduled request, the (token, logprobs) pairs it gains this step."""
         out: list[list] = [[] for _ in scheduled]
-        if not rows:
-            return out
-        result = sample(logits, rows)
-        index = {id(s): i for i, s in enumerate(scheduled)}
-        for j, (s, tok) in enumerate(zip(owners, result.token_ids.tolist())):
-            lp = result.logprobs[j] if result.logprobs else None
-            out[index[id(s)]] = [(tok, lp)]
+        plain_rows, plain_idx, plain_at = [], [], []
+        offset = 0
+        for i, (s, k) in enumerate(zip(scheduled, counts)):
+            if k == 1 and not s.num_spec_tokens:
+                plain_rows.append(self._row(s.request, []))
+                plain_idx.append(i)
+                plain_at.append(offset)
+            elif k:
+                out[i] = self._verify(s, logits[offset:offset + k], proposals.get(id(s)))
+            offset += k
+        if plain_rows:
+            rows_logits = logits if len(plain_at) == logits.shape[0] else logits[torch.tensor(plain_at)]
+            result = sample(rows_logits, plain_rows)
+            for j, (i, tok) in enumerate(zip(plain_idx, result.token_ids.tolist())):
+                out[i] = [(tok, result.logprobs[j] if result.logprobs else None)]
         return out
+
+    def _verify(self, s: ScheduledRequest, logits: torch.Tensor, prop: Optional[Proposal]) -> list:
+        req = s.request
+        x = req.spec_token_ids
+        rows = [self._row(req, x[:j]) for j in range(len(x) + 1)]
+        p = req.params
+        if p.greedy and not p.needs_penalties:
+            tokens = verify_greedy(logits.argmax(-1).tolist(), x)
+        else:
+            probs = processed_probs(logits, rows)
+            if p.greedy:
+                tokens = verify_greedy(probs.argmax(-1).tolist(), x)
+            else:
+                q = prop.probs if prop is not None else None
+                tokens = verify_sampled(probs, q, x, self._live[req.request_id].generator)
+        if p.logprobs is None:
+            return [(t, None) for t in tokens]
+        n = len(tokens)
+        lps = logprobs_for(apply_penalties(logits[:n], rows[:n]), torch.tensor(tokens), [p.logprobs] * n)
+        return list(zip(tokens, lps))
 
     def _accept(self, req: Request, tokens: list[tuple[int, Optional[dict]]]) -> None:
         """Append verified tokens one by one, stopping at the first stop condition."""
@@ -213,6 +315,10 @@ class Engine:
 
     def _final(self, req: Request, error: Optional[str] = None) -> StepOutput:
         live = self._live.pop(req.request_id)
+        if self.proposer is not None:
+            self.proposer.forget(req.request_id)
+        if self.spec is not None:
+            self.spec.forget(req.request_id)
         text = live.text
         if req.finish_reason is not FinishReason.STOP or not isinstance(req.stop_reason, str):
             text += live.detok.flush()

@@ -3,6 +3,7 @@ and the size of the KV pool."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 from pathlib import Path
 
 from .config import EngineConfig
@@ -20,6 +21,8 @@ class LoadedModel:
     config: ModelConfig
     tokenizer: Tokenizer
     num_blocks: int
+    draft: Optional[LlamaForCausalLM] = None
+    draft_config: Optional[ModelConfig] = None
 
 
 def load_for_engine(config: EngineConfig, progress=None) -> LoadedModel:
@@ -32,7 +35,28 @@ def load_for_engine(config: EngineConfig, progress=None) -> LoadedModel:
         model, cfg, tokenizer = load_engine_model(path, config, progress=progress)
     else:
         model, cfg, tokenizer = load_hf_model(path, config.dtype, progress)
-    return LoadedModel(model, cfg, tokenizer, kv_blocks(cfg, config))
+    draft = draft_cfg = None
+    if config.draft and config.draft != "ngram":
+        draft, draft_cfg = load_draft(Path(config.draft), config, tokenizer)
+    return LoadedModel(model, cfg, tokenizer, kv_blocks([cfg] + ([draft_cfg] if draft_cfg else []), config),
+                       draft, draft_cfg)
+
+
+def load_draft(path: Path, config: EngineConfig, target_tokenizer: Tokenizer):
+    if not path.exists():
+        raise ModelLoadError(f"{path}: no such draft model directory; pass a directory, 'ngram', or no draft")
+    if (path / "manifest.json").is_file():
+        from llmd.export.engine_dir import load_engine_model
+        model, cfg, tok = load_engine_model(path, config)
+    else:
+        model, cfg, tok = load_hf_model(path, config.dtype)
+    if tok.vocab_size != target_tokenizer.vocab_size or tok.encode(PROBE) != target_tokenizer.encode(PROBE):
+        raise ModelLoadError(f"{path / 'tokenizer.json'}: the draft's tokenizer differs from the target's; "
+                             "speculative decoding needs the same tokenizer")
+    return model, cfg
+
+
+PROBE = "def f(x):\n    return {'a': [1, 2.5]}  # héllo 日本 🙂\n"
 
 
 def load_hf_model(path: Path, dtype: str, progress=None) -> tuple[LlamaForCausalLM, ModelConfig, Tokenizer]:
@@ -46,8 +70,9 @@ def load_hf_model(path: Path, dtype: str, progress=None) -> tuple[LlamaForCausal
     return model, cfg, tokenizer
 
 
-def kv_blocks(cfg: ModelConfig, config: EngineConfig) -> int:
-    per_block = kv_bytes_per_block(cfg, config.block_size, config.dtype)
+def kv_blocks(cfgs: list[ModelConfig], config: EngineConfig) -> int:
+    """Blocks that fit the budget when each block holds KV for every model in ``cfgs``."""
+    per_block = sum(kv_bytes_per_block(c, config.block_size, config.dtype) for c in cfgs)
     num_blocks = config.kv_memory_bytes // per_block
     if num_blocks < 1:
         raise ModelLoadError(f"kv_memory {config.kv_memory} cannot hold one block of {config.block_size} tokens "

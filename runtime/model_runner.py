@@ -28,6 +28,28 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: str) -> int:
 
 
 @dataclass
+class Feed:
+    """One request's part of a forward: feed ``token_ids`` at positions start.., sample the last
+    ``num_samples`` rows."""
+
+    token_ids: list[int]
+    start: int
+    block_ids: list[int]
+    num_samples: int
+
+
+def feeds_for(scheduled: list[ScheduledRequest]) -> list[Feed]:
+    feeds = []
+    for s in scheduled:
+        r = s.request
+        c, n = r.num_computed_tokens, s.num_new_tokens
+        base = r.num_tokens
+        ids = r.token_ids[c:c + n] if c + n <= base else r.token_ids[c:] + r.spec_token_ids[:c + n - base]
+        feeds.append(Feed(ids, c, r.block_ids, (s.num_spec_tokens + 1) if s.samples else 0))
+    return feeds
+
+
+@dataclass
 class StepBatch:
     """The step's packed inputs, kept for callers that need positions (the speculative proposers)."""
 
@@ -58,23 +80,19 @@ class ModelRunner:
         return (blocks.unsqueeze(1) * self.block_size + self._offsets).flatten()[:num_tokens]
 
     def prepare(self, scheduled: list[ScheduledRequest]) -> StepBatch:
+        return self.prepare_feeds(feeds_for(scheduled))
+
+    def prepare_feeds(self, feeds: list[Feed]) -> StepBatch:
         ids: list[int] = []
         positions, slots, spans, sample_rows, counts = [], [], [], [], []
         row = 0
-        for s in scheduled:
-            r = s.request
-            c, n = r.num_computed_tokens, s.num_new_tokens
-            base = r.num_tokens
-            if c + n <= base:
-                ids.extend(r.token_ids[c:c + n])
-            else:
-                ids.extend(r.token_ids[c:])
-                ids.extend(r.spec_token_ids[:c + n - base])
-            kv_slots = self.slots_of(r.block_ids, c + n)
+        for f in feeds:
+            c, n, k = f.start, len(f.token_ids), f.num_samples
+            ids.extend(f.token_ids)
+            kv_slots = self.slots_of(f.block_ids, c + n)
             positions.append(torch.arange(c, c + n))
             slots.append(kv_slots[c:])
             spans.append(SeqSpan(row, n, c + n, kv_slots))
-            k = (s.num_spec_tokens + 1) if s.samples else 0
             sample_rows.extend(range(row + n - k, row + n))
             counts.append(k)
             row += n

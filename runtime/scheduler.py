@@ -117,14 +117,12 @@ class Scheduler:
         return out
 
     def _wanted(self, req: Request, budget: int) -> tuple[int, int]:
-        """Tokens to feed this step and how many of them are speculative. Proposals that do not fit
-        the budget are dropped, never verified partially."""
+        """Tokens to feed this step and how many of them are speculative: a decoding request asks
+        for ``spec_k`` proposal slots (filled by the proposer after scheduling), cut by the budget."""
         base = req.num_tokens - req.num_computed_tokens
-        n = min(base + len(req.spec_token_ids), budget)
-        spec = max(0, n - base)
-        if spec < len(req.spec_token_ids):
-            del req.spec_token_ids[spec:]
-        return n, spec
+        want = req.spec_k if base == 1 else 0
+        n = min(base + want, budget)
+        return n, max(0, n - base)
 
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
         for priority in Priority:

@@ -1,0 +1,135 @@
+"""Adaptive speculation depth: how many tokens each request proposes this step, if any.
+
+With acceptance rate a and k proposals, a step yields E(a, k) = (1 - a^(k+1)) / (1 - a) tokens on
+average. It costs k draft forwards plus one target forward over (1 + k) tokens per speculating request.
+Both costs are measured at run time (moving averages bucketed by rows), so the same rule switches
+speculation off where verification is compute-bound (large batches) and on where it is memory-bound.
+Each request's own acceptance (a moving average, starting from a prior) sets its own depth.
+"""
+from __future__ import annotations
+
+from ..request import Request
+
+PRIOR_ALPHA = 0.6
+EMA = 0.2
+MARGIN = 1.05          # speculate only when predicted at least 5% better than plain decoding
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    if k == 0:
+        return 1.0
+    if alpha >= 0.999:
+        return k + 1.0
+    return (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def _bucket(n: int) -> int:
+    return max(1, n).bit_length()
+
+
+class CostTable:
+    """Moving-average seconds per forward, by the power-of-two bucket of its row count."""
+
+    def __init__(self):
+        self.t: dict[int, float] = {}
+
+    def observe(self, rows: int, seconds: float) -> None:
+        b = _bucket(rows)
+        self.t[b] = seconds if b not in self.t else (1 - EMA) * self.t[b] + EMA * seconds
+
+    def estimate(self, rows: int) -> float | None:
+        if not self.t:
+            return None
+        b = _bucket(rows)
+        if b in self.t:
+            return self.t[b]
+        near = min(self.t, key=lambda x: abs(x - b))
+        # unmeasured sizes: assume cost grows with rows beyond the nearest measured bucket (explores once)
+        return self.t[near] * (2.0 ** (b - near) if b > near else 1.0) ** 0.5
+
+
+class SpecController:
+    def __init__(self, max_k: int, max_model_len: int, adaptive: bool = True, proposer_is_free: bool = False):
+        self.max_k = max_k
+        self.max_model_len = max_model_len
+        self.adaptive = adaptive
+        self.proposer_is_free = proposer_is_free      # n-gram lookup costs no forward
+        self.target = CostTable()
+        self.draft = CostTable()
+        self.alpha: dict[str, float] = {}
+        self.enabled_steps = 0
+        self.disabled_steps = 0
+        self.last_plan: dict = {}
+
+    def plan(self, decoding: list[Request], other_tokens: int) -> None:
+        """Set ``spec_k`` on each decoding request (0 = no speculation this step)."""
+        b = len(decoding)
+        ks = {r.request_id: self._cap(r, self.max_k) for r in decoding}
+        if self.adaptive and b:
+            k_star = self._best_depth(decoding, other_tokens)
+            ks = {rid: min(k, k_star) for rid, k in ks.items()}
+            if k_star:
+                for r in decoding:
+                    ks[r.request_id] = min(ks[r.request_id], self._own_depth(self.alpha.get(r.request_id, PRIOR_ALPHA), b))
+        for r in decoding:
+            r.spec_k = ks[r.request_id]
+        if b:
+            if any(ks.values()):
+                self.enabled_steps += 1
+            else:
+                self.disabled_steps += 1
+
+    def _cap(self, r: Request, k: int) -> int:
+        room = min(r.params.max_tokens - r.num_output_tokens - 1, self.max_model_len - r.num_tokens - 1)
+        return max(0, min(k, room))
+
+    def _step_cost(self, k: int, b: int, other_tokens: int) -> float | None:
+        t = self.target.estimate(b * (1 + k) + other_tokens)
+        if t is None:
+            return None
+        if k and not self.proposer_is_free:
+            d = self.draft.estimate(b)
+            if d is None:
+                return None
+            t += k * d
+        return t
+
+    def _best_depth(self, decoding: list[Request], other_tokens: int) -> int:
+        b = len(decoding)
+        plain = self._step_cost(0, b, other_tokens)
+        if plain is None:
+            return self.max_k            # nothing measured yet: try, and measure
+        alphas = [self.alpha.get(r.request_id, PRIOR_ALPHA) for r in decoding]
+        best_k, best_rate = 0, b / plain
+        for k in range(1, self.max_k + 1):
+            cost = self._step_cost(k, b, other_tokens)
+            if cost is None:
+                return k                 # unmeasured depth: explore it
+            rate = sum(expected_tokens(a, k) for a in alphas) / cost
+            if rate > best_rate * MARGIN:
+                best_k, best_rate = k, rate
+        self.last_plan = {"k": best_k, "predicted_speedup": best_rate / (b / plain)}
+        return best_k
+
+    def _own_depth(self, alpha: float, b: int) -> int:
+        """Deepest k whose marginal expected token is still likely enough to pay for a draft step."""
+        k = 1
+        while k < self.max_k and alpha ** (k + 1) > 0.15:
+            k += 1
+        return k
+
+    def observe_target(self, rows: int, seconds: float) -> None:
+        self.target.observe(rows, seconds)
+
+    def observe_draft(self, rows: int, seconds_per_forward: float) -> None:
+        self.draft.observe(rows, seconds_per_forward)
+
+    def observe_acceptance(self, request_id: str, proposed: int, accepted: int) -> None:
+        if proposed:
+            a = self.alpha.get(request_id, PRIOR_ALPHA)
+            # per-token acceptance: each accepted proposal is a success, the first rejection a failure
+            rate = accepted / (accepted + (1 if accepted < proposed else 0))
+            self.alpha[request_id] = (1 - EMA) * a + EMA * rate
+
+    def forget(self, request_id: str) -> None:
+        self.alpha.pop(request_id, None)

@@ -1,0 +1,75 @@
+"""A draft model proposer with its own paged KV pool, indexed by the target's block ids.
+
+One allocation decision covers both pools: the draft writes position i of a request into the same slot
+as the target. ``computed[request]`` counts the positions whose draft KV is valid; a proposal round first
+feeds the tokens the draft has not seen (the whole prompt the first time, then usually one or two
+verified tokens), then generates k tokens one forward at a time. Rejected positions are simply
+overwritten later.
+
+    positions:  0 .. n-1 verified (n = num_tokens)   n .. n+k-2 proposals fed back   n+k-1 last proposal (not fed)
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..model_runner import Feed, ModelRunner
+from ..request import Request
+from ..sampler import processed_probs, sample_from_probs
+from .proposer import Proposal, Proposer
+
+
+class DraftProposer(Proposer):
+    name = "draft"
+    has_distribution = True
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self.computed: dict[str, int] = {}
+
+    def propose(self, items: list[tuple[Request, int]], rows_for) -> list[Proposal]:
+        t0 = time.perf_counter()
+        tokens: list[list[int]] = [[] for _ in items]
+        probs: list[list[torch.Tensor]] = [[] for _ in items]
+        feeds = []
+        for req, _ in items:
+            done = self.computed.get(req.request_id, 0)
+            feeds.append(Feed(req.token_ids[done:], done, req.block_ids, 1))
+        active = list(range(len(items)))
+        step = 0
+        while active:
+            logits = self.runner.run(self.runner.prepare_feeds([feeds[i] for i in active]))
+            rows = [rows_for(items[i][0], tokens[i]) for i in active]
+            greedy = all(r.params.greedy for r in rows)
+            if greedy:
+                picks = logits.argmax(-1).tolist()
+            else:
+                q = processed_probs(logits, rows)
+                picks = sample_from_probs(q, rows).tolist()
+            for j, i in enumerate(active):
+                tokens[i].append(picks[j])
+                if not greedy:
+                    probs[i].append(q[j])
+            step += 1
+            nxt = []
+            for i in active:
+                req, k = items[i]
+                if step < k:
+                    nxt.append(i)
+                    feeds[i] = Feed([tokens[i][-1]], req.num_tokens + step - 1, req.block_ids, 1)
+            active = nxt
+        for req, _ in items:
+            self.computed[req.request_id] = req.num_tokens
+        seconds = (time.perf_counter() - t0) / max(1, len(items))
+        return [Proposal(tokens[i], torch.stack(probs[i]) if probs[i] else None, seconds) for i in range(len(items))]
+
+    def on_verified(self, request: Request, num_proposed: int, num_accepted: int, old_num_tokens: int) -> None:
+        # Proposals 1..k-1 were fed to the draft; those accepted keep valid KV.
+        self.computed[request.request_id] = old_num_tokens + min(num_accepted, max(0, num_proposed - 1))
+
+    def reset(self, request: Request) -> None:
+        self.computed.pop(request.request_id, None)
+
+    def forget(self, request_id: str) -> None:
+        self.computed.pop(request_id, None)

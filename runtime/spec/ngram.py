@@ -1,0 +1,58 @@
+"""N-gram prompt lookup: propose what followed the latest earlier occurrence of the last n tokens.
+
+No model runs. It fits code edits and infill, where the output copies the input. The per-request
+index maps each n-gram to the position after its latest occurrence, and grows as tokens arrive.
+"""
+from __future__ import annotations
+
+import time
+
+from ..request import Request
+from .proposer import Proposal, Proposer
+
+
+class _Index:
+    __slots__ = ("after", "indexed")
+
+    def __init__(self):
+        self.after: dict[tuple, int] = {}
+        self.indexed = 0          # n-grams ending before this position are indexed
+
+
+class NgramProposer(Proposer):
+    name = "ngram"
+
+    def __init__(self, n: int = 3, min_n: int = 2):
+        self.n, self.min_n = n, min(min_n, n)
+        self.index: dict[str, _Index] = {}
+
+    def propose(self, items: list[tuple[Request, int]], rows_for=None) -> list[Proposal]:
+        out = []
+        for req, k in items:
+            t0 = time.perf_counter()
+            out.append(Proposal(self._lookup(req, k), None, time.perf_counter() - t0))
+        return out
+
+    def _lookup(self, req: Request, k: int) -> list[int]:
+        toks = req.token_ids
+        idx = self.index.setdefault(req.request_id, _Index())
+        last = len(toks) - 1
+        # index every n-gram (all sizes) that ends strictly before the last token
+        for end in range(max(idx.indexed, self.min_n - 1), last):
+            for n in range(self.min_n, self.n + 1):
+                if end - n + 1 >= 0:
+                    idx.after[(n, *toks[end - n + 1:end + 1])] = end + 1
+        idx.indexed = max(idx.indexed, last)
+        for n in range(self.n, self.min_n - 1, -1):
+            if last - n + 1 < 0:
+                continue
+            start = idx.after.get((n, *toks[last - n + 1:last + 1]))
+            if start is not None:
+                return toks[start:start + k]
+        return []
+
+    def reset(self, request: Request) -> None:
+        pass        # the index is over token ids, not KV: still valid
+
+    def forget(self, request_id: str) -> None:
+        self.index.pop(request_id, None)

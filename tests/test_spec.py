@@ -1,0 +1,107 @@
+"""Speculative decoding never changes greedy output, trims both caches, and leaks nothing."""
+import random
+
+import pytest
+
+from llmd import LLM, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=20, ignore_eos=True)
+SHAPE = dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128)
+
+
+@pytest.fixture(scope="module")
+def drafts(model_factory, tiny_model_dir):
+    return {
+        "same": str(tiny_model_dir),                                               # accepts everything
+        "other": str(model_factory("draft-other", seed=7, hidden=32, layers=1, heads=2, kv_heads=1, intermediate=64)),
+        "ngram": "ngram",
+    }
+
+
+def prompts(n=8, seed=0):
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        motif = [rng.randrange(20, 400) for _ in range(rng.randrange(3, 8))]
+        out.append((motif * 12)[:rng.randrange(8, 70)])          # repetitive: n-gram lookup finds matches
+    return out
+
+
+def run(model, ps, params=GREEDY, **kw):
+    llm = LLM(str(model), **{"kv_memory": "8MiB", **kw})
+    outs = llm.generate(ps, params)
+    st = llm.stats()
+    assert st["kv_blocks_free"] == st["kv_blocks_total"], "blocks leaked"
+    return [o.token_ids for o in outs], st
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model_dir):
+    return run(tiny_model_dir, prompts())[0]
+
+
+@pytest.mark.parametrize("which", ["same", "other", "ngram"])
+@pytest.mark.parametrize("mode", ["batch", "chunked", "preempt", "alone"])
+def test_greedy_identical_with_speculation(tiny_model_dir, drafts, plain, which, mode):
+    kw = dict(draft=drafts[which], num_speculative_tokens=4, adaptive_speculation=False)
+    ps = prompts()
+    if mode == "chunked":
+        kw["max_batch_tokens"] = 16
+    if mode == "preempt":
+        kw["kv_memory"] = 96 * 2 * 2 * 32 * 4 * (2 if which != "ngram" else 1)
+    if mode == "alone":
+        got = [run(tiny_model_dir, [p], **kw)[0][0] for p in ps[:3]]
+        assert got == plain[:3]
+        return
+    got, st = run(tiny_model_dir, ps, **kw)
+    assert got == plain
+    assert st["spec_proposed"] > 0
+    if mode == "preempt":
+        assert st["preemptions"] > 0
+    if which == "same":
+        assert st["spec_acceptance_rate"] == 1.0
+    if which == "other":
+        assert st["spec_acceptance_rate"] < 1.0
+
+
+def test_adaptive_greedy_identical(tiny_model_dir, drafts, plain):
+    got, st = run(tiny_model_dir, prompts(), draft=drafts["other"], num_speculative_tokens=4)
+    assert got == plain
+
+
+def test_metrics_per_request(tiny_model_dir, drafts):
+    llm = LLM(str(tiny_model_dir), kv_memory="8MiB", draft=drafts["same"], num_speculative_tokens=3,
+              adaptive_speculation=False)
+    out = llm.generate([[30, 31, 32]], SamplingParams(max_tokens=17, ignore_eos=True))[0]
+    m = out.metrics
+    # 1 token from the prompt step, then 4 per step (3 accepted + bonus): 4 verification steps
+    assert m["spec_proposed"] == 12 and m["spec_accepted"] == 12
+    assert m["spec_acceptance"] == 1.0 and m["spec_mean_accepted_len"] == 3.0
+    assert len(out.token_ids) == 17
+
+
+def test_rollback_trims_blocks(tiny_model_dir, drafts):
+    llm = LLM(str(tiny_model_dir), kv_memory="8MiB", block_size=4, draft=drafts["other"],
+              num_speculative_tokens=6, adaptive_speculation=False)
+    e = llm.engine
+    e.add_request("r", list(range(30, 39)), SamplingParams(max_tokens=40, ignore_eos=True))
+    while e.has_unfinished():
+        e.step()
+        r = e.scheduler.requests.get("r")
+        if r is not None:
+            # after each step: blocks cover the computed tokens and no speculative tail beyond the verified ones
+            assert -(-r.num_computed_tokens // 4) <= len(r.block_ids) <= -(-r.num_tokens // 4)
+            assert r.num_computed_tokens == r.num_tokens - 1
+            assert r.spec_token_ids == []
+    st = e.stats()
+    assert st["kv_blocks_free"] == st["kv_blocks_total"]
+    assert st["spec_proposed"] > st["spec_accepted"]
+
+
+def test_draft_with_other_tokenizer_is_refused(tiny_model_dir, tmp_path):
+    from llmd.runtime.errors import ModelLoadError
+    from llmd.runtime.models.random_model import write_random_model
+    other = write_random_model(tmp_path / "bytes", "tiny", hidden_size=32, num_hidden_layers=1,
+                               num_attention_heads=2, num_key_value_heads=1, intermediate_size=64, vocab_size=512)
+    with pytest.raises(ModelLoadError, match="draft's tokenizer differs"):
+        LLM(str(tiny_model_dir), draft=str(other))
