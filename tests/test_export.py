@@ -1,0 +1,155 @@
+"""`llmd export` end to end: engine directory round trip through LLM, greedy parity with the float
+model, the quality gate, and refusal of tampered, incomplete or version-mismatched directories."""
+import json
+import shutil
+
+import pytest
+
+from llmd import LLM, SamplingParams
+from llmd.cli import main
+from llmd.export.cli import ExportOptions, export_engine
+from llmd.export.engine_dir import load_engine_draft
+from llmd.export.manifest import read_manifest
+from llmd.export.quality import heldout_texts
+from llmd.runtime.config import EngineConfig
+from llmd.runtime.errors import EngineDirError
+
+FAST = dict(eval_windows=2, eval_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def source(model_factory):
+    return model_factory("export-src", hidden=64, intermediate=128, layers=2)
+
+
+@pytest.fixture(scope="module")
+def draft_source(model_factory):
+    return model_factory("export-draft", hidden=32, intermediate=64, layers=1, heads=2, kv_heads=1, seed=3)
+
+
+@pytest.fixture(scope="module")
+def int8_engine(source, draft_source, tmp_path_factory):
+    out = tmp_path_factory.mktemp("eng") / "int8"
+    export_engine(ExportOptions(str(source), str(out), draft=str(draft_source), quant="int8", **FAST))
+    return out
+
+
+def prompts(tokenizer, n=10, length=24):
+    texts, _ = heldout_texts()
+    ids = tokenizer.encode("".join(texts[:2]), add_special_tokens=False)
+    return [ids[i * length:(i + 1) * length] for i in range(n)]
+
+
+def greedy(path, prompt_list, tokens=32):
+    llm = LLM(str(path), kv_memory="16MiB")
+    return [c.token_ids for c in llm.generate(prompt_list, SamplingParams(max_tokens=tokens, ignore_eos=True))]
+
+
+def test_quant_none_engine_gives_exactly_the_float_greedy_tokens(source, tmp_path):
+    out = tmp_path / "none"
+    export_engine(ExportOptions(str(source), str(out), quant="none", **FAST))
+    ps = prompts(LLM(str(source), kv_memory="16MiB").tokenizer)
+    assert greedy(out, ps) == greedy(source, ps)
+
+
+def test_int8_engine_keeps_greedy_tokens_for_most_prompts(source, int8_engine):
+    ps = prompts(LLM(str(source), kv_memory="16MiB").tokenizer)
+    same = sum(a == b for a, b in zip(greedy(int8_engine, ps), greedy(source, ps)))
+    assert same >= 0.9 * len(ps)
+
+
+def test_manifest_records_the_export(int8_engine, source):
+    m = json.loads((int8_engine / "manifest.json").read_text())
+    assert m["format_version"] == 1 and m["backend"] == "torch"
+    assert m["quantization"]["method"] == "int8" and m["quantization"]["head"] == "int8"
+    assert set(m["models"]) == {"target", "draft"}
+    assert "model.safetensors" in m["models"]["target"]["source"]["sha256"]
+    assert "target/weights.safetensors" in m["files"] and "target/tokenizer.json" in m["files"]
+    q = m["quality"]
+    assert q["top1_agreement"] > 0.9 and 0 <= q["draft_acceptance"] <= 1
+    # int8 weights with a tied int8 head: about a quarter of the float32 bytes
+    assert m["sizes"]["target"]["engine_bytes"] < 0.4 * m["sizes"]["target"]["source_bytes"]
+
+
+def test_draft_is_loadable_from_the_engine_directory(int8_engine):
+    model, cfg, tok = load_engine_draft(int8_engine, EngineConfig(model=str(int8_engine)))
+    assert cfg.hidden_size == 32 and cfg.num_layers == 1
+
+
+def copy_engine(engine, tmp_path):
+    dst = tmp_path / "copy"
+    shutil.copytree(engine, dst)
+    return dst
+
+
+def refused(path, match):
+    with pytest.raises(EngineDirError, match=match):
+        LLM(str(path), kv_memory="16MiB")
+
+
+def test_flipped_byte_in_weights_is_refused(int8_engine, tmp_path):
+    eng = copy_engine(int8_engine, tmp_path)
+    w = eng / "target" / "weights.safetensors"
+    data = bytearray(w.read_bytes())
+    data[-10] ^= 1
+    w.write_bytes(bytes(data))
+    refused(eng, "sha256 does not match")
+
+
+def test_edited_tokenizer_is_refused(int8_engine, tmp_path):
+    eng = copy_engine(int8_engine, tmp_path)
+    tok = eng / "target" / "tokenizer_config.json"
+    tok.write_text(tok.read_text().replace("2048", "4096"))
+    refused(eng, "tokenizer_config.json")
+
+
+def test_missing_file_is_refused_as_incomplete(int8_engine, tmp_path):
+    eng = copy_engine(int8_engine, tmp_path)
+    (eng / "draft" / "weights.safetensors").unlink()
+    refused(eng, "incomplete engine directory, missing draft/weights.safetensors")
+
+
+def test_other_format_version_is_refused(int8_engine, tmp_path):
+    eng = copy_engine(int8_engine, tmp_path)
+    m = json.loads((eng / "manifest.json").read_text())
+    m["format_version"] = 2
+    (eng / "manifest.json").write_text(json.dumps(m))
+    refused(eng, "format version 2.*reads version 1")
+
+
+def test_manifest_that_lies_about_quantization_is_refused(int8_engine, tmp_path):
+    eng = copy_engine(int8_engine, tmp_path)
+    m = json.loads((eng / "manifest.json").read_text())
+    m["quantization"]["method"] = "int4"
+    m["quantization"]["group_size"] = 32
+    (eng / "manifest.json").write_text(json.dumps(m))
+    refused(eng, "tensors do not match")
+
+
+def test_quality_gate_fails_the_export_and_leaves_no_manifest(source, tmp_path, capsys):
+    # A random model's perplexity may move either way under quantization; measure the change
+    # first, then set the limit just below it (fails) and just above it (passes).
+    args = ["export", "--target", str(source), "--quant", "int4", "--group-size", "32",
+            "--eval-windows", "2", "--eval-tokens", "64"]
+    measured = export_engine(ExportOptions(str(source), str(tmp_path / "probe"), quant="int4", group_size=32, **FAST))
+    increase = 100 * measured["quality"]["ppl_increase"]
+    out = tmp_path / "gated"
+    assert main(args + ["--max-ppl-increase", str(increase - 0.01), "--out", str(out)]) == 3
+    assert "quality gate failed" in capsys.readouterr().err
+    assert not (out / "manifest.json").exists()
+    with pytest.raises(EngineDirError, match="no manifest.json"):
+        read_manifest(out)
+    assert main(args + ["--max-ppl-increase", str(increase + 0.01), "--out", str(out), "--force"]) == 0
+    assert (out / "manifest.json").exists()
+
+
+def test_cli_prints_the_summary_table(source, tmp_path, capsys):
+    out = tmp_path / "cli"
+    eval_file = tmp_path / "eval.txt"
+    eval_file.write_text("def add(a, b):\n    return a + b\n" * 40)
+    rc = main(["export", "--target", str(source), "--quant", "w8a8", "--eval-file", str(eval_file),
+               "--eval-windows", "2", "--eval-tokens", "32", "--out", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "perplexity" in text and "top-1 agreement" in text and str(eval_file) in text
+    assert main(["export", "--target", str(source), "--out", str(out)]) == 2    # exists, no --force
