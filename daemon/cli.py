@@ -18,7 +18,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                               "$XDG_CONFIG_HOME/llmd/llmd.toml, LLMD_* variables and these flags, in "
                               "increasing precedence.")
     a = p.add_argument
-    a("--model", help="model directory to load (setting `model`)")
+    a("--model", "--engine", dest="model",
+      help="model directory (Hugging Face layout) or engine directory from `llmd export` (setting `model`)")
     a("--socket", help="ipc socket path (default $XDG_RUNTIME_DIR/llmd/llmd.sock, or /run/llmd/llmd.sock)")
     a("--group", help="group that owns the socket and its directory (mode 0660/0750)")
     a("--tcp", metavar="tcp://HOST:PORT", help="also listen on this TCP endpoint (off unless given)")
@@ -30,6 +31,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     a("--max-batch-tokens", type=int, help="token budget of one engine step")
     a("--no-prefix-cache", dest="prefix_cache", action="store_const", const=False,
       help="disable reuse of cached prompt prefixes")
+    a("--draft", help="speculative decoding: a draft model directory (same tokenizer), or 'ngram' for prompt lookup")
+    a("--num-speculative-tokens", type=int, help="most tokens proposed per step when speculating (default 4)")
+    a("--no-adaptive-speculation", dest="adaptive_speculation", action="store_const", const=False,
+      help="always propose --num-speculative-tokens instead of letting measured costs decide")
     a("--max-queue", type=int, help="requests in flight before new ones are refused with `busy`")
     a("--drain-grace", dest="drain_grace_s", type=float, metavar="SECONDS",
       help="on SIGTERM, time to let in-flight requests finish before cancelling them")
@@ -52,7 +57,7 @@ def add_status_parser(subparsers) -> argparse.ArgumentParser:
 
 
 _FLAGS = ("model", "socket", "group", "tcp", "dtype", "device", "threads", "kv_memory", "block_size", "max_batch_tokens",
-          "prefix_cache", "max_queue", "drain_grace_s", "log_level")
+          "prefix_cache", "draft", "num_speculative_tokens", "adaptive_speculation", "max_queue", "drain_grace_s", "log_level")
 
 
 def run_serve(args) -> int:

@@ -36,6 +36,9 @@ class Settings:
     block_size: int = 16
     max_batch_tokens: int = 512
     prefix_cache: bool = True
+    draft: Optional[str] = None           # speculative decoding: a draft model directory or "ngram"
+    num_speculative_tokens: int = 4       # most proposals per step
+    adaptive_speculation: bool = True     # let measured costs and acceptance pick the depth
     max_queue: int = 64                   # requests in flight (queued + running) before `busy`
     max_message_bytes: int = 1 << 20      # ZMQ_MAXMSGSIZE; larger frames drop the connection
     send_hwm: int = 1000                  # messages buffered per client before it counts as stuck
@@ -51,7 +54,7 @@ class Settings:
         hints = get_type_hints(Settings)
         for f in dataclasses.fields(self):
             _check_type(f.name, getattr(self, f.name), hints[f.name])
-        positive = ("block_size", "max_batch_tokens", "max_queue", "max_message_bytes", "send_hwm",
+        positive = ("block_size", "max_batch_tokens", "num_speculative_tokens", "max_queue", "max_message_bytes", "send_hwm",
                     "heartbeat_ivl_ms", "heartbeat_timeout_ms")
         for name in positive:
             if getattr(self, name) <= 0:
