@@ -1,10 +1,11 @@
 """Fill-in-the-middle prompts for the language server, cut to token budgets.
 
 Budgets are in tokens but measured in characters: ``chars = tokens * chars_per_token``. Asking
-the daemon to tokenize would cost a round trip per keystroke; a fixed ratio costs nothing and
-errs on the safe side for code (byte-level BPE vocabularies average 3 to 4 characters a token
-on source code; the default 3.0 rarely overshoots). The daemon still refuses a prompt that
-cannot fit, so a wrong ratio costs context, never correctness.
+the daemon to tokenize would cost a round trip per keystroke; a ratio costs nothing. The ratio
+starts at the configured value (3.0: large code vocabularies average 3 to 4 characters a token)
+and the completion service then measures it from each answer's ``usage.prompt_tokens``. The
+budgets are scaled to the model's context window (``fit_budget``), and the daemon still refuses a
+prompt that cannot fit, so a wrong ratio costs context or one retry, never correctness.
 
 The prefix keeps the text nearest the cursor and starts at a line boundary; the suffix keeps
 the text right after the cursor and ends at one. Other open files go in as extra context (the
@@ -14,7 +15,7 @@ their budget is spent. Pure Python.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 from urllib.parse import unquote, urlparse
 
 
@@ -86,3 +87,15 @@ def build_fim(text: str, offset: int, others: Sequence[tuple[str, str]], budget:
             files.append((path, piece))
             left -= len(piece) + len(path) + 2
     return FimPrompt(prefix, suffix, tuple(files))
+
+
+def fit_budget(budget: FimBudget, context_length: Optional[int], reserve: int,
+               chars_per_token: Optional[float] = None) -> FimBudget:
+    """``budget`` scaled down so the prompt leaves ``reserve`` tokens of the model's context free,
+    with ``chars_per_token`` (a measured ratio) in place of the configured one when given."""
+    ratio = chars_per_token or budget.chars_per_token
+    total = budget.prefix_tokens + budget.suffix_tokens + budget.context_tokens
+    room = (context_length - reserve) if context_length else total
+    scale = min(1.0, max(0, room) / total) if total else 1.0
+    return FimBudget(int(budget.prefix_tokens * scale), int(budget.suffix_tokens * scale),
+                     int(budget.context_tokens * scale), ratio)

@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 from .client import AsyncClient, ClientError
 from .events import Done, Error, Token
 from .lsp_cache import CompletionCache
-from .lsp_prompt import FimBudget, build_fim
+from .lsp_prompt import FimBudget, build_fim, fit_budget
 from .lsp_trim import trim_suggestion
 
 log = logging.getLogger("llmd.lsp")
@@ -88,6 +88,8 @@ class CompletionService:
         self.stats = CompletionStats()
         self._latest: dict[str, int] = {}
         self._serial = 0
+        self._context_length: Optional[int] = None     # the model's, asked once
+        self._chars_per_token: Optional[float] = None  # measured from answers; None: the configured one
 
     async def complete(self, uri: str, text: str, offset: int, others: Sequence[tuple[str, str]] = ()) -> Optional[str]:
         """A suggestion to insert at ``offset`` in document ``uri``, or None."""
@@ -115,8 +117,7 @@ class CompletionService:
             await asyncio.sleep(self.config.debounce_ms / 1000)
             if self._latest.get(uri) != me:
                 return "debounced", None
-        prompt = build_fim(text, offset, others, self.config.budget)
-        raw, final = await self._infill(uri, prompt)
+        raw, final = await self._ask(uri, text, offset, others)
         if isinstance(final, Done) and final.finish_reason == "cancelled":
             return "replaced", None
         if isinstance(final, Error):
@@ -129,6 +130,30 @@ class CompletionService:
             return "empty", None
         self.cache.store(uri, prefix_all, suffix_all, suggestion)
         return "completed", suggestion
+
+    async def _ask(self, uri, text, offset, others) -> tuple[str, object]:
+        """Build the prompt within the model's context and ask; a prompt the daemon finds too long
+        (the ratio was optimistic) is retried once with half the characters per token."""
+        if self._context_length is None:
+            models = await self.client.models()
+            self._context_length = int(models[0].get("context_length") or 0) or None if models else None
+        for _ in range(2):
+            budget = fit_budget(self.config.budget, self._context_length, self.config.max_tokens + 8,
+                                self._chars_per_token)
+            prompt = build_fim(text, offset, others, budget)
+            raw, final = await self._infill(uri, prompt)
+            if isinstance(final, Done) and final.usage.get("prompt_tokens"):
+                chars = len(prompt.prefix) + len(prompt.suffix) + sum(len(p) + len(t) for p, t in prompt.files)
+                self._measure(chars / final.usage["prompt_tokens"])
+            if not (isinstance(final, Error) and final.code == "invalid_request" and "context" in final.message):
+                break
+            self._chars_per_token = budget.chars_per_token / 2
+        return raw, final
+
+    def _measure(self, ratio: float) -> None:
+        """Move the characters-per-token estimate toward an observed ratio (a running average)."""
+        current = self._chars_per_token or self.config.budget.chars_per_token
+        self._chars_per_token = max(0.25, 0.7 * current + 0.3 * ratio)
 
     async def _infill(self, uri: str, prompt) -> tuple[str, object]:
         stream = await self.client.infill(prompt.prefix, prompt.suffix, files=list(prompt.files) or None,

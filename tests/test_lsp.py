@@ -10,7 +10,7 @@ from daemon_fixtures import daemon_settings, running_daemon
 from llmd.clients.client import Client
 from llmd.clients.lsp_cache import CompletionCache
 from llmd.clients.lsp_probe import LspProbe, first_text
-from llmd.clients.lsp_prompt import FimBudget, build_fim
+from llmd.clients.lsp_prompt import FimBudget, build_fim, fit_budget
 from llmd.clients.lsp_service import percentile
 from llmd.clients.lsp_trim import trim_suggestion
 
@@ -34,6 +34,14 @@ def test_other_files_share_one_budget_nearest_first():
     assert p.files[1][0] == "b.py" and p.files[1][1] == "b = 2\n" * 1   # what is left of 30, whole lines
     assert len(p.files) == 2
     assert build_fim("x", 1, others, FimBudget(context_tokens=0)).files == ()
+
+
+def test_budgets_shrink_to_the_models_context_window():
+    b = FimBudget(prefix_tokens=600, suffix_tokens=200, context_tokens=200, chars_per_token=3.0)
+    assert fit_budget(b, 2048, 16) == b
+    small = fit_budget(b, 516, 16, chars_per_token=1.5)
+    assert (small.prefix_tokens, small.suffix_tokens, small.context_tokens, small.chars_per_token) == (300, 100, 100, 1.5)
+    assert fit_budget(b, None, 16) == b
 
 
 def test_bad_budgets_and_cursors_are_refused():
@@ -183,3 +191,20 @@ def test_a_burst_of_edits_completes_one_request_and_cancels_the_rest(daemon, tmp
         assert stats["debounced"] == burst - 1 and daemon_delta == {"length": 1}
     else:
         assert stats["replaced"] == burst - 1 and daemon_delta == {"length": 1, "cancelled": burst - 1}
+
+
+def test_a_document_larger_than_the_context_window_still_gets_completions(daemon, tmp_path):
+    body = "".join(f"def f{i}(x):\n    return x * {i}\n\n" for i in range(600))     # ~20k characters
+    doc = body + "def g(y):\n    return \n"
+
+    async def session():
+        async with LspProbe(lsp_args(daemon, tmp_path)) as lsp:
+            lsp.open(URI, doc)
+            line = doc.count("\n") - 1
+            answers = [await lsp.inline(URI, line, 11)]
+            lsp.insert(URI, line, 11, "y")
+            answers.append(await lsp.inline(URI, line, 12))
+            return answers, await lsp.stats()
+
+    answers, stats = asyncio.run(session())
+    assert stats["error"] == 0 and stats["completed"] + stats["empty"] + stats["cache_hit"] == 2

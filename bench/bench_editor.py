@@ -1,0 +1,144 @@
+"""Editor workload: keystrokes through a held-out file, an inline completion after each.
+
+    .venv/bin/python bench/bench_editor.py --model models/code-target --threads 2
+    .venv/bin/python bench/bench_editor.py --socket /run/user/1000/llmd/llmd.sock   # a running daemon
+
+The daemon runs as a separate process (``python -m llmd.daemon serve``) unless --socket names a
+running one; ``llmd lsp`` runs as an editor would start it, and pygls's client drives it over
+stdio. The document is a held-out stdlib file (the demo models never trained on it) with
+--lines lines removed at its middle; the benchmark types them back one character at a time and,
+after each keystroke, asks for an inline completion of up to --max-tokens tokens, waiting for
+the answer before the next key (so no request is superseded). It reports p50/p95 of the time from
+the LSP request to its response, as the editor sees it, and the server's outcome counts.
+Targets: p50 <= 50 ms, p95 <= 100 ms.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from llmd.clients.client import Client, ClientError
+from llmd.clients.lsp_probe import LspProbe
+from llmd.clients.lsp_service import percentile
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def start_daemon(model: str, socket: str, threads: int, extra: list[str]) -> subprocess.Popen:
+    """`llmd serve` as a separate process; waits until it answers health with state ready."""
+    cmd = [sys.executable, "-m", "llmd.daemon", "serve", "--model", model, "--socket", socket,
+           "--threads", str(threads), *extra]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "XDG_CONFIG_HOME": str(Path(socket).parent)})
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the daemon exited: {proc.stderr.read()[-2000:]}")
+        try:
+            with Client(socket, connect_timeout=1.0) as c:
+                if c.health()["state"] == "ready":
+                    return proc
+        except ClientError:
+            pass
+        time.sleep(0.2)
+    proc.terminate()
+    raise SystemExit("the daemon did not become ready within 300 s")
+
+
+def default_file() -> Path:
+    """A held-out stdlib file of a few kilobytes."""
+    from llmd.export.corpus import list_sources, split
+    held = split(list_sources())[1]
+    sized = [f for f in held if 3000 <= f.path.stat().st_size <= 20000]
+    return (sized or held)[0].path
+
+
+def typing_session(text: str, lines: int) -> tuple[str, list[tuple[int, int, str]]]:
+    """The document with ``lines`` lines cut at its middle, and the keystrokes (line, col, char)
+    that type them back."""
+    all_lines = text.splitlines(keepends=True)
+    start = max(0, len(all_lines) // 2 - lines // 2)
+    cut = all_lines[start:start + lines]
+    doc = "".join(all_lines[:start]) + "".join(all_lines[start + lines:])
+    keys, line, col = [], start, 0
+    for ch in "".join(cut):
+        keys.append((line, col, ch))
+        line, col = (line + 1, 0) if ch == "\n" else (line, col + 1)
+    return doc, keys
+
+
+async def run_editor(socket: str, path: Path, args) -> dict:
+    doc, keys = typing_session(path.read_text(encoding="utf-8", errors="ignore"), args.lines)
+    keys = keys[:args.keystrokes]
+    uri = path.resolve().as_uri()
+    lsp_args = ["--socket", socket, "--max-tokens", str(args.max_tokens), "--debounce-ms", str(args.debounce_ms),
+                "--log-file", args.log_file or os.devnull]
+    latencies, answered = [], 0
+    async with LspProbe(lsp_args, cwd=str(REPO)) as lsp:
+        lsp.open(uri, doc)
+        for _ in range(args.warmup):
+            await lsp.inline(uri, keys[0][0], keys[0][1])
+        for line, col, ch in keys:
+            lsp.insert(uri, line, col, ch)
+            at = (line + 1, 0) if ch == "\n" else (line, col + 1)
+            t = time.perf_counter()
+            text = await lsp.inline(uri, *at)
+            latencies.append(1000 * (time.perf_counter() - t))
+            answered += text is not None
+            if args.interval_ms:
+                await asyncio.sleep(args.interval_ms / 1000)
+        server = await lsp.stats()
+    return {"file": str(path), "keystrokes": len(latencies), "with_suggestion": answered,
+            "p50_ms": percentile(latencies, 50), "p95_ms": percentile(latencies, 95),
+            "mean_ms": sum(latencies) / len(latencies), "server": server}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="model directory for a daemon started here (e.g. models/code-target)")
+    p.add_argument("--socket", help="use the daemon already running at this socket instead")
+    p.add_argument("--serve-arg", action="append", default=[], help="extra `llmd serve` flag (repeatable), "
+                   "e.g. --serve-arg=--kv-memory=256MiB")
+    p.add_argument("--threads", type=int, default=2, help="engine threads of the daemon started here (default 2)")
+    p.add_argument("--file", help="the file to type through (default: a held-out stdlib file)")
+    p.add_argument("--lines", type=int, default=12, help="lines removed and typed back (default 12)")
+    p.add_argument("--keystrokes", type=int, default=300, help="most keystrokes (default 300)")
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens per completion (default 16)")
+    p.add_argument("--debounce-ms", type=float, default=15.0, help="the server's debounce (default 15)")
+    p.add_argument("--interval-ms", type=float, default=0.0, help="pause between keystrokes (default 0)")
+    p.add_argument("--warmup", type=int, default=3, help="requests before measuring (default 3)")
+    p.add_argument("--log-file", help="the language server's log (default: none)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    args = p.parse_args()
+    if not (args.model or args.socket):
+        p.error("give --model (start a daemon) or --socket (use a running one)")
+    path = Path(args.file) if args.file else default_file()
+    with tempfile.TemporaryDirectory() as tmp:
+        socket = args.socket or str(Path(tmp) / "llmd.sock")
+        daemon = None if args.socket else start_daemon(args.model, socket, args.threads, args.serve_arg)
+        try:
+            result = asyncio.run(run_editor(socket, path, args))
+        finally:
+            if daemon is not None:
+                daemon.terminate()
+                daemon.wait(30)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        s = result["server"]
+        print(f"{result['keystrokes']} keystrokes through {result['file']}: p50 {result['p50_ms']:.1f} ms, "
+              f"p95 {result['p95_ms']:.1f} ms, mean {result['mean_ms']:.1f} ms (targets: p50 <= 50, p95 <= 100)")
+        print(f"suggestions shown {result['with_suggestion']}; server: completed {s['completed']}, "
+              f"cache hits {s['cache_hit']}, empty {s['empty']}, errors {s['error']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
