@@ -99,9 +99,12 @@ def test_cancel_during_decoding_stops_tokens_frees_blocks_and_spares_others(daem
         assert all(isinstance(e, Token) for e in seen)
         assert c.cancel(victim.id) is True
         rest = list(victim)
-        # Everything after the ack is dropped by the daemon: the only event left is the final done.
-        assert len(rest) <= 1 + 0 and isinstance(rest[-1], Done) and rest[-1].finish_reason == "cancelled"
-        assert rest[-1].usage["completion_tokens"] >= 3
+        # Tokens already on the wire when the cancel arrived may still come, then the final done
+        # (sent before the ack), then nothing: the stream ends at the done.
+        assert isinstance(rest[-1], Done) and rest[-1].finish_reason == "cancelled"
+        assert all(isinstance(e, Token) for e in rest[:-1])
+        assert [e.seq for e in seen + rest[:-1]] == list(range(len(seen) + len(rest) - 1))
+        assert rest[-1].usage["completion_tokens"] >= sum(len(e.token_ids) for e in seen + rest[:-1])
         for p, s in zip(others, keep):
             assert collect(s)[1:] == expected[p]
     stats = engine_stats(daemon)
