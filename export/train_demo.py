@@ -106,6 +106,11 @@ def stage_target(work: Path, out: Path, cfg: TrainConfig) -> None:
 
 
 def stage_raw(work: Path, cfg: TrainConfig) -> None:
+    """Same shape, data, seed and schedule as the distilled draft; the same number of steps when the
+    draft has been trained, so the comparison is step for step."""
+    draft_run = work / "run-draft.json"
+    if draft_run.is_file():
+        cfg = replace(cfg, max_steps=json.loads(draft_run.read_text())["step"])
     tok_dir = work / "tokenizer"
     vocab, eot = token_facts(tok_dir)
     config = hf_config(DRAFT_SHAPE, vocab, eot, cfg.seq_len)
@@ -145,8 +150,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--work", type=Path, default=Path("work-out/demo"), help="checkpoints and token caches")
     p.add_argument("--stages", default="data,target,draft,raw,eval")
     p.add_argument("--target-minutes", type=float, default=48.0)
-    p.add_argument("--draft-minutes", type=float, default=28.0)
-    p.add_argument("--raw-minutes", type=float, default=28.0)
+    p.add_argument("--draft-minutes", type=float, default=35.0)
+    p.add_argument("--raw-minutes", type=float, default=60.0, help="upper bound; it stops at the draft's step count")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--card-command", default=None, help="the command line recorded in the model cards")
     args = p.parse_args(argv)
