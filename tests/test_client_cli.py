@@ -98,3 +98,10 @@ def test_ctrl_c_stops_the_answer_and_keeps_the_session(daemon):
     assert delta.get("cancelled") == 1 and delta.get("length") == 1
     prompt_tokens = int(err.text.split("prompt tokens")[0].rsplit("[", 1)[1])
     assert prompt_tokens > alone.final.usage["prompt_tokens"] + 3      # the first exchange is in the prompt
+
+
+def test_client_modules_never_import_torch():
+    code = ("import sys, llmd.clients, llmd.clients.cli, llmd.clients.lsp, llmd.clients.lsp_probe, "
+            "llmd.clients.voice, llmd.clients.batch; print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
