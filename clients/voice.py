@@ -218,7 +218,8 @@ async def serve_voice(uri: str, config: VoiceConfig, started: Optional[asyncio.E
 
 def run_voice(args) -> int:
     logging.basicConfig(level="INFO", format="llmd voice: %(levelname)s %(message)s")
-    config = VoiceConfig(socket=args.socket, system_prompt=args.system_prompt or VoiceConfig.system_prompt, max_tokens=args.max_tokens,
+    config = VoiceConfig(socket=args.socket, system_prompt=args.system_prompt or VoiceConfig.system_prompt,
+                         max_tokens=args.max_tokens,
                          temperature=args.temperature, history_turns=args.history_turns, language=args.language)
     try:
         asyncio.run(serve_voice(args.uri, config))
