@@ -21,7 +21,15 @@ def add_bench_parser(sub) -> None:
                        description=__doc__.split("\n\n")[0])
     p.add_argument("model", nargs="?", help="model directory; omit and use --shape for random weights")
     p.add_argument("--shape", choices=("tiny", "qwen2-0.5b"), help="benchmark a random-weight model of this shape")
-    p.add_argument("--against", default="", help="comma-separated peers to run side by side: hf")
+    p.add_argument("--against", default="", help="comma-separated peers to run side by side: hf, llamacpp "
+                   "(llamacpp only with --workload)")
+    p.add_argument("--workload", default=None, help="run shipped workloads instead: comma-separated among "
+                   "completion, voice, edit, batch, mixed, stamped, or 'all'")
+    p.add_argument("--scale", choices=("short", "full"), default="full", help="workload size (short: seconds)")
+    p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    p.add_argument("--rate", type=float, default=4.0, help="mixed workload: arrivals per second (default 4)")
+    p.add_argument("--sweep", default="1,2,4,8", help="concurrency levels of the throughput sweep (default 1,2,4,8)")
+    p.add_argument("--out", default=None, help="write OUT.json and OUT.png (workload runs)")
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per request (default 128)")
     p.add_argument("--gen", type=int, default=64, help="tokens generated per request (default 64)")
     p.add_argument("--concurrency", type=int, default=16, help="concurrent streams for the throughput test (default 16)")
@@ -49,6 +57,8 @@ def run_bench(args) -> int:
         model = str(write_random_model(Path(tempfile.mkdtemp(prefix="llmd-bench-")) / args.shape, args.shape))
     opts = engine_options(args)
     draft = opts.pop("draft", None)
+    if args.workload:
+        return run_workloads(args, model, draft, opts)
     llm = LLM(model, **opts)
     spec_llm = LLM(model, draft=draft, **opts) if (args.spec and draft) else None
     peers = [p for p in args.against.split(",") if p]
@@ -78,6 +88,37 @@ def run_bench(args) -> int:
         res["prefix"] = shared_prefix(llm, vocab, args.shared_prefix, rng)
     res["engine_stats"] = {k: v for k, v in llm.stats().items() if not isinstance(v, dict)}
     print(json.dumps(res, indent=1) if args.json else table(res))
+    return 0
+
+
+def run_workloads(args, model, draft, opts) -> int:
+    """`--workload`: the shipped workloads on llmd and each peer, interleaved (llmd.bench.runner)."""
+    from llmd.bench.report import write_json, write_png
+    from llmd.bench.runner import BenchConfig, headline, run
+    from llmd.bench.workloads import WORKLOADS
+    names = WORKLOADS if args.workload == "all" else tuple(w for w in args.workload.split(",") if w)
+    unknown = [w for w in names if w not in WORKLOADS]
+    if unknown:
+        print(f"llmd bench: unknown workload {', '.join(unknown)}; choose from {', '.join(WORKLOADS)}", file=sys.stderr)
+        return 2
+    try:
+        levels = tuple(int(n) for n in args.sweep.split(",") if n)
+    except ValueError:
+        print(f"llmd bench: --sweep takes integers separated by commas, got {args.sweep!r}", file=sys.stderr)
+        return 2
+    k = opts.pop("num_speculative_tokens")
+    cfg = BenchConfig(model=model, workloads=names, peers=tuple(p for p in args.against.split(",") if p),
+                      seed=args.seed, scale=args.scale, rate=args.rate, draft=draft, num_speculative_tokens=k,
+                      engine=opts, concurrency=levels)
+    res = run(cfg, log=lambda m: print(m, file=sys.stderr))
+    if args.out:
+        write_json(res, f"{args.out}.json")
+        try:
+            write_png(res, f"{args.out}.png")
+        except ImportError:
+            print("llmd bench: matplotlib is not installed (pip install 'llmd[bench]'); no PNG written",
+                  file=sys.stderr)
+    print(json.dumps(res, indent=1) if args.json else headline(res))
     return 0
 
 
