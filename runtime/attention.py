@@ -22,12 +22,16 @@ import torch.nn.functional as F
 @dataclass
 class SeqSpan:
     """One request's rows in the packed step: query rows [start, start+num_q) at positions
-    [ctx_len - num_q, ctx_len), attending to slots ``kv_slots`` (length ctx_len)."""
+    [ctx_len - num_q, ctx_len), attending to its first ctx_len slots, which live in ``block_ids``."""
 
     start: int
     num_q: int
     ctx_len: int
-    kv_slots: torch.Tensor
+    block_ids: list[int]
+
+    def kv_slots(self, block_size: int) -> torch.Tensor:
+        blocks = torch.tensor(self.block_ids[:-(-self.ctx_len // block_size)], dtype=torch.long)
+        return (blocks.unsqueeze(1) * block_size + torch.arange(block_size)).flatten()[:self.ctx_len]
 
 
 @dataclass
@@ -48,8 +52,9 @@ class Group:
 class PagedAttention:
     """Holds the step's metadata and the pools; ``attend`` is called by each layer."""
 
-    def __init__(self, k_pool: torch.Tensor, v_pool: torch.Tensor, reference: bool = False):
+    def __init__(self, k_pool: torch.Tensor, v_pool: torch.Tensor, block_size: int, reference: bool = False):
         self.k_pool, self.v_pool = k_pool, v_pool        # [L, S, kvh, d], owned by the ModelRunner
+        self.block_size = block_size
         self.reference = reference
         self.slot_mapping: torch.Tensor | None = None
         self.spans: list[SeqSpan] = []
@@ -62,14 +67,15 @@ class PagedAttention:
         if not self.reference:
             singles = [s for s in spans if s.num_q == 1]
             multis = [s for s in spans if s.num_q > 1]
-            self.groups = [g for g in (build_group(singles), build_group(multis)) if g is not None]
+            bs = self.block_size
+            self.groups = [g for g in (build_group(singles, bs), build_group(multis, bs)) if g is not None]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kp, vp = self.k_pool[layer], self.v_pool[layer]
         kp.index_copy_(0, self.slot_mapping, k.to(kp.dtype))
         vp.index_copy_(0, self.slot_mapping, v.to(vp.dtype))
         if self.reference:
-            return reference_attention(q, kp, vp, self.spans)
+            return reference_attention(q, kp, vp, self.spans, self.block_size)
         if len(self.groups) == 1 and len(self.spans) == 1:
             return self._single(q, kp, vp)
         out = q.new_empty(q.shape)
@@ -97,34 +103,37 @@ class PagedAttention:
         return o.transpose(1, 2)[g.valid]                                       # [rows, H, D]
 
 
-def build_group(spans: list[SeqSpan]) -> Group | None:
+def build_group(spans: list[SeqSpan], block_size: int) -> Group | None:
+    """Padded gather indices and mask for a group, from Python lists in a few tensor ops."""
     if not spans:
         return None
     b = len(spans)
     lq = max(s.num_q for s in spans)
     lk = max(s.ctx_len for s in spans)
-    q_index = torch.zeros(b, lq, dtype=torch.long)
-    kv_index = torch.zeros(b, lk, dtype=torch.long)
-    qpos = torch.zeros(b, lq, dtype=torch.long)     # padding rows attend to key 0 only (never all-masked)
-    valid = torch.zeros(b, lq, dtype=torch.bool)
-    for i, s in enumerate(spans):
-        q_index[i, :s.num_q] = torch.arange(s.start, s.start + s.num_q)
-        kv_index[i, :s.ctx_len] = s.kv_slots
-        qpos[i, :s.num_q] = torch.arange(s.ctx_len - s.num_q, s.ctx_len)
-        valid[i, :s.num_q] = True
+    nb = -(-lk // block_size)
+    table = torch.tensor([s.block_ids[:nb] + [0] * (nb - min(nb, len(s.block_ids))) for s in spans], dtype=torch.long)
+    kv_index = (table.unsqueeze(-1) * block_size + torch.arange(block_size)).view(b, -1)[:, :lk].contiguous()
+    # padding query rows point at row 0 and attend to key 0 only (never an all-masked row)
+    q_index = torch.tensor([list(range(s.start, s.start + s.num_q)) + [0] * (lq - s.num_q) for s in spans],
+                           dtype=torch.long)
+    qpos = torch.tensor([list(range(s.ctx_len - s.num_q, s.ctx_len)) + [0] * (lq - s.num_q) for s in spans],
+                        dtype=torch.long)
+    valid = torch.tensor([[True] * s.num_q + [False] * (lq - s.num_q) for s in spans])
     needs_mask = lq > 1 or any(s.ctx_len != lk for s in spans)
     mask = (torch.arange(lk).view(1, 1, lk) <= qpos.unsqueeze(-1)).unsqueeze(1) if needs_mask else None
     return Group(q_index, kv_index, mask, valid, q_index[valid])
 
 
-def reference_attention(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, spans: list[SeqSpan]) -> torch.Tensor:
+def reference_attention(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, spans: list[SeqSpan],
+                        block_size: int) -> torch.Tensor:
     """Plain attention, one request at a time, in float32."""
     out = torch.empty_like(q)
     heads, kv_heads, d = q.shape[1], kp.shape[1], q.shape[2]
     for s in spans:
+        slots = s.kv_slots(block_size)
         qs = q[s.start:s.start + s.num_q].float()                              # [n, H, D]
-        ks = kp[s.kv_slots].float().repeat_interleave(heads // kv_heads, dim=1)  # [L, H, D]
-        vs = vp[s.kv_slots].float().repeat_interleave(heads // kv_heads, dim=1)
+        ks = kp[slots].float().repeat_interleave(heads // kv_heads, dim=1)     # [L, H, D]
+        vs = vp[slots].float().repeat_interleave(heads // kv_heads, dim=1)
         scores = torch.einsum("nhd,lhd->hnl", qs, ks) / d ** 0.5
         qpos = torch.arange(s.ctx_len - s.num_q, s.ctx_len).view(1, -1, 1)
         scores = scores.masked_fill(torch.arange(s.ctx_len).view(1, 1, -1) > qpos, float("-inf"))

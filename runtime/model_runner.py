@@ -72,32 +72,31 @@ class ModelRunner:
         shape = (cfg.num_layers, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
         self.k_pool = torch.zeros(shape, dtype=DTYPES[dtype])
         self.v_pool = torch.zeros(shape, dtype=DTYPES[dtype])
-        self.attn = PagedAttention(self.k_pool, self.v_pool, reference=reference_attention)
-        self._offsets = torch.arange(block_size)
-
-    def slots_of(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
-        blocks = torch.tensor(block_ids, dtype=torch.long)
-        return (blocks.unsqueeze(1) * self.block_size + self._offsets).flatten()[:num_tokens]
+        self.attn = PagedAttention(self.k_pool, self.v_pool, block_size, reference=reference_attention)
 
     def prepare(self, scheduled: list[ScheduledRequest]) -> StepBatch:
         return self.prepare_feeds(feeds_for(scheduled))
 
     def prepare_feeds(self, feeds: list[Feed]) -> StepBatch:
+        """Plain Python lists, then one tensor each: per-step work stays O(tokens) with few torch calls."""
+        bs = self.block_size
         ids: list[int] = []
-        positions, slots, spans, sample_rows, counts = [], [], [], [], []
+        positions: list[int] = []
+        slots: list[int] = []
+        spans, sample_rows, counts = [], [], []
         row = 0
         for f in feeds:
             c, n, k = f.start, len(f.token_ids), f.num_samples
             ids.extend(f.token_ids)
-            kv_slots = self.slots_of(f.block_ids, c + n)
-            positions.append(torch.arange(c, c + n))
-            slots.append(kv_slots[c:])
-            spans.append(SeqSpan(row, n, c + n, kv_slots))
+            positions.extend(range(c, c + n))
+            b = f.block_ids
+            slots.extend(b[p // bs] * bs + p % bs for p in range(c, c + n))
+            spans.append(SeqSpan(row, n, c + n, b))
             sample_rows.extend(range(row + n - k, row + n))
             counts.append(k)
             row += n
-        return StepBatch(torch.tensor(ids, dtype=torch.long), torch.cat(positions), torch.cat(slots), spans,
-                         torch.tensor(sample_rows, dtype=torch.long), counts)
+        as_long = lambda x: torch.tensor(x, dtype=torch.long)   # noqa: E731
+        return StepBatch(as_long(ids), as_long(positions), as_long(slots), spans, as_long(sample_rows), counts)
 
     @torch.inference_mode()
     def run(self, batch: StepBatch) -> torch.Tensor:
