@@ -528,9 +528,11 @@ class AsyncClient(_Base):
         return (await self._call({"type": "models", "id": self._next_id()})).body["models"]
 
     async def aclose(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-            self._reader = None
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            reader.cancel()
+            # let the reader's cleanup (monitor off) run before the socket closes under it
+            await asyncio.gather(reader, return_exceptions=True)
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None

@@ -82,10 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
     for module, adders in (("llmd.daemon.cli", ("add_serve_parser", "add_status_parser")),
                            ("llmd.export.distill", ("add_distill_parser",)),
                            ("llmd.export.cli", ("add_export_parser",)),
-                           ("llmd.clients.cli", ("add_client_parsers",))):
+                           ("llmd.clients.cli", ("add_client_parsers",)),
+                           ("llmd.bench.doctor_cli", ("add_doctor_parser",))):
         try:
             mod = __import__(module, fromlist=list(adders))
-        except ImportError:
+        except ModuleNotFoundError as e:
+            if e.name != module:
+                raise
             continue
         for name in adders:
             if hasattr(mod, name):
@@ -93,8 +96,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+CLIENT_COMMANDS = ("run", "complete", "lsp", "voice", "batch")
+
+
+def build_client_parser() -> argparse.ArgumentParser:
+    """Only the client commands: they start fast and never import torch."""
+    parser = argparse.ArgumentParser(prog="llmd")
+    from llmd.clients.cli import add_client_parsers
+    add_client_parsers(parser.add_subparsers(dest="command", metavar="COMMAND"))
+    return parser
+
+
 def main(argv=None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    light = bool(argv) and argv[0] in CLIENT_COMMANDS
+    parser = build_client_parser() if light else build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
