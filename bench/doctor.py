@@ -26,6 +26,7 @@ KV_FULL = 0.95             # peak KV usage above this (or any preemption): too s
 SLOT_WASTE = 0.25          # unused slots inside allocated blocks, as a share of used slots
 COPY_RATE_MIN = 0.30       # output 4-grams found in the prompt: prompt lookup can guess them
 SPIKE_RATIO = 3.0          # inter-token p95 during prompts against the calm p50
+MIN_GAPS = 5               # fewer inter-token gaps than this during prompts: too few to judge
 COMPUTE_BOUND_TOKENS = 64  # mean tokens per engine step at which a CPU matmul is compute bound
 MIB = 1 << 20
 
@@ -212,9 +213,11 @@ def speculation(ev: Evidence) -> Finding:
 def contention(ev: Evidence) -> Finding:
     q = "6 contention"
     c = ev.contention or {}
-    if not c.get("itl_p50_calm_s") or not c.get("gaps_during_prompts"):
-        return Finding(q, "ok" if c else "unknown", "no decode ran while a prompt was processed" if c else
-                       "not measured (request timings missing)")
+    if not c:
+        return _unknown(q, "request timings")
+    if not c.get("itl_p50_calm_s") or (c.get("gaps_during_prompts") or 0) < MIN_GAPS:
+        return Finding(q, "ok", f"decoding seldom ran while a prompt was processed "
+                       f"({c.get('gaps_during_prompts') or 0} inter-token gaps): no contention to see")
     ratio = (c["itl_p95_during_s"] or 0) / c["itl_p50_calm_s"]
     lines = (f"inter-token p95 {1000 * c['itl_p95_during_s']:.1f} ms while prompts run "
              f"({c['gaps_during_prompts']} gaps), calm p50 {1000 * c['itl_p50_calm_s']:.1f} ms: {ratio:.1f}x",)
