@@ -16,6 +16,7 @@ Text comes from the held-out split of export/corpus.py, so a trained demo model 
 """
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import dataclass, replace
 
@@ -75,10 +76,15 @@ def build(name: str, tokenizer, *, seed: int = 0, scale: Scale = Scale(), rate: 
 
 def heldout_texts(rng: random.Random, count: int, min_chars: int) -> list[tuple[str, str]]:
     """(relative path, text) of `count` held-out stdlib files of at least `min_chars`, chosen by rng."""
-    from llmd.export.corpus import list_sources, read_source, split
-    _, held = split(list_sources())
-    held = [f for f in held if f.path.stat().st_size >= min_chars]
+    from llmd.export.corpus import read_source
+    held = [f for f in _heldout_files() if f.path.stat().st_size >= min_chars]
     return [(f.rel, read_source(f)) for f in rng.sample(held, min(count, len(held)))]
+
+
+@functools.lru_cache(maxsize=1)
+def _heldout_files() -> tuple:
+    from llmd.export.corpus import list_sources, split
+    return tuple(split(list_sources())[1])
 
 
 def _completion(tok, rng, scale: Scale) -> list[WorkRequest]:
