@@ -17,8 +17,7 @@ import time
 import torch
 
 from llmd.export.quantize import QuantSpec, prepare_quantized, quantize_model
-from llmd.runtime.attention import SeqSpan
-from llmd.runtime.model_runner import ModelRunner, StepBatch
+from llmd.runtime.model_runner import Feed, ModelRunner
 from llmd.runtime.models.config import ModelConfig
 from llmd.runtime.models.llama import LlamaForCausalLM
 from llmd.runtime.models.random_model import hf_config, init_weights
@@ -36,28 +35,25 @@ def build(shape: str, spec: QuantSpec, seed: int) -> LlamaForCausalLM:
     return model
 
 
-def step(runner: ModelRunner, ids: list[int], start: int, slots: torch.Tensor) -> torch.Tensor:
-    n = len(ids)
-    batch = StepBatch(torch.tensor(ids), torch.arange(start, start + n), slots[start:start + n],
-                      [SeqSpan(0, n, start + n, slots[:start + n])], torch.tensor([n - 1]), [1])
-    return runner.run(batch)
+def step(runner: ModelRunner, ids: list[int], start: int, blocks: list[int]) -> torch.Tensor:
+    return runner.run(runner.prepare_feeds([Feed(ids, start, blocks, 1)]))
 
 
 def measure(model: LlamaForCausalLM, prompt_tokens: int, decode: int, repeat: int) -> dict:
     block = 16
     blocks = (prompt_tokens + decode) // block + 2
     runner = ModelRunner(model, blocks, block, "float32")
-    slots = torch.arange(blocks * block)
+    block_ids = list(range(blocks))
     prompt = list(range(1, prompt_tokens + 1))
     prefill, per_token = [], []
     for _ in range(repeat):
         t = time.perf_counter()
-        logits = step(runner, prompt, 0, slots)
+        logits = step(runner, prompt, 0, block_ids)
         prefill.append(time.perf_counter() - t)
         tok = int(logits.argmax())
         for i in range(decode):
             t = time.perf_counter()
-            tok = int(step(runner, [tok], prompt_tokens + i, slots).argmax())
+            tok = int(step(runner, [tok], prompt_tokens + i, block_ids).argmax())
             per_token.append(time.perf_counter() - t)
     return {"prefill_tps": prompt_tokens / min(prefill), "prefill_tps_median": prompt_tokens / statistics.median(prefill),
             "decode_tps": 1 / min(per_token), "decode_tps_median": 1 / statistics.median(per_token)}

@@ -1,0 +1,158 @@
+"""The model step as an ONNX graph whose KV cache stays in llmd's paged pool.
+
+One sequence per call. The runtime gathers the sequence's past keys/values from its blocks, the
+graph returns the keys/values of the new tokens, and the runtime writes them into its blocks:
+
+    inputs   input_ids [T] int64, positions [T] int64 (past tokens hold positions 0..P-1),
+             past_k, past_v [L, P, kv_heads, head_dim] float32 (P may be 0)
+    outputs  logits [T, vocab] float32, new_k, new_v [L, T, kv_heads, head_dim] float32
+
+Quantization happens on the float graph with onnxruntime's own tools: int8 and w8a8 become
+DynamicQuantizeLinear + MatMulInteger (integer matmul, activations quantized per call), int4
+becomes MatMulNBits with the export's group size. Graph optimizations are applied once at export
+and the optimized model is what the engine directory ships.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmd.runtime.models.layers import apply_rotary
+from llmd.runtime.models.llama import LlamaForCausalLM
+
+INPUTS = ("input_ids", "positions", "past_k", "past_v")
+OUTPUTS = ("logits", "new_k", "new_v")
+
+
+class OnnxStep(nn.Module):
+    """The float model's forward with attention over (gathered past ++ new) keys/values."""
+
+    def __init__(self, model: LlamaForCausalLM):
+        super().__init__()
+        self.model = model
+        # A tied table gets its own copy for the lookup: the quantizers rewrite the head's matmul
+        # weight, which must not be the initializer the embedding Gather reads.
+        self.embed_table = nn.Parameter(model.embed_tokens.weight.detach().clone(), requires_grad=False)
+
+    def forward(self, input_ids, positions, past_k, past_v):
+        m = self.model
+        x = F.embedding(input_ids, self.embed_table)
+        cos, sin = m.rotary.lookup(positions, x.dtype)
+        new_k, new_v = [], []
+        for i, layer in enumerate(m.layers):
+            h = layer.input_layernorm(x)
+            q, k, v = layer.self_attn.project(h, cos, sin)              # [T, H, D], [T, kvh, D]
+            new_k.append(k)
+            new_v.append(v)
+            keys = torch.cat([past_k[i], k], dim=0)                      # [P+T, kvh, D]
+            values = torch.cat([past_v[i], v], dim=0)
+            x = x + layer.self_attn.o_proj(attend(q, keys, values, positions).flatten(-2))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return m.compute_logits(m.norm(x)), torch.stack(new_k), torch.stack(new_v)
+
+
+def attend(q, keys, values, positions):
+    """Causal attention of T queries at ``positions`` over keys at positions 0..P+T-1."""
+    group = q.shape[1] // keys.shape[1]
+    k = keys.repeat_interleave(group, dim=1).transpose(0, 1)             # [H, L, D]
+    v = values.repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = q.transpose(0, 1) @ k.transpose(1, 2) / q.shape[-1] ** 0.5  # [H, T, L]
+    key_pos = torch.arange(keys.shape[0], device=q.device)
+    scores = scores.masked_fill(key_pos[None, None, :] > positions[None, :, None], float("-inf"))
+    return (F.softmax(scores, dim=-1) @ v).transpose(0, 1)               # [T, H, D]
+
+
+def example_inputs(model: LlamaForCausalLM, t: int = 3, p: int = 2):
+    c = model.config
+    return (torch.arange(t, dtype=torch.long), torch.arange(p, p + t, dtype=torch.long),
+            torch.zeros(c.num_layers, p, c.num_kv_heads, c.head_dim), torch.zeros(c.num_layers, p, c.num_kv_heads, c.head_dim))
+
+
+def export_float_graph(model: LlamaForCausalLM, file: Path) -> None:
+    from torch.export import Dim
+    step = OnnxStep(model).eval()
+    t, p = Dim("T", min=1, max=8192), Dim("P", min=0, max=model.config.max_position_embeddings)
+    dynamic = {"input_ids": {0: t}, "positions": {0: t}, "past_k": {1: p}, "past_v": {1: p}}
+    with torch.no_grad():
+        torch.onnx.export(step, example_inputs(model), str(file), input_names=list(INPUTS),
+                          output_names=list(OUTPUTS), dynamic_shapes=dynamic, dynamo=True,
+                          external_data=False, optimize=True, verbose=False)
+    # The exporter's recorded intermediate shapes can disagree with onnx's own inference (split
+    # outputs); drop them so the quantizers re-infer from the graph itself.
+    import onnx
+    graph = onnx.load(str(file))
+    del graph.graph.value_info[:]
+    onnx.save(graph, str(file))
+
+
+def quantize_graph(src: Path, dst: Path, spec) -> None:
+    if spec.method in ("int8", "w8a8"):
+        from onnxruntime.quantization import QuantType, quantize_dynamic
+        quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, per_channel=True,
+                         op_types_to_quantize=["MatMul"])
+    elif spec.method == "int4":
+        import onnx
+        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+        graph = onnx.load(str(src))
+        gemm_to_matmul(graph)
+        q = MatMulNBitsQuantizer(graph, block_size=spec.group_size, is_symmetric=spec.symmetric)
+        q.process()
+        q.model.save_model_to_file(str(dst))
+    else:
+        dst.write_bytes(src.read_bytes())
+
+
+def gemm_to_matmul(model) -> None:
+    """Rewrite Gemm(x, W, b; transB=1) with a constant W as MatMul(x, W^T) + b: the n-bit
+    quantizer handles MatMul only. Other Gemms are left alone."""
+    from onnx import helper, numpy_helper
+    inits = {i.name: i for i in model.graph.initializer}
+    nodes = []
+    for n in model.graph.node:
+        attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+        plain = attrs.get("transA", 0) == 0 and attrs.get("alpha", 1.0) == 1.0 and attrs.get("beta", 1.0) == 1.0
+        if n.op_type != "Gemm" or not plain or n.input[1] not in inits:
+            nodes.append(n)
+            continue
+        w = numpy_helper.to_array(inits[n.input[1]])
+        wt = w.T.copy() if attrs.get("transB", 0) else w
+        name = n.input[1] + "_kn"
+        model.graph.initializer.append(numpy_helper.from_array(wt, name))
+        out = n.output[0] if len(n.input) < 3 or not n.input[2] else n.output[0] + "_nobias"
+        nodes.append(helper.make_node("MatMul", [n.input[0], name], [out], name=n.name + "_matmul"))
+        if out != n.output[0]:
+            nodes.append(helper.make_node("Add", [out, n.input[2]], [n.output[0]], name=n.name + "_bias"))
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    used = {i for n in model.graph.node for i in n.input}
+    keep = [i for i in model.graph.initializer if i.name in used]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(keep)
+
+
+def optimize_graph(src: Path, dst: Path) -> None:
+    """Run onnxruntime's portable (extended) graph optimizations once and keep the result."""
+    import onnxruntime as ort
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    so.optimized_model_filepath = str(dst)
+    ort.InferenceSession(str(src), so, providers=["CPUExecutionProvider"])
+
+
+def export_onnx(source: Path, out: Path, spec) -> str:
+    """Export the float model at ``source`` to out/onnx/target.onnx (quantized, optimized)."""
+    from llmd.runtime.models.loader import load_model
+    model = load_model(source, "float32")
+    model.requires_grad_(False)
+    work = out / "onnx"
+    work.mkdir(parents=True, exist_ok=True)
+    raw, quant = work / "float.tmp.onnx", work / "quant.tmp.onnx"
+    export_float_graph(model, raw)
+    quantize_graph(raw, quant, spec)
+    optimize_graph(quant, work / "target.onnx")
+    for f in work.glob("*.tmp.onnx*"):
+        f.unlink()
+    return "onnx/target.onnx"
