@@ -1,0 +1,126 @@
+"""Write a Llama- or Qwen2-architecture model directory (safetensors) as a GGUF file for llama.cpp.
+
+Tensor names map one to one. llama.cpp's `llama` architecture rotates query/key pairs that are
+adjacent (dimension 2i with 2i+1) where the Hugging Face layout rotates halves (i with i + d/2), so
+q and k rows are reordered for it; `qwen2` uses the halves layout and needs no reordering.
+The vocabulary is written in full (padded with unused entries up to the embedding rows): llama.cpp
+receives token ids from the benchmark, never text, but checks that sizes agree.
+
+Types: float32 stays F32, anything else becomes F16 (the nearest llama.cpp float), and `q8_0`
+quantizes the matrices for a comparison with llmd's int8 weights.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+LAYER = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+         "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+         "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+         "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+         "self_attn.v_proj.bias": "attn_v.bias",
+         "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+         "mlp.down_proj.weight": "ffn_down.weight"}
+TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+       "lm_head.weight": "output.weight"}
+ARCH = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+
+
+def convert(model_dir: str | Path, out: str | Path, quant: str = "auto") -> Path:
+    """Write `out` (once; an existing file is reused) and return its path."""
+    import gguf
+    from safetensors import safe_open
+    model_dir, out = Path(model_dir), Path(out)
+    if out.exists():
+        return out
+    if (model_dir / "manifest.json").exists():
+        raise ValueError(f"{model_dir} is an llmd engine directory; convert its float source model instead")
+    cfg = json.loads((model_dir / "config.json").read_text())
+    arch = ARCH.get((cfg.get("architectures") or [""])[0])
+    if arch is None:
+        raise ValueError(f"no GGUF mapping for architecture {cfg.get('architectures')}")
+    w = gguf.GGUFWriter(str(out), arch)
+    _hparams(w, cfg)
+    _vocab(w, model_dir, cfg)
+    n_head, n_kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    files = sorted(model_dir.glob("*.safetensors"))
+    for f in files:
+        with safe_open(str(f), "pt") as st:
+            for name in st.keys():
+                t = st.get_tensor(name).float().numpy()
+                gname = _gguf_name(name)
+                if arch == "llama" and gname.endswith(("attn_q.weight", "attn_k.weight")):
+                    t = _pairs_adjacent(t, n_head if "attn_q" in gname else n_kv)
+                _add(w, gguf, gname, t, quant, cfg.get("torch_dtype"))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def _gguf_name(name: str) -> str:
+    if name in TOP:
+        return TOP[name]
+    parts = name.split(".")
+    if parts[:2] == ["model", "layers"] and ".".join(parts[3:]) in LAYER:
+        return f"blk.{parts[2]}.{LAYER['.'.join(parts[3:])]}"
+    raise ValueError(f"no GGUF name for tensor {name!r}")
+
+
+def _pairs_adjacent(w: np.ndarray, heads: int) -> np.ndarray:
+    """Reorder each head's rows from halves (i, i + d/2) to adjacent pairs (2i, 2i + 1)."""
+    rows = w.shape[0] // heads
+    return w.reshape(heads, 2, rows // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _add(w, gguf, name: str, t: np.ndarray, quant: str, dtype) -> None:
+    if t.ndim == 1 or quant == "auto" and dtype in (None, "float32"):
+        w.add_tensor(name, t.astype(np.float32))
+    elif quant == "q8_0" and t.shape[-1] % 32 == 0:
+        q = gguf.quants.quantize(t, gguf.GGMLQuantizationType.Q8_0)
+        w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    else:
+        w.add_tensor(name, t.astype(np.float16))
+
+
+def _hparams(w, cfg: dict) -> None:
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    w.add_context_length(cfg.get("max_position_embeddings", 4096))
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg.get("num_key_value_heads", cfg["num_attention_heads"]))
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(float(cfg.get("rope_theta", 10000.0)))
+    w.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
+
+
+def _vocab(w, model_dir: Path, cfg: dict) -> None:
+    tok = json.loads((model_dir / "tokenizer.json").read_text())
+    vocab = dict(tok["model"]["vocab"])
+    for added in tok.get("added_tokens", []):
+        vocab[added["content"]] = added["id"]
+    n = cfg["vocab_size"]
+    tokens, types = [f"[PAD{i}]" for i in range(n)], [5] * n          # 5: unused
+    special = {a["id"] for a in tok.get("added_tokens", []) if a.get("special")}
+    for text, i in vocab.items():
+        if i < n:
+            tokens[i], types[i] = text, (3 if i in special else 1)    # 3: control, 1: normal
+    merges = tok["model"].get("merges") or []
+    if not merges:          # a byte-level vocabulary without merges; the BPE loader still wants one
+        merges = [f"{tokens[0]} {tokens[1]}"]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    eos = cfg.get("eos_token_id")
+    if isinstance(eos, list):
+        eos = eos[0]
+    if eos is not None:
+        w.add_eos_token_id(int(eos))
+    w.add_add_bos_token(False)
