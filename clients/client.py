@@ -295,6 +295,8 @@ class Client(_Base):
         return reply
 
     def _start(self, message: dict) -> Stream:
+        if message["id"] in self._streams:
+            raise ClientError(f"request id {message['id']!r} is already in use by an open stream of this client")
         stream = Stream(self, message["id"])
         self._connect()
         self._streams[stream.id] = stream

@@ -191,10 +191,25 @@ def test_typed_errors_for_bad_requests(daemon):
         assert isinstance(err, Error) and err.code == "invalid_request" and "temperature" in err.message
         err = list(c.generate(token_ids=[10 ** 9]))[-1]
         assert isinstance(err, Error) and err.code == "invalid_request"
-        s = c.generate("x", max_tokens=300, request_id="same", ignore_eos=True)
-        dup = list(c.generate("y", request_id="same"))
-        assert dup == [Error("same", "duplicate_id", dup[0].message)]
-        s.close()
+    # A second request with an id still in flight from the same client: sent raw, since the Client
+    # refuses to reuse an id itself.
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.RCVTIMEO, 10000)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(daemon.settings.endpoint)
+    try:
+        gen = {"type": "generate", "id": "same", "prompt": "x", "params": {"max_tokens": 300, "ignore_eos": True}}
+        sock.send(codec.pack(gen))
+        sock.send(codec.pack({**gen, "prompt": "y"}))
+        while True:
+            ev = codec.unpack(sock.recv())
+            if ev["type"] == "error":
+                assert ev["id"] == "same" and ev["code"] == "duplicate_id"
+                break
+            assert ev["type"] in ("token", "keepalive")
+        sock.send(codec.pack({"type": "cancel", "id": "c1", "target": "same"}))
+    finally:
+        sock.close()
 
 
 def test_deadline_ends_a_request(daemon):

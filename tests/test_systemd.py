@@ -45,8 +45,17 @@ class FakeManager:
         self._thread.join(2)
         self.sock.close()
 
-    def index(self, text: str) -> int:
-        return next(i for i, (_, m) in enumerate(self.messages) if text in m)
+    def index(self, text: str, wait: float = 5.0) -> int:
+        """Position of the first datagram containing ``text``; waits for the reader thread to see it
+        (a datagram already sent may not be read yet on a busy machine)."""
+        deadline = time.monotonic() + wait
+        while True:
+            found = next((i for i, (_, m) in enumerate(self.messages) if text in m), None)
+            if found is not None or time.monotonic() > deadline:
+                if found is None:
+                    raise AssertionError(f"no {text!r} among {[m for _, m in self.messages]}")
+                return found
+            time.sleep(0.01)
 
     def pings(self) -> list[float]:
         return [t for t, m in self.messages if m == "WATCHDOG=1"]
