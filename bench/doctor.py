@@ -24,6 +24,7 @@ UNEVEN_CV = 0.5            # coefficient of variation of lengths above this: une
 KV_IDLE = 0.30             # peak KV usage below this: memory reserved for nothing
 KV_FULL = 0.95             # peak KV usage above this (or any preemption): too small
 SLOT_WASTE = 0.25          # unused slots inside allocated blocks, as a share of used slots
+SPEC_GAIN_MIN = 1.05       # speculation must beat plain decoding by this factor to count as a gain
 COPY_RATE_MIN = 0.30       # output 4-grams found in the prompt: prompt lookup can guess them
 SPIKE_RATIO = 3.0          # inter-token p95 during prompts against the calm p50
 MIN_GAPS = 5               # fewer inter-token gaps than this during prompts: too few to judge
@@ -189,12 +190,16 @@ def speculation(ev: Evidence) -> Finding:
                  f"{'?' if alpha is None else f'{alpha:.2f}'}",
                  f"draft time {s.get('spec_draft_s') or 0:.3f} s, verify time {s.get('spec_verify_s') or 0:.3f} s"]
         if s.get("spec_tok_s") and s.get("plain_tok_s"):
-            lines.append(f"decode {s['spec_tok_s']:.1f} tok/s with speculation, {s['plain_tok_s']:.1f} without")
+            lines.append(f"decode {s['spec_tok_s']:.1f} tok/s with speculation, {s['plain_tok_s']:.1f} without "
+                         "(median per request)")
             if s["spec_tok_s"] < s["plain_tok_s"]:
                 return Finding(q, "problem", "speculation is slower than plain decoding: acceptance too low",
                                tuple(lines), "speculation slower than plain decoding", {"--draft": "remove"})
-            return Finding(q, "ok", f"speculation pays: {s['spec_tok_s'] / s['plain_tok_s']:.2f}x plain decoding",
-                           tuple(lines))
+            gain = s["spec_tok_s"] / s["plain_tok_s"]
+            if gain < SPEC_GAIN_MIN:
+                return Finding(q, "warn", f"speculation barely pays ({gain:.2f}x plain decoding): it spends "
+                               "compute for no measurable gain", tuple(lines))
+            return Finding(q, "ok", f"speculation pays: {gain:.2f}x plain decoding", tuple(lines))
         if not single and o:
             return Finding(q, "warn", "many requests at once: speculation spends compute the batch could use",
                            tuple(lines), None, {"--draft": "remove"})

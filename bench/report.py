@@ -32,7 +32,7 @@ def write_png(res: dict, path: str | Path) -> Path:
     fig, axes = plt.subplots(1, len(workloads) + 1, figsize=(4 * (len(workloads) + 1), 4), squeeze=False)
     for ax, w in zip(axes[0], workloads):
         samples = res["workloads"][w]["samples"]
-        names = list(samples)
+        names = sorted(samples, key=lambda n: (not n.startswith("llmd"), n))
         ax.boxplot([[1000 * v for v in samples[n]["e2e_s"]] or [0] for n in names], tick_labels=names)
         ax.set_title(f"{w}: end-to-end latency")
         ax.set_ylabel("ms")

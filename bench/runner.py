@@ -85,7 +85,7 @@ def _run_workload(wl, peers: list[Peer], llm) -> dict:
             llmd_timings, llmd_samples = timings, p.samples
     plain = res["peers"].get("llmd-plain")
     if plain:
-        spec = {"spec_tok_s": res["peers"]["llmd"]["tokens_per_s"], "plain_tok_s": plain["tokens_per_s"]}
+        spec = {"spec_tok_s": res["peers"]["llmd"]["decode_tok_s"]["p50"], "plain_tok_s": plain["decode_tok_s"]["p50"]}
     res["evidence"] = evidence.measure(llm, stats, wl, llmd_timings, llmd_samples, decode=decode, spec=spec)
     res["ratios"] = ratios(res["peers"])
     return res
@@ -122,7 +122,9 @@ def summarize(timings: list[Timing], decode) -> dict:
     out = {"requests": len(timings), "completed": len(done), "output_tokens": tokens,
            "ttft_s": pct([_ttft(t) for t in done]), "itl_s": pct(itl),
            "e2e_s": pct([t.stamps[-1][0] - t.arrival_s for t in done]),
-           "tokens_per_s": tokens / span if span > 0 else None}
+           "tokens_per_s": tokens / span if span > 0 else None,
+           "decode_tok_s": pct([(len(t.output_ids) - t.stamps[0][1]) / (t.stamps[-1][0] - t.stamps[0][0])
+                                for t in done if t.stamps[-1][0] > t.stamps[0][0]])}
     speech = [t for t in done if t.kind in SENTENCE_KINDS]
     if speech:
         out["first_sentence_s"] = pct([first_sentence(t, decode) for t in speech])

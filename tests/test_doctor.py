@@ -148,6 +148,11 @@ def test_speculation_that_pays():
     assert f.status == "ok" and "1.50x" in f.summary
 
 
+def test_speculation_within_noise_is_not_called_a_gain():
+    f = finding("speculation", spec=dict(SPEC, spec_tok_s=30.5, plain_tok_s=30.0), overlap=SINGLE)
+    assert f.status == "warn" and "barely" in f.summary
+
+
 def test_speculation_under_many_users_is_questioned():
     f = finding("speculation", spec=SPEC, overlap=BUSY)
     assert f.status == "warn" and f.flags == {"--draft": "remove"}
