@@ -114,3 +114,19 @@ def test_short_bench_is_complete(tiny_model_dir, tmp_path):
 def _tok(model_dir):
     from llmd.runtime.tokenizer import Tokenizer
     return Tokenizer.from_dir(model_dir)
+
+
+def test_gguf_conversion_gives_llama_cpp_the_same_greedy_tokens(tiny_model_dir, tmp_path):
+    pytest.importorskip("gguf")
+    pytest.importorskip("llama_cpp")
+    from llmd import LLM, SamplingParams
+    from llmd.bench.peers import LlamaCppPeer
+    from llmd.bench.to_gguf import convert
+    peer = LlamaCppPeer(str(convert(tiny_model_dir, tmp_path / "m.gguf")), 256, 1)
+    llm = LLM(str(tiny_model_dir), kv_memory="16MiB")
+    prompts = [[(7 * i + 3 * j) % 200 + 20 for j in range(12 + i)] for i in range(4)]
+    agree = 0
+    for p in prompts:
+        ours = llm.generate([p], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0].token_ids
+        agree += ours == list(peer._stream(p, 6))
+    assert agree >= 3                  # float rounding may flip a near-tie; a wrong layout flips them all
