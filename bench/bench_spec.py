@@ -1,0 +1,165 @@
+"""Speculative decoding benchmark: measured against predicted speedup, side by side in one process.
+
+    python -m llmd.bench.bench_spec --target models/code-target --draft models/code-draft
+
+1. Code completion, single stream, held-out stdlib files: plain decoding and the draft at a fixed depth
+   k, interleaved. Reports the acceptance rate a, the draft's cost c (one draft forward / one plain
+   target step), the verification cost v (a target step over k+1 tokens / a plain step), the predicted
+   speedup E(a, k) / (k c + v) with E = (1 - a^(k+1)) / (1 - a), the measured speedup, and their ratio.
+2. Code edit (output copies the input), single stream: n-gram lookup against plain decoding.
+3. 16 concurrent streams: adaptive speculation against none.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import random
+import statistics
+import time
+
+import torch
+
+from llmd import LLM, SamplingParams
+from llmd.export.corpus import list_sources, read_source, split
+from llmd.runtime.spec.controller import expected_tokens
+
+
+def heldout_functions(n: int, seed: int = 0, min_lines: int = 6) -> list[str]:
+    """Source of function definitions from held-out stdlib files (parsable, not too long)."""
+    _, held = split(list_sources())
+    out = []
+    for f in held:
+        text = read_source(f)
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and node.end_lineno - node.lineno + 1 >= min_lines:
+                src = ast.get_source_segment(text, node)
+                if src and len(src) < 1500:
+                    out.append(src)
+    random.Random(seed).shuffle(out)
+    return out[:n]
+
+
+def completion_prompts(n: int) -> list[str]:
+    """The first lines of held-out functions: the model completes the body."""
+    return ["\n".join(f.splitlines()[:3]) + "\n" for f in heldout_functions(n, seed=1)]
+
+
+def edit_prompts(n: int) -> list[str]:
+    """Rewrite a function with one rename: the answer copies most of the prompt."""
+    out = []
+    for f in heldout_functions(n, seed=2):
+        name = f.split("(")[0].replace("def ", "").strip()
+        out.append(f"# Original:\n{f}\n\n# The same function, renamed to {name}_v2:\n"
+                   f"{f.splitlines()[0].replace(name, name + '_v2', 1)}\n")
+    return out
+
+
+def decode_rate(llm: LLM, prompts: list[str], max_tokens: int) -> tuple[float, dict]:
+    """Total output tokens / total decode time (after the first token), one request at a time."""
+    toks, secs = 0, 0.0
+    for p in prompts:
+        out = llm.generate([p], SamplingParams(max_tokens=max_tokens, ignore_eos=True))[0]
+        m = out.metrics
+        toks += m["output_tokens"] - 1
+        secs += m["decode_s"]
+    return toks / secs, llm.stats()
+
+
+def forward_time(llm: LLM, tokens: int, repeat: int = 20, draft: bool = False) -> float:
+    """Median seconds of one forward over `tokens` rows at a context of about 100 tokens."""
+    from llmd.runtime.model_runner import Feed
+    e = llm.engine
+    runner = e.draft_runner if draft else e.runner
+    blocks = list(range(-(-(100 + tokens) // e.config.block_size)))
+    feed = Feed(list(range(10, 10 + tokens)), 100, blocks, tokens)
+    times = []
+    for _ in range(repeat):
+        batch = runner.prepare_feeds([feed])
+        t0 = time.perf_counter()
+        runner.run(batch)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def completion(target: str, draft: str, k: int, n: int, max_tokens: int) -> dict:
+    prompts = completion_prompts(n)
+    plain = LLM(target, kv_memory="256MiB")
+    spec = LLM(target, draft=draft, kv_memory="256MiB", num_speculative_tokens=k, adaptive_speculation=False)
+    rates_plain, rates_spec = [], []
+    for p in prompts:                                   # interleaved, prompt by prompt
+        rates_plain.append(decode_rate(plain, [p], max_tokens)[0])
+        rates_spec.append(decode_rate(spec, [p], max_tokens)[0])
+    st = spec.stats()
+    alpha = st["spec_acceptance_rate"]
+    t1 = forward_time(spec, 1)
+    c = forward_time(spec, 1, draft=True) / t1
+    v = forward_time(spec, k + 1) / t1
+    predicted = expected_tokens(alpha, k) / (k * c + v)
+    measured = statistics.mean(rates_spec) / statistics.mean(rates_plain)
+    return {"k": k, "prompts": len(prompts), "alpha": alpha, "draft_cost_c": c, "verify_cost_v": v,
+            "plain_tok_s": statistics.mean(rates_plain), "spec_tok_s": statistics.mean(rates_spec),
+            "predicted_speedup": predicted, "measured_speedup": measured, "measured_over_predicted": measured / predicted}
+
+
+def code_edit(target: str, n: int, max_tokens: int, k: int) -> dict:
+    prompts = edit_prompts(n)
+    plain = LLM(target, kv_memory="256MiB")
+    ngram = LLM(target, draft="ngram", kv_memory="256MiB", num_speculative_tokens=k)
+    rp, rn = [], []
+    for p in prompts:
+        rp.append(decode_rate(plain, [p], max_tokens)[0])
+        rn.append(decode_rate(ngram, [p], max_tokens)[0])
+    st = ngram.stats()
+    return {"prompts": len(prompts), "plain_tok_s": statistics.mean(rp), "ngram_tok_s": statistics.mean(rn),
+            "speedup": statistics.mean(rn) / statistics.mean(rp), "alpha": st["spec_acceptance_rate"]}
+
+
+def concurrent(target: str, draft: str, streams: int, max_tokens: int, rounds: int = 2) -> dict:
+    prompts = completion_prompts(streams)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    off = LLM(target, kv_memory="512MiB")
+    adaptive = LLM(target, draft=draft, kv_memory="512MiB", num_speculative_tokens=4)
+    rates = {"off": [], "adaptive": []}
+    for _ in range(rounds):
+        for name, llm in (("off", off), ("adaptive", adaptive)):
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, params)
+            rates[name].append(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0))
+    ctrl = adaptive.engine.spec
+    return {"streams": streams, "off_tok_s": statistics.median(rates["off"]),
+            "adaptive_tok_s": statistics.median(rates["adaptive"]),
+            "ratio": statistics.median(rates["adaptive"]) / statistics.median(rates["off"]),
+            "spec_enabled_steps": ctrl.enabled_steps, "spec_disabled_steps": ctrl.disabled_steps}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default="models/code-target")
+    ap.add_argument("--draft", default="models/code-draft")
+    ap.add_argument("--k", type=int, default=4, help="fixed depth for the predicted-vs-measured test")
+    ap.add_argument("--prompts", type=int, default=20)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--streams", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--only", choices=("completion", "edit", "concurrent"), action="append")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    parts = args.only or ["completion", "edit", "concurrent"]
+    res = {}
+    if "completion" in parts:
+        res["completion"] = completion(args.target, args.draft, args.k, args.prompts, args.max_tokens)
+    if "edit" in parts:
+        res["code_edit_ngram"] = code_edit(args.target, args.prompts, args.max_tokens, args.k)
+    if "concurrent" in parts:
+        res["concurrent"] = concurrent(args.target, args.draft, args.streams, args.max_tokens)
+    print(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
