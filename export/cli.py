@@ -120,6 +120,7 @@ def export_engine(opts: ExportOptions, progress: TqdmProgress | None = None) -> 
     from .quantize import QuantSpec, quantize_model
 
     progress = progress or NoProgress()
+    check_backend(opts)
     spec = QuantSpec(opts.quant, opts.group_size, opts.symmetric, opts.head, opts.embed, opts.kv_dtype)
     out, target = Path(opts.out), Path(opts.target)
     prepare_out(out, opts.force)
@@ -192,18 +193,43 @@ def prepare_out(out: Path, force: bool) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
 
+def check_backend(opts: ExportOptions) -> None:
+    """Fail before any work when the backend cannot be built here."""
+    from .quantize import QuantizationError
+    if opts.backend == "tensorrt":
+        from .tensorrt import require_tensorrt
+        require_tensorrt()
+        if opts.quant != "none":
+            raise QuantizationError("the tensorrt backend builds FP16 engines from the float graph; "
+                                    "use --quant none with it")
+    if opts.backend == "onnxruntime":
+        try:
+            import onnxruntime  # noqa: F401
+            import onnxscript  # noqa: F401
+        except ImportError as e:
+            raise ValueError(f"the onnxruntime backend needs llmd[onnx] ({e})") from None
+
+
 def compile_backend(opts: ExportOptions, out: Path, spec) -> dict:
     """Backend artifacts, paths relative to the engine directory."""
     artifacts = {}
-    if opts.backend in ("onnxruntime", "tensorrt"):
+    if opts.backend == "onnxruntime":
         from .onnx import export_onnx
         artifacts["onnx"] = export_onnx(Path(opts.target), out, spec)
     if opts.backend == "tensorrt":
+        from llmd.runtime.models.config import ModelConfig
+
+        from .onnx import export_onnx
         from .tensorrt import build_engine
-        artifacts["tensorrt"] = build_engine(out, artifacts["onnx"], opts.shape_buckets)
+        cfg = ModelConfig.from_dir(opts.target)
+        artifacts["onnx"] = export_onnx(Path(opts.target), out, spec, portable=True)
+        shapes = {"num_layers": cfg.num_layers, "max_context": min(cfg.max_position_embeddings, 8192)}
+        artifacts["tensorrt"] = build_engine(out, artifacts["onnx"], opts.shape_buckets, cfg.num_layers,
+                                             cfg.num_kv_heads, cfg.head_dim, shapes["max_context"])
+        artifacts["tensorrt_shapes"] = shapes
     if opts.aot and opts.backend == "torch":
         from .aot import build_aot_package
-        artifacts["aot"] = build_aot_package(out, spec)
+        artifacts["aot"] = build_aot_package(Path(opts.target), out, spec)
     return artifacts
 
 

@@ -28,18 +28,21 @@ OUTPUTS = ("logits", "new_k", "new_v")
 
 
 class OnnxStep(nn.Module):
-    """The float model's forward with attention over (gathered past ++ new) keys/values."""
+    """The model's forward with attention over (gathered past ++ new) keys/values. Also the graph
+    the AOT packages compile (llmd.export.aot), there with llmd's quantized modules inside."""
 
-    def __init__(self, model: LlamaForCausalLM):
+    def __init__(self, model: LlamaForCausalLM, separate_embedding: bool = True):
         super().__init__()
         self.model = model
-        # A tied table gets its own copy for the lookup: the quantizers rewrite the head's matmul
-        # weight, which must not be the initializer the embedding Gather reads.
-        self.embed_table = nn.Parameter(model.embed_tokens.weight.detach().clone(), requires_grad=False)
+        # For ONNX a tied table gets its own copy for the lookup: the quantizers rewrite the head's
+        # matmul weight, which must not be the initializer the embedding Gather reads.
+        self.embed_table = None
+        if separate_embedding:
+            self.embed_table = nn.Parameter(model.embed_tokens.weight.detach().clone(), requires_grad=False)
 
     def forward(self, input_ids, positions, past_k, past_v):
         m = self.model
-        x = F.embedding(input_ids, self.embed_table)
+        x = m.embed(input_ids) if self.embed_table is None else F.embedding(input_ids, self.embed_table)
         cos, sin = m.rotary.lookup(positions, x.dtype)
         new_k, new_v = [], []
         for i, layer in enumerate(m.layers):
@@ -142,13 +145,17 @@ def optimize_graph(src: Path, dst: Path) -> None:
     ort.InferenceSession(str(src), so, providers=["CPUExecutionProvider"])
 
 
-def export_onnx(source: Path, out: Path, spec) -> str:
-    """Export the float model at ``source`` to out/onnx/target.onnx (quantized, optimized)."""
+def export_onnx(source: Path, out: Path, spec, portable: bool = False) -> str:
+    """Export the float model at ``source`` to out/onnx/target.onnx: quantized and optimized for
+    onnxruntime, or (portable=True, for TensorRT) the plain float graph with standard ops only."""
     from llmd.runtime.models.loader import load_model
     model = load_model(source, "float32")
     model.requires_grad_(False)
     work = out / "onnx"
     work.mkdir(parents=True, exist_ok=True)
+    if portable:
+        export_float_graph(model, work / "target.onnx")
+        return "onnx/target.onnx"
     raw, quant = work / "float.tmp.onnx", work / "quant.tmp.onnx"
     export_float_graph(model, raw)
     quantize_graph(raw, quant, spec)

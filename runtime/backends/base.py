@@ -32,6 +32,7 @@ class StepBackend(ABC):
 _REGISTRY = {
     "onnxruntime": "llmd.runtime.backends.onnxruntime:OnnxRuntimeBackend.from_engine_dir",
     "tensorrt": "llmd.runtime.backends.tensorrt:TensorRTBackend.from_engine_dir",
+    "aot": "llmd.runtime.backends.aot:AotBackend.from_engine_dir",
 }
 
 
