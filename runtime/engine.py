@@ -179,7 +179,8 @@ class Engine:
             if tokens:
                 self._accept(s.request, tokens)
                 touched.append(s.request)
-            if k and not s.request.is_finished:
+            if not s.request.is_finished:
+                # slots reserved for proposals that were rejected or never made go back to the pool
                 self.block_manager.trim(s.request, s.request.num_tokens)
         if proposed:
             self.stats_.record_spec(proposed, accepted, draft_s, verify_s)
