@@ -104,6 +104,7 @@ class Rotary(nn.Module):
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv)
         self.register_buffer("cos", freqs.cos(), persistent=False)   # [P, D/2]
         self.register_buffer("sin", freqs.sin(), persistent=False)
+        self.register_buffer("cis", torch.polar(torch.ones_like(freqs), freqs), persistent=False)  # complex64
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos[positions].to(dtype).unsqueeze(-2), self.sin[positions].to(dtype).unsqueeze(-2)
