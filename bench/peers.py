@@ -193,9 +193,60 @@ class LlamaCppPeer(Peer):
         return n / (time.perf_counter() - t0)
 
 
+class DaemonPeer(Peer):
+    """llmd through a running daemon (it must serve the same model): every request is sent at its
+    arrival time over one asyncio client, so the daemon batches whatever overlaps."""
+    name = "llmd-daemon"
+    concurrent = True
+
+    def __init__(self, socket: Optional[str]):
+        from llmd.clients import Client
+        self.socket = socket
+        with Client(socket, timeout=10) as c:
+            if c.health().get("state") != "ready":
+                raise RuntimeError("the daemon is not ready")
+
+    def run(self, workload):
+        import asyncio
+        return asyncio.run(self._run(list(workload.requests)))
+
+    def sweep(self, prompts, gen):
+        import asyncio
+        reqs = [WorkRequest(f"sweep-{i}", "sweep", tuple(p), gen, 0.0) for i, p in enumerate(prompts)]
+        t0 = time.perf_counter()
+        timings = asyncio.run(self._run(reqs))
+        return sum(len(t.output_ids) for t in timings) / (time.perf_counter() - t0)
+
+    async def _run(self, requests: list[WorkRequest]) -> list[Timing]:
+        import asyncio
+        from llmd.clients import AsyncClient, Done, Error, RequestError, Token
+        async with AsyncClient(self.socket, timeout=600) as c:
+            t0 = time.perf_counter()
+
+            async def one(r: WorkRequest) -> Timing:
+                await asyncio.sleep(max(0.0, r.arrival_s - (time.perf_counter() - t0)))
+                tm = _timing(r)
+                stream = await c.generate(token_ids=list(r.prompt_ids), max_tokens=r.max_tokens, ignore_eos=True)
+                async for ev in stream:
+                    if isinstance(ev, Token) and ev.token_ids:
+                        tm.stamps.append((time.perf_counter() - t0, len(ev.token_ids)))
+                        tm.output_ids.extend(ev.token_ids)
+                    elif isinstance(ev, Done):
+                        tm.cached_tokens = ev.usage.get("cached_tokens")
+                    elif isinstance(ev, Error):
+                        raise RequestError(ev)
+                return tm
+            return list(await asyncio.gather(*(one(r) for r in requests)))
+
+
 def load_peer(name: str, model_dir: str, *, draft: Optional[str], num_speculative_tokens: int,
-              threads: Optional[int], n_ctx: int, work_dir: str) -> Peer | Missing:
+              threads: Optional[int], n_ctx: int, work_dir: str, socket: Optional[str] = None) -> Peer | Missing:
     """A peer ready to run, or Missing with the reason it could not be loaded."""
+    if name == "daemon":
+        try:
+            return DaemonPeer(socket)
+        except Exception as e:
+            return Missing(name, f"no usable llmd daemon at {socket or 'the default socket'}: {type(e).__name__}: {e}")
     if name == "hf":
         try:
             return HFPeer(model_dir, draft, num_speculative_tokens)
@@ -214,4 +265,4 @@ def load_peer(name: str, model_dir: str, *, draft: Optional[str], num_speculativ
             return LlamaCppPeer(str(path), n_ctx, threads)
         except Exception as e:
             return Missing(name, f"could not convert or load the GGUF: {type(e).__name__}: {e}")
-    return Missing(name, f"unknown peer {name!r} (known: hf, llamacpp)")
+    return Missing(name, f"unknown peer {name!r} (known: hf, llamacpp, daemon)")

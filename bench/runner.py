@@ -34,6 +34,7 @@ class BenchConfig:
     concurrency: tuple[int, ...] = (1, 2, 4, 8)
     sweep_prompt: int = 128
     sweep_gen: int = 32
+    socket: Optional[str] = None             # the daemon for the `daemon` peer (default: the usual path)
 
 
 def run(cfg: BenchConfig, log=print) -> dict:
@@ -48,11 +49,12 @@ def run(cfg: BenchConfig, log=print) -> dict:
     max_len = llm.engine.max_model_len
     for name in cfg.peers:
         p = load_peer(name, cfg.model, draft=cfg.draft, num_speculative_tokens=cfg.num_speculative_tokens,
-                      threads=cfg.engine.get("threads"), n_ctx=max_len, work_dir=work_dir)
-        status[name] = {"missing": p.reason} if isinstance(p, Missing) else "ok"
+                      threads=cfg.engine.get("threads"), n_ctx=max_len, work_dir=work_dir, socket=cfg.socket)
         if isinstance(p, Missing):
+            status[name] = {"missing": p.reason}
             log(f"peer {name} missing: {p.reason}")
         else:
+            status[p.name] = "ok"
             peers.append(p)
     for p in peers:                                  # warm-up: first calls pay one-time costs
         p.sweep([[1, 2, 3, 4, 5, 6, 7, 8]], 2)

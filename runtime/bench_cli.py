@@ -21,14 +21,15 @@ def add_bench_parser(sub) -> None:
                        description=__doc__.split("\n\n")[0])
     p.add_argument("model", nargs="?", help="model directory; omit and use --shape for random weights")
     p.add_argument("--shape", choices=("tiny", "qwen2-0.5b"), help="benchmark a random-weight model of this shape")
-    p.add_argument("--against", default="", help="comma-separated peers to run side by side: hf, llamacpp "
-                   "(llamacpp only with --workload)")
+    p.add_argument("--against", default="", help="comma-separated peers to run side by side: hf, llamacpp, "
+                   "daemon (llamacpp and daemon only with --workload)")
     p.add_argument("--workload", default=None, help="run shipped workloads instead: comma-separated among "
                    "completion, voice, edit, batch, mixed, stamped, or 'all'")
     p.add_argument("--scale", choices=("short", "full"), default="full", help="workload size (short: seconds)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     p.add_argument("--rate", type=float, default=4.0, help="mixed workload: arrivals per second (default 4)")
     p.add_argument("--sweep", default="1,2,4,8", help="concurrency levels of the throughput sweep (default 1,2,4,8)")
+    p.add_argument("--socket", default=None, help="the daemon for the `daemon` peer (it must serve the same model)")
     p.add_argument("--out", default=None, help="write OUT.json and OUT.png (workload runs)")
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per request (default 128)")
     p.add_argument("--gen", type=int, default=64, help="tokens generated per request (default 64)")
@@ -109,7 +110,7 @@ def run_workloads(args, model, draft, opts) -> int:
     k = opts.pop("num_speculative_tokens")
     cfg = BenchConfig(model=model, workloads=names, peers=tuple(p for p in args.against.split(",") if p),
                       seed=args.seed, scale=args.scale, rate=args.rate, draft=draft, num_speculative_tokens=k,
-                      engine=opts, concurrency=levels)
+                      engine=opts, concurrency=levels, socket=args.socket)
     res = run(cfg, log=lambda m: print(m, file=sys.stderr))
     if args.out:
         write_json(res, f"{args.out}.json")

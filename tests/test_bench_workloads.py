@@ -130,3 +130,30 @@ def test_gguf_conversion_gives_llama_cpp_the_same_greedy_tokens(tiny_model_dir, 
         ours = llm.generate([p], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0].token_ids
         agree += ours == list(peer._stream(p, 6))
     assert agree >= 3                  # float rounding may flip a near-tie; a wrong layout flips them all
+
+
+def test_daemon_peer_replays_the_workload(tiny_model_dir, tmp_path):
+    from daemon_fixtures import daemon_settings, running_daemon
+    from llmd.bench.runner import BenchConfig, run
+    settings = daemon_settings(tiny_model_dir, tmp_path)
+    cfg = BenchConfig(model=str(tiny_model_dir), workloads=("mixed",), peers=("daemon",), scale="short",
+                      concurrency=(2,), sweep_prompt=16, sweep_gen=4, engine={"kv_memory": "64MiB"},
+                      socket=settings.socket)
+    with running_daemon(settings):
+        res = run(cfg, log=lambda m: None)
+    assert res["peers"]["llmd-daemon"] == "ok"
+    w = res["workloads"]["mixed"]
+    d, me = w["peers"]["llmd-daemon"], w["peers"]["llmd"]
+    assert d["completed"] == d["requests"] == w["requests"] and d["output_tokens"] == me["output_tokens"]
+    assert d["ttft_s"]["p50"] > 0 and "tokens_per_s" in w["ratios"]["llmd-daemon"]
+    assert res["concurrency"]["llmd-daemon"]["2"] > 0
+
+
+def test_missing_daemon_is_reported_missing(tiny_model_dir, tmp_path):
+    from llmd.bench.runner import BenchConfig, run
+    cfg = BenchConfig(model=str(tiny_model_dir), workloads=("batch",), peers=("daemon", "nope"), scale="short",
+                      concurrency=(1,), sweep_prompt=8, sweep_gen=2, socket=str(tmp_path / "none.sock"))
+    res = run(cfg, log=lambda m: None)
+    assert "no usable llmd daemon" in res["peers"]["daemon"]["missing"]
+    assert "unknown peer" in res["peers"]["nope"]["missing"]
+    assert set(res["workloads"]["batch"]["peers"]) == {"llmd"}
