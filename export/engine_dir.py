@@ -94,14 +94,16 @@ def load_engine_model(path, config, progress=None):
     """The engine's entry point: verify ENGINE/manifest.json, then load the target.
 
     Returns (model, ModelConfig, Tokenizer). ``config`` is the EngineConfig (its dtype applies to
-    float tensors and activations; quantized tensors keep their integer storage)."""
+    float tensors and activations; quantized tensors keep their integer storage).
+    ``progress(done, total)``: 1 of 2 after the hashes are verified, 2 of 2 when loaded."""
     path = Path(path)
-    if progress:
-        progress("verify", 0, 1)
     manifest = read_manifest(path)
     if progress:
-        progress("verify", 1, 1)
-    return load_engine_part(path, manifest, "target", config.dtype)
+        progress(1, 2)
+    loaded = load_engine_part(path, manifest, "target", config.dtype)
+    if progress:
+        progress(2, 2)
+    return loaded
 
 
 def load_engine_part(path: Path, manifest: dict, part: str, dtype: str = "float32"):
