@@ -96,6 +96,7 @@ def load_model(path: str | Path, dtype: str = "float32", cfg: ModelConfig | None
     layout = checkpoint_layout(cfg)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
+    model.rotary = None                       # its tables are built below, in float32
     model.to_empty(device="cpu").to(torch_dtype)
     model.rotary = Rotary(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)  # float32 tables
     params = dict(model.named_parameters())
