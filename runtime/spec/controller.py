@@ -28,24 +28,26 @@ def _bucket(n: int) -> int:
 
 
 class CostTable:
-    """Moving-average seconds per forward, by the power-of-two bucket of its row count."""
+    """Moving-average seconds per forward, by the power-of-two bucket of its row count. A bucket not
+    measured in the last ``max_age`` observations counts as unknown, so choices are re-checked."""
 
-    def __init__(self):
+    def __init__(self, max_age: int = 256):
         self.t: dict[int, float] = {}
+        self.seen: dict[int, int] = {}
+        self.clock = 0
+        self.max_age = max_age
 
     def observe(self, rows: int, seconds: float) -> None:
+        self.clock += 1
         b = _bucket(rows)
         self.t[b] = seconds if b not in self.t else (1 - EMA) * self.t[b] + EMA * seconds
+        self.seen[b] = self.clock
 
     def estimate(self, rows: int) -> float | None:
-        if not self.t:
-            return None
         b = _bucket(rows)
-        if b in self.t:
-            return self.t[b]
-        near = min(self.t, key=lambda x: abs(x - b))
-        # unmeasured sizes: assume cost grows with rows beyond the nearest measured bucket (explores once)
-        return self.t[near] * (2.0 ** (b - near) if b > near else 1.0) ** 0.5
+        if b not in self.t or self.clock - self.seen[b] > self.max_age:
+            return None
+        return self.t[b]
 
 
 class SpecController:
@@ -98,7 +100,7 @@ class SpecController:
         b = len(decoding)
         plain = self._step_cost(0, b, other_tokens)
         if plain is None:
-            return self.max_k            # nothing measured yet: try, and measure
+            return 0                     # measure plain decoding at this size first: the safe choice
         alphas = [self.alpha.get(r.request_id, PRIOR_ALPHA) for r in decoding]
         best_k, best_rate = 0, b / plain
         for k in range(1, self.max_k + 1):

@@ -1,0 +1,66 @@
+"""The adaptive depth rule, on synthetic measured costs."""
+from llmd.runtime.request import Request, SamplingParams
+from llmd.runtime.spec.controller import SpecController, expected_tokens
+
+
+def reqs(n):
+    return [Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=100)) for i in range(n)]
+
+
+def feed(ctrl, target_cost, draft_cost, b, k_max=4):
+    for k in range(0, k_max + 1):
+        ctrl.observe_target(b * (1 + k), target_cost(b * (1 + k)))
+    ctrl.observe_draft(b, draft_cost)
+
+
+def test_expected_tokens():
+    assert expected_tokens(0.0, 4) == 1.0
+    assert abs(expected_tokens(0.5, 2) - 1.75) < 1e-12
+    assert expected_tokens(1.0, 3) == 4.0
+
+
+def test_measures_plain_first_then_explores():
+    ctrl = SpecController(4, 2048)
+    rs = reqs(1)
+    ctrl.plan(rs, 0)
+    assert rs[0].spec_k == 0                       # nothing measured: plain decoding, and measure it
+    ctrl.observe_target(1, 0.010)
+    ctrl.plan(rs, 0)
+    assert rs[0].spec_k == 1                       # depth 1 unmeasured: explore it
+
+
+def test_memory_bound_single_stream_speculates():
+    ctrl = SpecController(4, 2048)
+    rs = reqs(1)
+    for r in rs:
+        ctrl.alpha[r.request_id] = 0.8
+    feed(ctrl, lambda rows: 0.010 + 0.0002 * rows, 0.001, 1)   # verifying 5 tokens costs ~ one step
+    ctrl.plan(rs, 0)
+    assert rs[0].spec_k >= 2
+
+
+def test_compute_bound_batch_turns_speculation_off():
+    ctrl = SpecController(4, 2048)
+    rs = reqs(16)
+    for r in rs:
+        ctrl.alpha[r.request_id] = 0.6
+    feed(ctrl, lambda rows: 0.0005 * rows, 0.002, 16)          # cost linear in rows: no free verification
+    ctrl.plan(rs, 0)
+    assert all(r.spec_k == 0 for r in rs)
+
+
+def test_low_acceptance_turns_speculation_off():
+    ctrl = SpecController(4, 2048)
+    rs = reqs(1)
+    ctrl.alpha[rs[0].request_id] = 0.05
+    feed(ctrl, lambda rows: 0.010 + 0.0002 * rows, 0.003, 1)
+    ctrl.plan(rs, 0)
+    assert rs[0].spec_k == 0
+
+
+def test_depth_capped_by_max_tokens():
+    ctrl = SpecController(4, 2048, adaptive=False)
+    r = Request("r", [1, 2, 3], SamplingParams(max_tokens=3))
+    r.token_ids.append(9)                          # one output token so far: room for 1 more proposal
+    ctrl.plan([r], 0)
+    assert r.spec_k == 1
