@@ -162,3 +162,24 @@ def test_missing_daemon_is_reported_missing(tiny_model_dir, tmp_path):
     assert "no usable llmd daemon" in res["peers"]["daemon"]["missing"]
     assert "unknown peer" in res["peers"]["nope"]["missing"]
     assert set(res["workloads"]["batch"]["peers"]) == {"llmd"}
+
+
+def test_bench_cli_workload_and_classic_modes(tiny_model_dir, tmp_path, capsys):
+    import argparse
+    import json
+    from llmd.runtime.bench_cli import add_bench_parser
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser.add_subparsers())
+    base = ["bench", str(tiny_model_dir), "--kv-memory", "32MiB"]
+    args = parser.parse_args(base + ["--workload", "batch", "--scale", "short", "--sweep", "1", "--json",
+                                     "--out", str(tmp_path / "r")])
+    assert args.func(args) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert list(res["workloads"]) == ["batch"] and (tmp_path / "r.json").exists()
+    args = parser.parse_args(base + ["--workload", "batch,typing"])
+    assert args.func(args) == 2 and "unknown workload typing" in capsys.readouterr().err
+    args = parser.parse_args(base + ["--prompt-len", "16", "--gen", "4", "--concurrency", "2", "--shared-prefix", "32",
+                                     "--repeat", "1", "--json"])
+    assert args.func(args) == 0                      # without --workload: the single-stream/concurrency/prefix report
+    res = json.loads(capsys.readouterr().out)
+    assert res["llmd_single"]["tokens"] == 4 and res["llmd_concurrent"]["streams"] == 2
