@@ -25,7 +25,7 @@ class ExportOptions:
     quant: str = "int8"
     group_size: int = 128
     symmetric: bool = False
-    head: str = "int8"
+    head: str = "auto"
     embed: str = "float"
     kv_dtype: str = "auto"
     backend: str = "torch"
@@ -52,7 +52,9 @@ def add_export_parser(sub) -> None:
     a("--quant", default="int8", choices=("none", "int8", "int4", "w8a8"), help="weight quantization (default int8)")
     a("--group-size", type=int, default=128, choices=(32, 64, 128), help="int4 group size (default 128)")
     a("--symmetric", action="store_true", help="int4 without zero points")
-    a("--head", default="int8", choices=("float", "int8"), help="output head (and tied embedding) storage (default int8)")
+    a("--head", default="auto", choices=("auto", "float", "int8", "w8a8"),
+      help="output head (and tied embedding): float, int8 weight-only, or int8 with per-token int8 input; "
+           "auto: int8 for --quant int8, w8a8 for int4/w8a8 (default)")
     a("--embed", default="float", choices=("float", "int8"), help="untied embedding storage (default float)")
     a("--kv-dtype", default="auto", choices=("auto", "int8"), help="KV cache dtype recorded for the runtime")
     a("--backend", default="torch", choices=("torch", "onnxruntime", "tensorrt"))

@@ -153,3 +153,34 @@ def test_cli_prints_the_summary_table(source, tmp_path, capsys):
     text = capsys.readouterr().out
     assert "perplexity" in text and "top-1 agreement" in text and str(eval_file) in text
     assert main(["export", "--target", str(source), "--out", str(out)]) == 2    # exists, no --force
+
+
+@pytest.mark.parametrize("quant,extra", [("int8", {}), ("int4", {"group_size": 32}), ("w8a8", {}),
+                                         ("int4", {"group_size": 64, "symmetric": True, "head": "float"}),
+                                         ("int8", {"head": "float", "embed": "int8"}),
+                                         ("w8a8", {"embed": "int8", "untied": True})])
+def test_engine_dir_round_trip_is_exact(source, model_factory, tmp_path, quant, extra):
+    """What is loaded back computes exactly what the quantized model computed before it was written."""
+    import torch
+
+    from llmd.export.engine_dir import load_engine_part
+    from llmd.export.quantize import QuantSpec, prepare_quantized, quantize_model
+    from llmd.runtime.models.loader import load_model
+    if extra.pop("untied", False):
+        source = model_factory("untied", hidden=64, intermediate=128, layers=1, tie=False)
+    out = tmp_path / "rt"
+    export_engine(ExportOptions(str(source), str(out), quant=quant, **extra, **FAST))
+    before = quantize_model(load_model(source), QuantSpec(quant, **extra))
+    before.prepare_for_inference()
+    prepare_quantized(before)
+    after, _, _ = load_engine_part(out, read_manifest(out), "target")
+    ids = torch.tensor([[3, 14, 15, 92, 65, 35, 89, 79]])
+    with torch.no_grad():
+        for batch in (ids, ids[:, :2]):
+            assert torch.equal(before.forward_dense(batch), after.forward_dense(batch))
+
+
+def test_bfloat16_engine_serves(int8_engine):
+    llm = LLM(str(int8_engine), kv_memory="16MiB", dtype="bfloat16")
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4

@@ -79,9 +79,15 @@ def test_int4_rejects_a_group_size_that_does_not_divide_the_width():
         QuantSpec("int3")
 
 
+def test_auto_head_is_resolved_per_method():
+    assert [QuantSpec(m).head for m in ("none", "int8", "int4", "w8a8")] == ["float", "int8", "w8a8", "w8a8"]
+    assert QuantSpec("int8", head="w8a8").head == "w8a8"
+
+
 SPECS = {"int8": (QuantSpec("int8"), 0.01), "int4": (QuantSpec("int4", group_size=32), 0.02),
          "int4-sym": (QuantSpec("int4", group_size=32, symmetric=True), 0.03),
-         "w8a8": (QuantSpec("w8a8"), 0.01), "int8-float-head": (QuantSpec("int8", head="float"), 0.003)}
+         "w8a8": (QuantSpec("w8a8"), 0.01), "int8-float-head": (QuantSpec("int8", head="float"), 0.003),
+         "int8-w8a8-head": (QuantSpec("int8", head="w8a8"), 0.01)}
 
 
 @pytest.fixture(scope="module")
@@ -156,3 +162,18 @@ def test_kv_int8_growing_scale_requantizes_earlier_entries():
     back = read_kv_int8(pool, scales, torch.tensor([0, 1]), bs)
     assert torch.allclose(back[1], big[0])
     assert (back[0] - 0.5).abs().max() <= scales[0, 0] / 2 * 2 + 1e-6   # at most two roundings
+
+
+def test_misaligned_weights_from_a_file_are_realigned():
+    m = Int8Linear(64, 96)
+    m.load_weight(randw(96, 64))
+    q = m.qweight
+    raw = torch.empty(q.numel() + 8, dtype=torch.int8)
+    raw[8:] = q.flatten()
+    m.qweight = raw[8:].view(96, 64)                  # as a tensor inside a safetensors file may sit
+    assert m.qweight.data_ptr() % 64
+    m.prepare()
+    assert m.qweight.data_ptr() % 64 == 0 and torch.equal(m.qweight, q)
+    x = torch.randn(1, 64)
+    ref = reference(x, m)
+    assert (m(x) - ref).abs().max() <= 0.01 * ref.abs().max()
