@@ -31,6 +31,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     a("--max-batch-tokens", type=int, help="token budget of one engine step")
     a("--no-prefix-cache", dest="prefix_cache", action="store_const", const=False,
       help="disable reuse of cached prompt prefixes")
+    a("--kv-dtype", choices=("auto", "int8"), help="KV cache storage: model dtype (auto) or int8 with per-block scales")
     a("--draft", help="speculative decoding: a draft model directory (same tokenizer), or 'ngram' for prompt lookup")
     a("--num-speculative-tokens", type=int, help="most tokens proposed per step when speculating (default 4)")
     a("--no-adaptive-speculation", dest="adaptive_speculation", action="store_const", const=False,
@@ -57,7 +58,7 @@ def add_status_parser(subparsers) -> argparse.ArgumentParser:
 
 
 _FLAGS = ("model", "socket", "group", "tcp", "dtype", "device", "threads", "kv_memory", "block_size", "max_batch_tokens",
-          "prefix_cache", "draft", "num_speculative_tokens", "adaptive_speculation", "max_queue", "drain_grace_s", "log_level")
+          "prefix_cache", "kv_dtype", "draft", "num_speculative_tokens", "adaptive_speculation", "max_queue", "drain_grace_s", "log_level")
 
 
 def run_serve(args) -> int:

@@ -21,7 +21,7 @@ def engine_factory(settings: Settings):
         options = {"model": settings.model, "dtype": settings.dtype, "kv_memory": settings.kv_memory,
                    "block_size": settings.block_size, "max_batch_tokens": settings.max_batch_tokens,
                    "enable_prefix_cache": settings.prefix_cache, "device": settings.device,
-                   "threads": settings.threads, "draft": settings.draft,
+                   "threads": settings.threads, "draft": settings.draft, "kv_dtype": settings.kv_dtype,
                    "num_speculative_tokens": settings.num_speculative_tokens,
                    "adaptive_speculation": settings.adaptive_speculation}
         return Engine(EngineConfig(**{k: v for k, v in options.items() if k in known and v is not None}),

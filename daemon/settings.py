@@ -36,6 +36,7 @@ class Settings:
     block_size: int = 16
     max_batch_tokens: int = 512
     prefix_cache: bool = True
+    kv_dtype: str = "auto"                # auto (model dtype) | int8 KV cache
     draft: Optional[str] = None           # speculative decoding: a draft model directory or "ngram"
     num_speculative_tokens: int = 4       # most proposals per step
     adaptive_speculation: bool = True     # let measured costs and acceptance pick the depth
@@ -67,6 +68,8 @@ class Settings:
             raise SettingsError(f"threads must be positive, got {self.threads}")
         if self.tcp is not None and not self.tcp.startswith("tcp://"):
             raise SettingsError(f"tcp must be a tcp://host:port endpoint, got {self.tcp!r}")
+        if self.kv_dtype not in ("auto", "int8"):
+            raise SettingsError(f"kv_dtype must be auto or int8, got {self.kv_dtype!r}")
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise SettingsError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
 

@@ -13,6 +13,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     a("--max-batch-tokens", type=int, default=512, help="token budget of one engine step (default 512)")
     a("--threads", type=int, default=None, help="CPU threads for the engine (default: torch's choice)")
     a("--no-prefix-cache", action="store_true", help="disable reuse of cached prompt prefixes")
+    a("--kv-dtype", default="auto", choices=("auto", "int8"),
+      help="KV cache storage: the model dtype (auto) or int8 with per-block, per-head scales")
     a("--draft", default=None, help="speculative decoding: a draft model directory, or 'ngram' for prompt lookup")
     a("--num-speculative-tokens", type=int, default=4, help="most tokens proposed per step when speculating (default 4)")
 
@@ -20,7 +22,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
 def engine_options(args) -> dict:
     opts = dict(dtype=args.dtype, kv_memory=args.kv_memory, block_size=args.block_size,
                 max_batch_tokens=args.max_batch_tokens, threads=args.threads,
-                enable_prefix_cache=not args.no_prefix_cache, num_speculative_tokens=args.num_speculative_tokens)
+                enable_prefix_cache=not args.no_prefix_cache, num_speculative_tokens=args.num_speculative_tokens,
+                kv_dtype=args.kv_dtype)
     if args.draft:
         opts["draft"] = args.draft
     return opts

@@ -52,8 +52,10 @@ class Group:
 class PagedAttention:
     """Holds the step's metadata and the pools; ``attend`` is called by each layer."""
 
-    def __init__(self, k_pool: torch.Tensor, v_pool: torch.Tensor, block_size: int, reference: bool = False):
+    def __init__(self, k_pool: torch.Tensor, v_pool: torch.Tensor, block_size: int, reference: bool = False,
+                 scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
         self.k_pool, self.v_pool = k_pool, v_pool        # [L, S, kvh, d], owned by the ModelRunner
+        self.scales = scales                             # int8 pools: ([L, blocks, kvh], [L, blocks, kvh])
         self.block_size = block_size
         self.reference = reference
         self.slot_mapping: torch.Tensor | None = None
@@ -72,35 +74,64 @@ class PagedAttention:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kp, vp = self.k_pool[layer], self.v_pool[layer]
+        if self.scales is not None:
+            return self._attend_int8(layer, q, k, v)
         kp.index_copy_(0, self.slot_mapping, k.to(kp.dtype))
         vp.index_copy_(0, self.slot_mapping, v.to(vp.dtype))
+        return self._attend(q, kp, vp)
+
+    def _attend(self, q, kp, vp, ks=None, vs=None) -> torch.Tensor:
+        k_get = _gatherer(kp, ks, self.block_size, q.dtype)
+        v_get = _gatherer(vp, vs, self.block_size, q.dtype)
         if self.reference:
-            return reference_attention(q, kp, vp, self.spans, self.block_size)
+            return reference_attention(q, k_get, v_get, self.spans, self.block_size)
         if len(self.groups) == 1 and len(self.spans) == 1:
-            return self._single(q, kp, vp)
+            return self._single(q, k_get, v_get)
         out = q.new_empty(q.shape)
         for g in self.groups:
-            out.index_copy_(0, g.rows, self._group(q, kp, vp, g))
+            out.index_copy_(0, g.rows, self._group(q, k_get, v_get, g))
         return out
 
+    def _attend_int8(self, layer, q, k, v) -> torch.Tensor:
+        """int8 pools with per-block, per-head scales (the codec is llmd.export.quantize's)."""
+        from llmd.export.quantize import write_kv_int8
+        bs = self.block_size
+        ks, vs = self.scales[0][layer], self.scales[1][layer]
+        fresh = self.slot_mapping[self.slot_mapping % bs == 0] // bs
+        ks[fresh] = 0                       # a block starting anew forgets its previous owner's scale
+        vs[fresh] = 0
+        write_kv_int8(self.k_pool[layer], ks, self.slot_mapping, k, bs)
+        write_kv_int8(self.v_pool[layer], vs, self.slot_mapping, v, bs)
+        return self._attend(q, self.k_pool[layer], self.v_pool[layer], ks, vs)
+
     # index_select with flat indices: about 4x faster than advanced indexing for these gathers.
-    def _single(self, q, kp, vp) -> torch.Tensor:
+    def _single(self, q, k_get, v_get) -> torch.Tensor:
         """One request: no padding, and a mask only when the chunk has more than one query."""
         g = self.groups[0]
         qq = q.unsqueeze(0).transpose(1, 2)                                     # [1, H, T, D]
-        kk = kp.index_select(0, g.kv_flat).unsqueeze(0).transpose(1, 2).to(q.dtype)   # [1, kvh, Lk, D]
-        vv = vp.index_select(0, g.kv_flat).unsqueeze(0).transpose(1, 2).to(q.dtype)
+        kk = k_get(g.kv_flat).unsqueeze(0).transpose(1, 2)                      # [1, kvh, Lk, D]
+        vv = v_get(g.kv_flat).unsqueeze(0).transpose(1, 2)
         o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=g.mask, enable_gqa=True)
         return o.transpose(1, 2)[0]
 
-    def _group(self, q, kp, vp, g: Group) -> torch.Tensor:
+    def _group(self, q, k_get, v_get, g: Group) -> torch.Tensor:
         b, lq = g.q_index.shape
         lk = g.kv_index.shape[1]
         qq = q.index_select(0, g.q_index.view(-1)).view(b, lq, *q.shape[1:]).transpose(1, 2)     # [B, H, Lq, D]
-        kk = kp.index_select(0, g.kv_flat).view(b, lk, *kp.shape[1:]).transpose(1, 2).to(q.dtype)  # [B, kvh, Lk, D]
-        vv = vp.index_select(0, g.kv_flat).view(b, lk, *vp.shape[1:]).transpose(1, 2).to(q.dtype)
+        kk = k_get(g.kv_flat)
+        kk = kk.view(b, lk, *kk.shape[1:]).transpose(1, 2)                                         # [B, kvh, Lk, D]
+        vv = v_get(g.kv_flat)
+        vv = vv.view(b, lk, *vv.shape[1:]).transpose(1, 2)
         o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=g.mask, enable_gqa=True)
         return o.transpose(1, 2)[g.valid]                                       # [rows, H, D]
+
+
+def _gatherer(pool: torch.Tensor, scales: Optional[torch.Tensor], block_size: int, dtype):
+    """slots -> [n, kvh, D] values in `dtype`, dequantizing int8 pools on the fly."""
+    if scales is None:
+        return lambda slots: pool.index_select(0, slots).to(dtype)
+    return lambda slots: (pool.index_select(0, slots).to(dtype)
+                          * scales.index_select(0, slots // block_size).to(dtype).unsqueeze(-1))
 
 
 def build_group(spans: list[SeqSpan], block_size: int) -> Group | None:
@@ -124,16 +155,17 @@ def build_group(spans: list[SeqSpan], block_size: int) -> Group | None:
     return Group(q_index, kv_index, mask, valid, q_index[valid])
 
 
-def reference_attention(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, spans: list[SeqSpan],
-                        block_size: int) -> torch.Tensor:
-    """Plain attention, one request at a time, in float32."""
+def reference_attention(q: torch.Tensor, k_get, v_get, spans: list[SeqSpan], block_size: int) -> torch.Tensor:
+    """Plain attention, one request at a time, in float32. ``k_get(slots)`` gathers keys."""
     out = torch.empty_like(q)
-    heads, kv_heads, d = q.shape[1], kp.shape[1], q.shape[2]
+    heads, d = q.shape[1], q.shape[2]
     for s in spans:
         slots = s.kv_slots(block_size)
+        ks, vs = k_get(slots).float(), v_get(slots).float()
+        rep = heads // ks.shape[1]
         qs = q[s.start:s.start + s.num_q].float()                              # [n, H, D]
-        ks = kp[slots].float().repeat_interleave(heads // kv_heads, dim=1)     # [L, H, D]
-        vs = vp[slots].float().repeat_interleave(heads // kv_heads, dim=1)
+        ks = ks.repeat_interleave(rep, dim=1)                                  # [L, H, D]
+        vs = vs.repeat_interleave(rep, dim=1)
         scores = torch.einsum("nhd,lhd->hnl", qs, ks) / d ** 0.5
         qpos = torch.arange(s.ctx_len - s.num_q, s.ctx_len).view(1, -1, 1)
         scores = scores.masked_fill(torch.arange(s.ctx_len).view(1, 1, -1) > qpos, float("-inf"))

@@ -44,18 +44,24 @@ def add_bench_parser(sub) -> None:
 
 
 def run_bench(args) -> int:
+    """With --shape, the random-weight model lives in a temporary folder removed at the end."""
+    import torch
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.model is not None:
+        return bench_model(args, args.model)
+    if not args.shape:
+        print("llmd bench: give a model directory or --shape", file=sys.stderr)
+        return 2
+    from llmd.runtime.models.random_model import write_random_model
+    with tempfile.TemporaryDirectory(prefix="llmd-bench-") as tmp:
+        return bench_model(args, str(write_random_model(Path(tmp) / args.shape, args.shape)))
+
+
+def bench_model(args, model: str) -> int:
     import torch
     from llmd.cli import engine_options
     from llmd.runtime.llm import LLM
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    model = args.model
-    if model is None:
-        if not args.shape:
-            print("llmd bench: give a model directory or --shape", file=sys.stderr)
-            return 2
-        from llmd.runtime.models.random_model import write_random_model
-        model = str(write_random_model(Path(tempfile.mkdtemp(prefix="llmd-bench-")) / args.shape, args.shape))
     opts = engine_options(args)
     draft = opts.pop("draft", None)
     if args.workload:

@@ -36,6 +36,7 @@ class EngineConfig:
     max_model_len: Optional[int] = None      # defaults to the model's context window
     max_queue: int = 1024                    # waiting requests at most; more raise CapacityError
     enable_prefix_cache: bool = True
+    kv_dtype: str = "auto"                   # auto (the model dtype) | int8 (per-block, per-head scales)
     attention: str = "fast"                  # fast | reference
     threads: Optional[int] = None            # torch intra-op threads; None keeps torch's default
     draft: Optional[str] = None              # None | "ngram" | path of a draft model directory
@@ -53,6 +54,7 @@ class EngineConfig:
         check(1 <= self.max_batch_tokens <= 1 << 16, f"max_batch_tokens must be in [1, 65536], got {self.max_batch_tokens}")
         check(1 <= self.max_num_seqs <= 4096, f"max_num_seqs must be in [1, 4096], got {self.max_num_seqs}")
         check(1 <= self.max_queue <= 1 << 20, "max_queue must be positive")
+        check(self.kv_dtype in ("auto", "int8"), f"kv_dtype must be auto or int8, got {self.kv_dtype!r}")
         check(self.attention in ("fast", "reference"), f"attention must be fast or reference, got {self.attention!r}")
         check(0 <= self.num_speculative_tokens <= 16, "num_speculative_tokens must be in [0, 16]")
         check(1 <= self.ngram_n <= 16, "ngram_n must be in [1, 16]")

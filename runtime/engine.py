@@ -71,13 +71,15 @@ class Engine:
                                  loaded.config.max_position_embeddings)
         self.block_manager = BlockManager(loaded.num_blocks, config.block_size, config.enable_prefix_cache)
         self.scheduler = Scheduler(self.block_manager, config.max_batch_tokens, config.max_num_seqs)
+        self.kv_dtype = loaded.kv_dtype
         self.runner = ModelRunner(loaded.model, loaded.num_blocks, config.block_size, config.dtype,
-                                  reference_attention=config.attention == "reference")
+                                  reference_attention=config.attention == "reference", kv_dtype=loaded.kv_dtype)
         self.eos_token_ids = tuple(sorted(set(self.tokenizer.eos_token_ids) | set(loaded.config.eos_token_ids)))
         self.proposer: Optional[Proposer] = None
         self.spec: Optional[SpecController] = None
         if loaded.draft is not None:
-            self.draft_runner = ModelRunner(loaded.draft, loaded.num_blocks, config.block_size, config.dtype)
+            self.draft_runner = ModelRunner(loaded.draft, loaded.num_blocks, config.block_size, config.dtype,
+                                            kv_dtype=loaded.kv_dtype)
             self.proposer = DraftProposer(self.draft_runner)
         elif config.draft == "ngram":
             self.proposer = NgramProposer(config.ngram_n)
@@ -347,5 +349,6 @@ class Engine:
             "preemptions": self.scheduler.num_preemptions,
             "kv_slots_unused": allocated - used,
             "kv_bytes_total": self.runner.k_pool.numel() * self.runner.k_pool.element_size() * 2,
+            "kv_dtype": self.kv_dtype,
             "max_model_len": self.max_model_len,
         }

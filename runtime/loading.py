@@ -23,6 +23,7 @@ class LoadedModel:
     num_blocks: int
     draft: Optional[LlamaForCausalLM] = None
     draft_config: Optional[ModelConfig] = None
+    kv_dtype: str = "auto"
 
 
 def load_for_engine(config: EngineConfig, progress=None) -> LoadedModel:
@@ -30,16 +31,25 @@ def load_for_engine(config: EngineConfig, progress=None) -> LoadedModel:
     if not path.exists():
         raise ModelLoadError(f"{path}: no such model directory; pass a Hugging Face model directory "
                              "(config.json, *.safetensors, tokenizer.json) or an llmd engine directory")
+    kv_dtype = config.kv_dtype
     if (path / "manifest.json").is_file():
         from llmd.export.engine_dir import load_engine_model     # quantized / compiled engines
         model, cfg, tokenizer = load_engine_model(path, config, progress=progress)
+        if kv_dtype == "auto":
+            kv_dtype = engine_kv_dtype(path)
     else:
         model, cfg, tokenizer = load_hf_model(path, config.dtype, progress)
     draft = draft_cfg = None
     if config.draft and config.draft != "ngram":
         draft, draft_cfg = load_draft(Path(config.draft), config, tokenizer)
-    return LoadedModel(model, cfg, tokenizer, kv_blocks([cfg] + ([draft_cfg] if draft_cfg else []), config),
-                       draft, draft_cfg)
+    blocks = kv_blocks([cfg] + ([draft_cfg] if draft_cfg else []), config, kv_dtype)
+    return LoadedModel(model, cfg, tokenizer, blocks, draft, draft_cfg, kv_dtype)
+
+
+def engine_kv_dtype(path: Path) -> str:
+    import json
+    manifest = json.loads((path / "manifest.json").read_text())    # already verified by the loader
+    return (manifest.get("quantization") or {}).get("kv_dtype", "auto")
 
 
 def load_draft(path: Path, config: EngineConfig, target_tokenizer: Tokenizer):
@@ -70,9 +80,9 @@ def load_hf_model(path: Path, dtype: str, progress=None) -> tuple[LlamaForCausal
     return model, cfg, tokenizer
 
 
-def kv_blocks(cfgs: list[ModelConfig], config: EngineConfig) -> int:
+def kv_blocks(cfgs: list[ModelConfig], config: EngineConfig, kv_dtype: str = "auto") -> int:
     """Blocks that fit the budget when each block holds KV for every model in ``cfgs``."""
-    per_block = sum(kv_bytes_per_block(c, config.block_size, config.dtype) for c in cfgs)
+    per_block = sum(kv_bytes_per_block(c, config.block_size, config.dtype, kv_dtype) for c in cfgs)
     num_blocks = config.kv_memory_bytes // per_block
     if num_blocks < 1:
         raise ModelLoadError(f"kv_memory {config.kv_memory} cannot hold one block of {config.block_size} tokens "

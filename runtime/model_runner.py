@@ -23,7 +23,9 @@ from .scheduler import ScheduledRequest
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: str) -> int:
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: str, kv_dtype: str = "auto") -> int:
+    if kv_dtype == "int8":     # one byte per value plus a float32 scale per block and kv head
+        return 2 * cfg.num_layers * (block_size * cfg.kv_size + 4 * cfg.num_kv_heads)
     return 2 * cfg.num_layers * block_size * cfg.kv_size * DTYPES[dtype].itemsize
 
 
@@ -63,16 +65,21 @@ class StepBatch:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: str,
-                 reference_attention: bool = False):
+                 reference_attention: bool = False, kv_dtype: str = "auto"):
         cfg = model.config
         self.model = model
         self.config = cfg
         self.block_size = block_size
         self.num_blocks = num_blocks
         shape = (cfg.num_layers, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.k_pool = torch.zeros(shape, dtype=DTYPES[dtype])
-        self.v_pool = torch.zeros(shape, dtype=DTYPES[dtype])
-        self.attn = PagedAttention(self.k_pool, self.v_pool, block_size, reference=reference_attention)
+        pool_dtype = torch.int8 if kv_dtype == "int8" else DTYPES[dtype]
+        self.k_pool = torch.zeros(shape, dtype=pool_dtype)
+        self.v_pool = torch.zeros(shape, dtype=pool_dtype)
+        scales = None
+        if kv_dtype == "int8":
+            scale_shape = (cfg.num_layers, num_blocks, cfg.num_kv_heads)
+            scales = (torch.zeros(scale_shape), torch.zeros(scale_shape))
+        self.attn = PagedAttention(self.k_pool, self.v_pool, block_size, reference=reference_attention, scales=scales)
 
     def prepare(self, scheduled: list[ScheduledRequest]) -> StepBatch:
         return self.prepare_feeds(feeds_for(scheduled))

@@ -138,3 +138,19 @@ def test_priority_admission_and_preemption(tiny_model_dir):
                       if rid in e.scheduler.requests and e.scheduler.requests[rid].metrics.preemptions > n]
     assert preempted and "i" not in preempted
     assert preempted[0] == "b"
+
+
+def test_int8_kv_cache_stays_close(tiny_model_dir, ps, alone):
+    import torch
+    got, st = run(tiny_model_dir, ps, kv_dtype="int8")
+    assert st["kv_dtype"] == "int8"
+    same_first = sum(g[:8] == a[:8] for g, a in zip(got, alone))
+    assert same_first >= 6, f"only {same_first}/8 prompts keep their first 8 greedy tokens with int8 KV"
+    # logits of one prompt, float against int8 KV, through a chunked prompt
+    f32 = LLM(str(tiny_model_dir), kv_memory="4MiB", max_batch_tokens=16)
+    i8 = LLM(str(tiny_model_dir), kv_memory="4MiB", max_batch_tokens=16, kv_dtype="int8")
+    p = SamplingParams(max_tokens=1, logprobs=5)
+    a = f32.generate([ps[0]], p)[0].logprobs[0]["top"]
+    b = dict(i8.generate([ps[0]], p)[0].logprobs[0]["top"])
+    for tok, lp in a[:3]:
+        assert tok in b and abs(b[tok] - lp) < 0.05
