@@ -38,6 +38,12 @@ class BenchConfig:
 
 
 def run(cfg: BenchConfig, log=print) -> dict:
+    """Run the benchmark; converted peer weights live in a temporary folder removed at the end."""
+    with tempfile.TemporaryDirectory(prefix="llmd-bench-peers-") as work_dir:
+        return _run(cfg, work_dir, log)
+
+
+def _run(cfg: BenchConfig, work_dir: str, log) -> dict:
     from llmd.runtime.llm import LLM
     opts = dict(cfg.engine, num_speculative_tokens=cfg.num_speculative_tokens)
     llm = LLM(cfg.model, draft=cfg.draft, **opts)
@@ -45,7 +51,6 @@ def run(cfg: BenchConfig, log=print) -> dict:
     if cfg.draft:                                    # speculation is judged against plain decoding
         peers.append(LLMDPeer(LLM(cfg.model, **opts), "llmd-plain"))
     status: dict = {p.name: "ok" for p in peers}
-    work_dir = tempfile.mkdtemp(prefix="llmd-bench-peers-")
     max_len = llm.engine.max_model_len
     for name in cfg.peers:
         p = load_peer(name, cfg.model, draft=cfg.draft, num_speculative_tokens=cfg.num_speculative_tokens,
