@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmd.runtime.models.layers import apply_rotary
 from llmd.runtime.models.llama import LlamaForCausalLM
 
 INPUTS = ("input_ids", "positions", "past_k", "past_v")
