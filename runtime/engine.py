@@ -18,7 +18,7 @@ import torch
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
-from .errors import CapacityError, InvalidRequest, LLMDError
+from .errors import CapacityError, EngineDirError, InvalidRequest, LLMDError
 from .loading import LoadedModel, load_for_engine
 from .model_runner import ModelRunner
 from .request import FinishReason, Priority, Request, SamplingParams
@@ -72,8 +72,11 @@ class Engine:
         self.block_manager = BlockManager(loaded.num_blocks, config.block_size, config.enable_prefix_cache)
         self.scheduler = Scheduler(self.block_manager, config.max_batch_tokens, config.max_num_seqs)
         self.kv_dtype = loaded.kv_dtype
+        if loaded.backend is not None and loaded.kv_dtype == "int8":
+            raise EngineDirError(f"the {loaded.backend.name} backend needs a float KV cache; use --kv-dtype auto")
         self.runner = ModelRunner(loaded.model, loaded.num_blocks, config.block_size, config.dtype,
-                                  reference_attention=config.attention == "reference", kv_dtype=loaded.kv_dtype)
+                                  reference_attention=config.attention == "reference", kv_dtype=loaded.kv_dtype,
+                                  backend=loaded.backend)
         self.eos_token_ids = tuple(sorted(set(self.tokenizer.eos_token_ids) | set(loaded.config.eos_token_ids)))
         self.proposer: Optional[Proposer] = None
         self.spec: Optional[SpecController] = None

@@ -7,7 +7,7 @@ from typing import Optional
 from pathlib import Path
 
 from .config import EngineConfig
-from .errors import ModelLoadError
+from .errors import EngineDirError, ModelLoadError
 from .model_runner import kv_bytes_per_block
 from .models.config import ModelConfig
 from .models.llama import LlamaForCausalLM
@@ -24,6 +24,7 @@ class LoadedModel:
     draft: Optional[LlamaForCausalLM] = None
     draft_config: Optional[ModelConfig] = None
     kv_dtype: str = "auto"
+    backend: Optional[object] = None          # a StepBackend when the engine directory was compiled for one
 
 
 def load_for_engine(config: EngineConfig, progress=None) -> LoadedModel:
@@ -32,32 +33,37 @@ def load_for_engine(config: EngineConfig, progress=None) -> LoadedModel:
         raise ModelLoadError(f"{path}: no such model directory; pass a Hugging Face model directory "
                              "(config.json, *.safetensors, tokenizer.json) or an llmd engine directory")
     kv_dtype = config.kv_dtype
+    backend = None
+    draft_path = Path(config.draft) if config.draft and config.draft != "ngram" else None
     if (path / "manifest.json").is_file():
-        from llmd.export.engine_dir import load_engine_model     # quantized / compiled engines
+        from llmd.export.engine_dir import engine_draft_dir, load_engine_model     # quantized / compiled engines
+        from llmd.export.manifest import read_manifest
         model, cfg, tokenizer = load_engine_model(path, config, progress=progress)
+        manifest = read_manifest(path, verify_hashes=False)     # verified by load_engine_model just above
         if kv_dtype == "auto":
-            kv_dtype = engine_kv_dtype(path)
+            kv_dtype = (manifest.get("quantization") or {}).get("kv_dtype", "auto")
+        backend = engine_backend(path, manifest)
+        if config.draft is None and engine_draft_dir(path) is not None:
+            draft_path = path                                   # an engine's own draft speculates by default
+    elif (path / "target" / "weights.safetensors").is_file():
+        raise EngineDirError(f"{path}: an engine directory without manifest.json: the export did not finish; "
+                             "run `llmd export` again")
     else:
         model, cfg, tokenizer = load_hf_model(path, config.dtype, progress)
     draft = draft_cfg = None
-    if config.draft and config.draft != "ngram":
-        draft, draft_cfg = load_draft(Path(config.draft), config, tokenizer)
+    if draft_path is not None:
+        draft, draft_cfg = load_draft(draft_path, config, tokenizer)
     blocks = kv_blocks([cfg] + ([draft_cfg] if draft_cfg else []), config, kv_dtype)
-    return LoadedModel(model, cfg, tokenizer, blocks, draft, draft_cfg, kv_dtype)
-
-
-def engine_kv_dtype(path: Path) -> str:
-    import json
-    manifest = json.loads((path / "manifest.json").read_text())    # already verified by the loader
-    return (manifest.get("quantization") or {}).get("kv_dtype", "auto")
+    return LoadedModel(model, cfg, tokenizer, blocks, draft, draft_cfg, kv_dtype, backend)
 
 
 def load_draft(path: Path, config: EngineConfig, target_tokenizer: Tokenizer):
+    """A draft from a model directory, an engine directory's own draft, or an engine directory."""
     if not path.exists():
         raise ModelLoadError(f"{path}: no such draft model directory; pass a directory, 'ngram', or no draft")
     if (path / "manifest.json").is_file():
-        from llmd.export.engine_dir import load_engine_model
-        model, cfg, tok = load_engine_model(path, config)
+        from llmd.export.engine_dir import engine_draft_dir, load_engine_draft, load_engine_model
+        model, cfg, tok = load_engine_draft(path, config) if engine_draft_dir(path) else load_engine_model(path, config)
     else:
         model, cfg, tok = load_hf_model(path, config.dtype)
     if tok.vocab_size != target_tokenizer.vocab_size or tok.encode(PROBE) != target_tokenizer.encode(PROBE):
@@ -67,6 +73,17 @@ def load_draft(path: Path, config: EngineConfig, target_tokenizer: Tokenizer):
 
 
 PROBE = "def f(x):\n    return {'a': [1, 2.5]}  # héllo 日本 🙂\n"
+
+
+def engine_backend(path: Path, manifest: dict):
+    """The compiled step backend an engine directory asks for, or None for plain torch modules."""
+    name = manifest.get("backend", "torch")
+    if name == "torch" and (manifest.get("artifacts") or {}).get("aot"):
+        name = "aot"
+    if name == "torch":
+        return None
+    from .backends.base import create_backend
+    return create_backend(name, path, manifest)
 
 
 def load_hf_model(path: Path, dtype: str, progress=None) -> tuple[LlamaForCausalLM, ModelConfig, Tokenizer]:

@@ -65,10 +65,11 @@ class StepBatch:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: str,
-                 reference_attention: bool = False, kv_dtype: str = "auto"):
+                 reference_attention: bool = False, kv_dtype: str = "auto", backend=None):
         cfg = model.config
         self.model = model
         self.config = cfg
+        self.backend = backend            # a compiled StepBackend (onnxruntime, aot, tensorrt) or None
         self.block_size = block_size
         self.num_blocks = num_blocks
         shape = (cfg.num_layers, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
@@ -108,6 +109,9 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: StepBatch) -> torch.Tensor:
         """Forward the packed step; returns float32 logits [len(sample_rows), vocab]."""
+        if self.backend is not None:
+            from .backends.paged import run_step
+            return run_step(self.backend, self.k_pool, self.v_pool, batch, self.block_size)
         self.attn.prepare(batch.slot_mapping, batch.spans)
         hidden = self.model(batch.input_ids, batch.positions, self.attn)
         if batch.sample_rows.numel() == 0:

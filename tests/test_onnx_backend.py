@@ -105,3 +105,13 @@ def test_quantized_onnx_uses_integer_kernels_and_stays_close(source, tmp_path, q
     err_torch = ((torch_q - want).norm() / want.norm()).item()
     assert err_ort < 2 * err_torch + 0.01
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= (0.9 if quant == "int8" else 0.6)
+
+
+def test_llm_serves_an_onnx_engine_directory_with_the_same_greedy_tokens(source, tmp_path):
+    export(source, tmp_path / "engine", "none")
+    prompts = [[30, 31, 32, 33], list(range(40, 75))]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    ref = [o.token_ids for o in LLM(str(source), kv_memory="4MiB").generate(prompts, params)]
+    llm = LLM(str(tmp_path / "engine"), kv_memory="4MiB", max_batch_tokens=16)
+    assert llm.engine.runner.backend is not None and llm.engine.runner.backend.name == "onnxruntime"
+    assert [o.token_ids for o in llm.generate(prompts, params)] == ref
