@@ -40,7 +40,7 @@ def offline() -> None:
 
 
 def daemon() -> None:
-    from llmd.clients import Client, Done, Token
+    from llmd.clients import Client, DaemonUnavailable, Done, Token
     print("\n== daemon: llmd serve on a private socket ==")
     sock = Path(tempfile.mkdtemp(prefix="llmd-demo-")) / "llmd.sock"
     proc = subprocess.Popen([sys.executable, "-m", "llmd.daemon", "serve", "--model", str(TARGET),
@@ -49,7 +49,12 @@ def daemon() -> None:
     try:
         with Client(f"ipc://{sock}", timeout=60) as c:
             deadline = time.monotonic() + 120
-            while c.health().get("state") != "ready":
+            while True:
+                try:
+                    if c.health().get("state") == "ready":
+                        break
+                except DaemonUnavailable:
+                    pass                        # the socket appears once the process has started
                 if time.monotonic() > deadline or proc.poll() is not None:
                     raise SystemExit("the daemon did not become ready")
                 time.sleep(0.2)

@@ -223,8 +223,9 @@ class Engine:
             s.request.spec_token_ids = got
             out[id(s)] = prop
         if self.spec is not None and not self.spec.proposer_is_free:
-            forwards = max(1, max(len(p.token_ids) for p in props))
-            self.spec.observe_draft(len(items), seconds / forwards)
+            per_forward = getattr(self.proposer, "forward_s", None)
+            if per_forward is not None:
+                self.spec.observe_draft(len(items), per_forward)
         return out, seconds
 
     def _after_verify(self, req: Request, proposed: int, accepted: int, old_len: int) -> None:

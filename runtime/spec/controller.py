@@ -8,11 +8,15 @@ Each request's own acceptance (a moving average, starting from a prior) sets its
 """
 from __future__ import annotations
 
+import collections
+import statistics
+
 from ..request import Request
 
 PRIOR_ALPHA = 0.6
 EMA = 0.2
 MARGIN = 1.05          # speculate only when predicted at least 5% better than plain decoding
+PROBE_EVERY = 64       # with speculation off this many steps, probe once to refresh the acceptance
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -28,11 +32,15 @@ def _bucket(n: int) -> int:
 
 
 class CostTable:
-    """Moving-average seconds per forward, by the power-of-two bucket of its row count. A bucket not
+    """Seconds per forward, by the power-of-two bucket of its row count: the median of the last few
+    samples, trusted after MIN_SAMPLES (a first call at a new shape is often slow). A bucket not
     measured in the last ``max_age`` observations counts as unknown, so choices are re-checked."""
 
-    def __init__(self, max_age: int = 256):
-        self.t: dict[int, float] = {}
+    MIN_SAMPLES = 3
+    KEEP = 9
+
+    def __init__(self, max_age: int = 512):
+        self.samples: dict[int, collections.deque] = {}
         self.seen: dict[int, int] = {}
         self.clock = 0
         self.max_age = max_age
@@ -40,14 +48,18 @@ class CostTable:
     def observe(self, rows: int, seconds: float) -> None:
         self.clock += 1
         b = _bucket(rows)
-        self.t[b] = seconds if b not in self.t else (1 - EMA) * self.t[b] + EMA * seconds
+        self.samples.setdefault(b, collections.deque(maxlen=self.KEEP)).append(seconds)
         self.seen[b] = self.clock
 
     def estimate(self, rows: int) -> float | None:
         b = _bucket(rows)
-        if b not in self.t or self.clock - self.seen[b] > self.max_age:
+        got = self.samples.get(b)
+        if not got or len(got) < self.MIN_SAMPLES or self.clock - self.seen[b] > self.max_age:
             return None
-        return self.t[b]
+        return statistics.median(got)
+
+    def snapshot(self) -> dict:
+        return {f"<{2 ** b}": statistics.median(v) for b, v in sorted(self.samples.items())}
 
 
 class SpecController:
@@ -59,6 +71,8 @@ class SpecController:
         self.target = CostTable()
         self.draft = CostTable()
         self.alpha: dict[str, float] = {}
+        self.global_alpha = PRIOR_ALPHA       # acceptance over all requests: the prior of a new one
+        self.steps_off = 0                    # consecutive steps without speculation
         self.enabled_steps = 0
         self.disabled_steps = 0
         self.last_plan: dict = {}
@@ -72,14 +86,16 @@ class SpecController:
             ks = {rid: min(k, k_star) for rid, k in ks.items()}
             if k_star:
                 for r in decoding:
-                    ks[r.request_id] = min(ks[r.request_id], self._own_depth(self.alpha.get(r.request_id, PRIOR_ALPHA), b))
+                    ks[r.request_id] = min(ks[r.request_id], self._own_depth(self.alpha.get(r.request_id, self.global_alpha), b))
         for r in decoding:
             r.spec_k = ks[r.request_id]
         if b:
             if any(ks.values()):
                 self.enabled_steps += 1
+                self.steps_off = 0
             else:
                 self.disabled_steps += 1
+                self.steps_off += 1
 
     def _cap(self, r: Request, k: int) -> int:
         room = min(r.params.max_tokens - r.num_output_tokens - 1, self.max_model_len - r.num_tokens - 1)
@@ -101,7 +117,11 @@ class SpecController:
         plain = self._step_cost(0, b, other_tokens)
         if plain is None:
             return 0                     # measure plain decoding at this size first: the safe choice
-        alphas = [self.alpha.get(r.request_id, PRIOR_ALPHA) for r in decoding]
+        if not self.proposer_is_free and self.draft.estimate(b) is None:
+            return self.max_k            # measure the draft's single-token forward (needs depth >= 2)
+        if self.steps_off >= PROBE_EVERY:
+            return self.max_k            # a probe now and then keeps the acceptance estimate current
+        alphas = [self.alpha.get(r.request_id, self.global_alpha) for r in decoding]
         best_k, best_rate = 0, b / plain
         for k in range(1, self.max_k + 1):
             cost = self._step_cost(k, b, other_tokens)
@@ -128,10 +148,11 @@ class SpecController:
 
     def observe_acceptance(self, request_id: str, proposed: int, accepted: int) -> None:
         if proposed:
-            a = self.alpha.get(request_id, PRIOR_ALPHA)
+            a = self.alpha.get(request_id, self.global_alpha)
             # per-token acceptance: each accepted proposal is a success, the first rejection a failure
             rate = accepted / (accepted + (1 if accepted < proposed else 0))
             self.alpha[request_id] = (1 - EMA) * a + EMA * rate
+            self.global_alpha = (1 - EMA / 4) * self.global_alpha + EMA / 4 * rate
 
     def forget(self, request_id: str) -> None:
         self.alpha.pop(request_id, None)

@@ -27,6 +27,7 @@ class DraftProposer(Proposer):
     def __init__(self, runner: ModelRunner):
         self.runner = runner
         self.computed: dict[str, int] = {}
+        self.forward_s: float | None = None    # last measured single-token draft forward
 
     def propose(self, items: list[tuple[Request, int]], rows_for) -> list[Proposal]:
         t0 = time.perf_counter()
@@ -38,8 +39,12 @@ class DraftProposer(Proposer):
             feeds.append(Feed(req.token_ids[done:], done, req.block_ids, 1))
         active = list(range(len(items)))
         step = 0
+        decode_times = []
         while active:
+            t_fwd = time.perf_counter()
             logits = self.runner.run(self.runner.prepare_feeds([feeds[i] for i in active]))
+            if step:
+                decode_times.append(time.perf_counter() - t_fwd)
             rows = [rows_for(items[i][0], tokens[i]) for i in active]
             greedy = all(r.params.greedy for r in rows)
             if greedy:
@@ -61,6 +66,8 @@ class DraftProposer(Proposer):
             active = nxt
         for req, _ in items:
             self.computed[req.request_id] = req.num_tokens
+        # cost of one single-token draft forward (the catch-up forward over new prompt text is not one)
+        self.forward_s = min(decode_times) if decode_times else None
         seconds = (time.perf_counter() - t0) / max(1, len(items))
         return [Proposal(tokens[i], torch.stack(probs[i]) if probs[i] else None, seconds) for i in range(len(items))]
 
