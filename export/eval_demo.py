@@ -294,7 +294,7 @@ llmd's by at most {results["hf_max_logit_diff"]:.1e}. Evaluation took {results["
 A demo model: {results["params"].get("target", 0) / 1e6:.1f}M parameters trained for about an hour on two
 CPU cores shared with other work, so it saw {_tokens(runs.get("target"))} of the corpus' {n_train / 1e6:.1f}M
 training tokens. It writes standard-library-flavoured Python that is often wrong and repetitive.
-{_fim_verdict(fim)} Rebuilding with a larger `--target-minutes` on an idle machine (one pass over the
+{_fim_verdict(fim)}{_loss_note(loss, runs)} Rebuilding with a larger `--target-minutes` on an idle machine (one pass over the
 corpus takes about 75 minutes at 1,900 tokens/s) should improve every figure above. Use your own
 models for real work.
 """
@@ -305,6 +305,14 @@ def _tokens(run: dict | None) -> str:
         return "none"
     c = run["config"]
     return f"{run['step'] * c['batch_size'] * c['seq_len'] / 1e6:.2f}M"
+
+
+def _loss_note(loss: dict, runs: dict) -> str:
+    if loss.get("raw draft", float("inf")) >= loss.get("target", float("-inf")):
+        return ""
+    return (f" The target is undertrained: the raw draft, which saw {_tokens(runs.get('raw'))} tokens to the "
+            f"target's {_tokens(runs.get('target'))}, reaches a lower held-out loss; what the distilled draft "
+            "learned is agreement with this target, which is what speculative decoding needs.")
 
 
 def _fim_verdict(fim: dict) -> str:
