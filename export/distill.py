@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -25,8 +23,9 @@ from tokenizers import Tokenizer
 from ..runtime.errors import ModelLoadError
 from ..runtime.models.config import ModelConfig
 from ..runtime.models.llama import LlamaForCausalLM
-from ..runtime.models.loader import load_model, save_model
+from ..runtime.models.loader import load_model
 from . import bpe, corpus
+from .train_demo import write_model_dir
 from .train_loop import TrainConfig, WindowSampler, init_weights, train
 
 DEFAULT_SHAPE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=5,
@@ -121,20 +120,8 @@ def distill(target_dir: Path, out: Path, tokens: np.ndarray, cfg: TrainConfig, w
               f"speculation pays best under {MAX_FLOPS_RATIO:.2f}")
     state = train(draft, WindowSampler(tokens, cfg.seq_len, cfg.batch_size, cfg.seed), cfg, work,
                   loss_fn=kl_loss(target), desc="distill", session_steps=session_steps)
-    write_draft(draft, config, target_dir, out)
+    write_model_dir(draft, config, target_dir, out)      # the tokenizer files come from the target
     return state
-
-
-def write_draft(draft: LlamaForCausalLM, config: dict, target_dir: Path, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    save_model(draft, out)
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    gen = {"bos_token_id": config.get("bos_token_id"), "eos_token_id": config.get("eos_token_id"),
-           "do_sample": False}
-    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        if (target_dir / name).is_file():
-            shutil.copyfile(target_dir / name, out / name)
 
 
 def corpus_tokens(target_dir: Path, root: Path | None, work: Path, seed: int) -> np.ndarray:

@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from ..runtime.models.config import ModelConfig
 from ..runtime.models.llama import LlamaForCausalLM
-from ..runtime.models.loader import load_model, save_model
+from ..runtime.models.loader import save_model
 from . import bpe, corpus
 from .train_loop import TrainConfig, WindowSampler, init_weights, train
 

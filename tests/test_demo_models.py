@@ -8,7 +8,6 @@ import os
 import random
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
