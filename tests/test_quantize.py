@@ -176,6 +176,9 @@ def test_misaligned_weights_from_a_file_are_realigned():
     assert m.qweight.data_ptr() % 64
     m.prepare()
     assert m.qweight.data_ptr() % 64 == 0 and torch.equal(m.qweight, q)
-    x = torch.randn(1, 64)
+    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(5))
     ref = reference(x, m)
-    assert (m(x) - ref).abs().max() <= 0.01 * ref.abs().max()
+    # the same error model as test_quantized_linear_matches_its_dequantized_weight: rounding errs in
+    # proportion to sum_k |x_k w_k| (an unseeded x once gave 1.2% of the largest output)
+    scale = (x.abs() @ m.dense_weight().abs().t()).max()
+    assert (m(x) - ref).abs().max() <= 0.01 * scale
