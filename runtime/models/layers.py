@@ -72,7 +72,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
+        if x.dtype == self.weight.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)      # one fused op
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -104,10 +104,14 @@ class Rotary(nn.Module):
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv)
         self.register_buffer("cos", freqs.cos(), persistent=False)   # [P, D/2]
         self.register_buffer("sin", freqs.sin(), persistent=False)
-        self.register_buffer("cis", torch.polar(torch.ones_like(freqs), freqs), persistent=False)  # complex64
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos[positions].to(dtype).unsqueeze(-2), self.sin[positions].to(dtype).unsqueeze(-2)
+
+    def lookup_cis(self, positions: torch.Tensor) -> torch.Tensor:
+        """cos + i sin per position, [T, 1, D/2] complex64 (built per step: a complex buffer would not
+        survive a module-wide dtype cast)."""
+        return torch.complex(self.cos[positions].float(), self.sin[positions].float()).unsqueeze(-2)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -133,7 +133,7 @@ class LlamaForCausalLM(nn.Module):
         """Packed tokens [T] -> final hidden states [T, hidden]."""
         x = self.embed(input_ids)
         cos, sin = self.rotary.lookup(positions, x.dtype)
-        cis = self.rotary.cis[positions].unsqueeze(-2) if self._interleaved else None
+        cis = self.rotary.lookup_cis(positions) if self._interleaved else None
         for layer in self.layers:
             x = layer(x, cos, sin, attn, cis)
         return self.norm(x)
