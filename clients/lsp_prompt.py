@@ -22,7 +22,7 @@ from urllib.parse import unquote, urlparse
 @dataclass(frozen=True)
 class FimBudget:
     prefix_tokens: int = 1024
-    suffix_tokens: int = 256
+    suffix_tokens: int = 64         # everything after the cursor is recomputed on each keystroke: keep it short
     context_tokens: int = 1024      # all other open files together
     chars_per_token: float = 3.0
 
@@ -53,6 +53,26 @@ def tail_at_line(text: str, limit: int) -> str:
     return cut[newline + 1:] if newline >= 0 else cut
 
 
+ANCHOR_LINES = 32
+
+
+def stable_tail(text: str, limit: int, anchor_lines: int = ANCHOR_LINES) -> str:
+    """Like ``tail_at_line``, but the kept text starts at a line whose number is a multiple of
+    ``anchor_lines``: while the user types, the start stays put for many keystrokes, so the daemon's
+    prefix cache keeps serving the prompt up to the cursor instead of missing whenever the window slides."""
+    if len(text) <= limit:
+        return text
+    first = len(text) - limit                                  # earliest character the budget allows
+    line = text.count("\n", 0, first) + (0 if first == 0 or text[first - 1] == "\n" else 1)
+    line = -(-line // anchor_lines) * anchor_lines             # round up to an anchor line
+    pos = 0
+    for _ in range(line):
+        pos = text.find("\n", pos) + 1
+        if pos == 0:                                           # fewer lines than the anchor: fall back
+            return tail_at_line(text, limit)
+    return text[pos:]
+
+
 def head_at_line(text: str, limit: int) -> str:
     """The first ``limit`` characters of ``text`` or fewer, ending after a newline when cut."""
     if len(text) <= limit:
@@ -75,7 +95,7 @@ def build_fim(text: str, offset: int, others: Sequence[tuple[str, str]], budget:
     """
     if not 0 <= offset <= len(text):
         raise ValueError(f"cursor offset {offset} is outside the document (0..{len(text)})")
-    prefix = tail_at_line(text[:offset], budget.chars(budget.prefix_tokens))
+    prefix = stable_tail(text[:offset], budget.chars(budget.prefix_tokens))
     suffix = head_at_line(text[offset:], budget.chars(budget.suffix_tokens))
     files = []
     left = budget.chars(budget.context_tokens)

@@ -211,3 +211,16 @@ def test_a_document_larger_than_the_context_window_still_gets_completions(daemon
 
     answers, stats = asyncio.run(session())
     assert stats["error"] == 0 and stats["completed"] + stats["empty"] + stats["cache_hit"] == 2
+
+
+def test_prefix_start_is_stable_while_typing():
+    from llmd.clients.lsp_prompt import ANCHOR_LINES, stable_tail
+    doc = "".join(f"line {i} = {i * 7}\n" for i in range(400))
+    starts = set()
+    for cut in range(6000, 6400, 7):                         # the cursor moves through ~30 lines
+        kept = stable_tail(doc[:cut], 3000)
+        assert len(kept) <= 3000 and doc[:cut].endswith(kept)
+        start_line = doc[:cut].count("\n") - kept.count("\n")
+        assert start_line % ANCHOR_LINES == 0
+        starts.add(start_line)
+    assert len(starts) <= 2                                  # the window jumped at most once
