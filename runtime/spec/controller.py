@@ -118,20 +118,32 @@ class SpecController:
         if plain is None:
             return 0                     # measure plain decoding at this size first: the safe choice
         if not self.proposer_is_free and self.draft.estimate(b) is None:
-            return self.max_k            # measure the draft's single-token forward (needs depth >= 2)
+            return min(2, self.max_k)    # measure the draft's single-token forward (needs depth >= 2)
         if self.steps_off >= PROBE_EVERY:
-            return self.max_k            # a probe now and then keeps the acceptance estimate current
+            return 1                     # a cheap probe now and then keeps the acceptance estimate current
         alphas = [self.alpha.get(r.request_id, self.global_alpha) for r in decoding]
         best_k, best_rate = 0, b / plain
         for k in range(1, self.max_k + 1):
             cost = self._step_cost(k, b, other_tokens)
             if cost is None:
-                return k                 # unmeasured depth: explore it
+                if k == 1:
+                    return 1             # measure one verification step; deeper ones are extrapolated
+                cost = self._extrapolated_cost(k, b, other_tokens)
             rate = sum(expected_tokens(a, k) for a in alphas) / cost
             if rate > best_rate * MARGIN:
                 best_k, best_rate = k, rate
         self.last_plan = {"k": best_k, "predicted_speedup": best_rate / (b / plain)}
         return best_k
+
+    def _extrapolated_cost(self, k: int, b: int, other_tokens: int) -> float:
+        """Cost of depth k from plain and depth-1 measurements, linear in the rows verified (exploring
+        every depth at a large batch would itself cost a few slow steps)."""
+        t0 = self.target.estimate(b + other_tokens)
+        t1 = self.target.estimate(2 * b + other_tokens)
+        t = t0 + k * max(0.0, t1 - t0)
+        if not self.proposer_is_free:
+            t += k * self.draft.estimate(b)
+        return t
 
     def _own_depth(self, alpha: float, b: int) -> int:
         """Deepest k whose marginal expected token is still likely enough to pay for a draft step."""
