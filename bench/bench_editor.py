@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -50,6 +51,20 @@ def start_daemon(model: str, socket: str, threads: int, extra: list[str]) -> sub
         time.sleep(0.2)
     proc.terminate()
     raise SystemExit("the daemon did not become ready within 300 s")
+
+
+@contextlib.contextmanager
+def daemon_socket(args):
+    """The socket to benchmark: --socket as given, or a daemon started here from --model (stopped after)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        socket = args.socket or str(Path(tmp) / "llmd.sock")
+        daemon = None if args.socket else start_daemon(args.model, socket, args.threads, args.serve_arg)
+        try:
+            yield socket
+        finally:
+            if daemon is not None:
+                daemon.terminate()
+                daemon.wait(30)
 
 
 def default_file() -> Path:
@@ -120,15 +135,8 @@ def main() -> int:
     if not (args.model or args.socket):
         p.error("give --model (start a daemon) or --socket (use a running one)")
     path = Path(args.file) if args.file else default_file()
-    with tempfile.TemporaryDirectory() as tmp:
-        socket = args.socket or str(Path(tmp) / "llmd.sock")
-        daemon = None if args.socket else start_daemon(args.model, socket, args.threads, args.serve_arg)
-        try:
-            result = asyncio.run(run_editor(socket, path, args))
-        finally:
-            if daemon is not None:
-                daemon.terminate()
-                daemon.wait(30)
+    with daemon_socket(args) as socket:
+        result = asyncio.run(run_editor(socket, path, args))
     if args.json:
         print(json.dumps(result, indent=2))
     else:

@@ -22,7 +22,7 @@ from pathlib import Path
 from wyoming.asr import Transcript
 from wyoming.client import AsyncClient as WyomingClient
 
-from bench_editor import start_daemon
+from llmd.bench.bench_editor import daemon_socket
 from llmd.clients.lsp_service import percentile
 from llmd.clients.voice import VoiceConfig, serve_voice
 
@@ -81,15 +81,8 @@ def main() -> int:
     args = p.parse_args()
     if not (args.model or args.socket):
         p.error("give --model (start a daemon) or --socket (use a running one)")
-    with tempfile.TemporaryDirectory() as tmp:
-        socket = args.socket or str(Path(tmp) / "llmd.sock")
-        daemon = None if args.socket else start_daemon(args.model, socket, args.threads, args.serve_arg)
-        try:
-            result = asyncio.run(run_voice(socket, args))
-        finally:
-            if daemon is not None:
-                daemon.terminate()
-                daemon.wait(30)
+    with daemon_socket(args) as socket:
+        result = asyncio.run(run_voice(socket, args))
     if args.json:
         print(json.dumps(result, indent=2))
     else:
