@@ -3,6 +3,7 @@ import random
 
 import pytest
 
+from engine_run import run as run_engine
 from llmd import LLM, SamplingParams
 from llmd.runtime.request import Priority
 
@@ -16,11 +17,7 @@ def prompts(n=8, seed=0, shared=0):
 
 
 def run(model, ps, params=GREEDY, **kw):
-    llm = LLM(str(model), **{"kv_memory": "8MiB", **kw})
-    outs = llm.generate(ps, params)
-    stats = llm.stats()
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"], "blocks leaked"
-    return [o.token_ids for o in outs], stats
+    return run_engine(model, ps, params, **kw)
 
 
 @pytest.fixture(scope="module")

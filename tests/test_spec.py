@@ -3,6 +3,7 @@ import random
 
 import pytest
 
+from engine_run import run as run_engine
 from llmd import LLM, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=20, ignore_eos=True)
@@ -28,11 +29,7 @@ def prompts(n=8, seed=0):
 
 
 def run(model, ps, params=GREEDY, **kw):
-    llm = LLM(str(model), **{"kv_memory": "8MiB", **kw})
-    outs = llm.generate(ps, params)
-    st = llm.stats()
-    assert st["kv_blocks_free"] == st["kv_blocks_total"], "blocks leaked"
-    return [o.token_ids for o in outs], st
+    return run_engine(model, ps, params, **kw)
 
 
 @pytest.fixture(scope="module")
