@@ -6,7 +6,6 @@ Single-threaded: exactly one thread calls add_request, abort and step.
 """
 from __future__ import annotations
 
-import collections
 import itertools
 import logging
 import time
@@ -18,7 +17,7 @@ import torch
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
-from .errors import CapacityError, EngineDirError, InvalidRequest, LLMDError
+from .errors import CapacityError, EngineDirError, InvalidRequest
 from .loading import LoadedModel, load_for_engine
 from .model_runner import ModelRunner
 from .request import FinishReason, Priority, Request, SamplingParams
