@@ -80,9 +80,19 @@ def chunks(text: str, max_chars: int) -> Iterator[str]:
 
 
 def fim_rearrange(text: str, rng: random.Random) -> tuple[str, str, str]:
-    """Two random character positions cut text into (prefix, middle, suffix)."""
-    a, b = sorted(rng.randrange(len(text) + 1) for _ in range(2))
-    return text[:a], text[a:b], text[b:]
+    """Cut text into (prefix, middle, suffix).
+
+    Half the cuts are at two random character positions (any span, as an editor cursor may sit
+    mid-token); the other half take 1 to 4 whole lines as the middle, the shape of a completion
+    that fills in a statement or two. Line spans teach the model to end a middle where the suffix
+    takes over, which random character cuts rarely show a small model."""
+    if rng.random() < 0.5:
+        a, b = sorted(rng.randrange(len(text) + 1) for _ in range(2))
+        return text[:a], text[a:b], text[b:]
+    lines = text.splitlines(keepends=True)
+    first = rng.randrange(len(lines))
+    last = min(len(lines), first + rng.randint(1, 4))
+    return "".join(lines[:first]), "".join(lines[first:last]), "".join(lines[last:])
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ TARGET_SHAPE = dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=6
 # The draft: 16% of the target's per-token FLOPs (at most 1/6 is allowed).
 DRAFT_SHAPE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=5,
                    num_attention_heads=4, num_key_value_heads=2)
-TARGET_TRAIN = TrainConfig(seq_len=512, batch_size=8, lr=1.5e-3, warmup_steps=50, max_steps=1500, seed=SEED)
+TARGET_TRAIN = TrainConfig(seq_len=512, batch_size=8, lr=1.5e-3, warmup_steps=50, max_steps=1650, seed=SEED)
 DRAFT_TRAIN = TrainConfig(seq_len=512, batch_size=8, lr=3e-3, warmup_steps=30, max_steps=3000, seed=SEED + 1)
 
 
@@ -149,8 +149,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, default=Path("models"), help="where code-target/ and code-draft/ go")
     p.add_argument("--work", type=Path, default=Path("work-out/demo"), help="checkpoints and token caches")
     p.add_argument("--stages", default="data,target,draft,raw,eval")
-    p.add_argument("--target-minutes", type=float, default=58.0)
-    p.add_argument("--draft-minutes", type=float, default=28.0)
+    p.add_argument("--target-minutes", type=float, default=60.0)
+    p.add_argument("--draft-minutes", type=float, default=25.0)
     p.add_argument("--raw-minutes", type=float, default=60.0, help="upper bound; it stops at the draft's step count")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--card-command", default=None, help="the command line recorded in the model cards")

@@ -146,3 +146,13 @@ def test_fim_pieces_hold_the_whole_chunk_in_psm_order(tmp_path):
         assert p.parts[-1] == (True, corpus.EOT)
     plain = [p for p in pieces if p not in fim]
     assert all(p.parts == ((False, text), (True, corpus.EOT)) for p in plain)
+
+
+def test_about_half_the_fim_middles_are_whole_lines():
+    rng = random.Random(0)
+    text = "".join(f"x{i} = {i}\n" for i in range(50))
+    cuts = [corpus.fim_rearrange(text, rng) for _ in range(400)]
+    assert all(pre + mid + suf == text for pre, mid, suf in cuts)
+    whole = [mid for pre, mid, suf in cuts if (not pre or pre.endswith("\n")) and mid.endswith("\n")
+             and 1 <= mid.count("\n") <= 4 and len(mid) < 40]
+    assert 150 < len(whole) < 260      # the line-span half, plus the odd character cut that lands on lines
