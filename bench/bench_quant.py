@@ -7,12 +7,19 @@ Random weights are built in memory (nothing written to disk). For each variant i
 single-stream decode (tokens/s over --decode steps after a --prompt-token prompt) and prompt
 processing (tokens/s of one --prompt-token forward). On a shared machine the minimum of --repeat
 runs is the figure least disturbed by other work; medians are printed beside it.
+
+With --llamacpp (needs the ``bench`` extra: llama-cpp-python and gguf), the same random weights are
+written once as a model directory, converted to GGUF Q8_0 and Q4_0 (every matrix, the tied
+embedding/head included), and llama.cpp decodes the same prompt with the same thread count in this
+process; the report adds llmd int8 / llama.cpp Q8_0 and llmd int4 / llama.cpp Q4_0.
 """
 from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -20,7 +27,7 @@ from llmd.export.quantize import QuantSpec, prepare_quantized, quantize_model
 from llmd.runtime.model_runner import Feed, ModelRunner
 from llmd.runtime.models.config import ModelConfig
 from llmd.runtime.models.llama import LlamaForCausalLM
-from llmd.runtime.models.random_model import hf_config, init_weights
+from llmd.runtime.models.random_model import hf_config, init_weights, write_random_model
 
 VARIANTS = {"float32": QuantSpec("none"), "int8": QuantSpec("int8"), "int4": QuantSpec("int4", group_size=128),
             "w8a8": QuantSpec("w8a8"), "int8-w8a8head": QuantSpec("int8", head="w8a8")}
@@ -59,6 +66,41 @@ def measure(model: LlamaForCausalLM, prompt_tokens: int, decode: int, repeat: in
             "decode_tps": 1 / min(per_token), "decode_tps_median": 1 / statistics.median(per_token)}
 
 
+def measure_llamacpp(shape: str, quant: str, threads: int, prompt_tokens: int, decode: int, repeat: int,
+                     work: Path) -> dict:
+    """llama.cpp on this shape's seed-0 random weights in GGUF ``quant``: the same prompt length, the
+    same number of decode steps, timed per token as for llmd."""
+    import llama_cpp
+
+    from llmd.bench.to_gguf import convert
+    model_dir = work / "model"
+    if not (model_dir / "config.json").is_file():
+        write_random_model(model_dir, shape, seed=0)
+    path = convert(model_dir, work / f"model-{quant}.gguf", quant=quant)
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=prompt_tokens + decode + 8, n_batch=512,
+                          n_threads=threads, n_threads_batch=threads, verbose=False)
+    prompt = list(range(1, prompt_tokens + 1))
+    prefill, per_token = [], []
+    for _ in range(repeat):
+        llm.reset()
+        t = time.perf_counter()
+        last = t
+        for i, _tok in enumerate(llm.generate(prompt, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True)):
+            now = time.perf_counter()
+            (prefill if i == 0 else per_token).append(now - last)
+            last = now
+            if i == decode:
+                break
+    del llm
+    return {"prefill_tps": prompt_tokens / min(prefill), "prefill_tps_median": prompt_tokens / statistics.median(prefill),
+            "decode_tps": 1 / min(per_token), "decode_tps_median": 1 / statistics.median(per_token)}
+
+
+def report(name: str, r: dict) -> None:
+    print(f"{name:16s} decode {r['decode_tps']:7.2f} tok/s (median {r['decode_tps_median']:7.2f})   "
+          f"prompt {r['prefill_tps']:8.1f} tok/s (median {r['prefill_tps_median']:8.1f})", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="qwen2-0.5b")
@@ -67,6 +109,8 @@ def main() -> None:
     p.add_argument("--decode", type=int, default=32)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--llamacpp", action="store_true", help="also run llama.cpp on the same weights at Q8_0 and Q4_0")
+    p.add_argument("--work", type=Path, default=None, help="where the GGUF files go (default: a temporary folder)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     results = {}
@@ -75,16 +119,27 @@ def main() -> None:
         with torch.inference_mode():
             results[name] = measure(model, args.prompt_tokens, args.decode, args.repeat)
         del model
-        r = results[name]
-        print(f"{name:8s} decode {r['decode_tps']:7.2f} tok/s (median {r['decode_tps_median']:7.2f})   "
-              f"prompt {r['prefill_tps']:8.1f} tok/s (median {r['prefill_tps_median']:8.1f})", flush=True)
+        report(name, results[name])
+    if args.llamacpp:
+        with tempfile.TemporaryDirectory(prefix="llmd-gguf-") as tmp:
+            work = args.work or Path(tmp)
+            work.mkdir(parents=True, exist_ok=True)
+            for quant in ("q8_0", "q4_0"):
+                results[f"llama.cpp {quant}"] = measure_llamacpp(args.shape, quant, args.threads, args.prompt_tokens,
+                                                                 args.decode, args.repeat, work)
+                report(f"llama.cpp {quant}", results[f"llama.cpp {quant}"])
     ratios = [("int8 / float32 decode", "int8", "float32", "decode_tps", 1.8),
               ("int4 / int8 decode", "int4", "int8", "decode_tps", 1.3),
-              ("w8a8 / int8 prompt", "w8a8", "int8", "prefill_tps", 1.5)]
+              ("w8a8 / int8 prompt", "w8a8", "int8", "prefill_tps", 1.5),
+              ("int8 / llama.cpp Q8_0 decode", "int8", "llama.cpp q8_0", "decode_tps", 0.8),
+              ("int4 / llama.cpp Q4_0 decode", "int4", "llama.cpp q4_0", "decode_tps", 0.8),
+              ("int8 / llama.cpp Q8_0 prompt", "int8", "llama.cpp q8_0", "prefill_tps", None),
+              ("w8a8 / llama.cpp Q8_0 prompt", "w8a8", "llama.cpp q8_0", "prefill_tps", None)]
     for label, a, b, key, goal in ratios:
         if a in results and b in results:
             ratio = results[a][key] / results[b][key]
-            print(f"{label:24s} {ratio:5.2f}x  (goal {goal}x: {'met' if ratio >= goal else 'NOT met'})")
+            verdict = f"  (goal {goal}x: {'met' if ratio >= goal else 'NOT met'})" if goal else ""
+            print(f"{label:30s} {ratio:5.2f}x{verdict}")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ The vocabulary is written in full (padded with unused entries up to the embeddin
 receives token ids from the benchmark, never text, but checks that sizes agree.
 
 Types: float32 stays F32, anything else becomes F16 (the nearest llama.cpp float), and `q8_0`
-quantizes the matrices for a comparison with llmd's int8 weights.
+and `q4_0` quantize every matrix (the tied embedding/head included) for comparisons with llmd's
+int8 and int4 weights.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ LAYER = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm
 TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
        "lm_head.weight": "output.weight"}
 ARCH = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+QUANT_TYPES = {"q8_0": "Q8_0", "q4_0": "Q4_0"}
 
 
 def convert(model_dir: str | Path, out: str | Path, quant: str = "auto") -> Path:
@@ -79,9 +81,10 @@ def _pairs_adjacent(w: np.ndarray, heads: int) -> np.ndarray:
 def _add(w, gguf, name: str, t: np.ndarray, quant: str, dtype) -> None:
     if t.ndim == 1 or quant == "auto" and dtype in (None, "float32"):
         w.add_tensor(name, t.astype(np.float32))
-    elif quant == "q8_0" and t.shape[-1] % 32 == 0:
-        q = gguf.quants.quantize(t, gguf.GGMLQuantizationType.Q8_0)
-        w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    elif quant in QUANT_TYPES and t.shape[-1] % 32 == 0:
+        qtype = getattr(gguf.GGMLQuantizationType, QUANT_TYPES[quant])
+        q = gguf.quants.quantize(t, qtype)
+        w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
     else:
         w.add_tensor(name, t.astype(np.float16))
 

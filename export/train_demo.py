@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--work", type=Path, default=Path("work-out/demo"), help="checkpoints and token caches")
     p.add_argument("--stages", default="data,target,draft,raw,eval")
     p.add_argument("--target-minutes", type=float, default=60.0)
-    p.add_argument("--draft-minutes", type=float, default=25.0)
+    p.add_argument("--draft-minutes", type=float, default=22.0)
     p.add_argument("--raw-minutes", type=float, default=60.0, help="upper bound; it stops at the draft's step count")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--card-command", default=None, help="the command line recorded in the model cards")

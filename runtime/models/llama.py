@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .layers import Linear, RMSNorm, Rotary, apply_rotary
+from .layers import Linear, MatvecPlan, RMSNorm, Rotary, apply_rotary, matvec_plan, pack_weight, split_product
 
 
 class Attention(nn.Module):
@@ -127,6 +127,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
         self.rotary = Rotary(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self._head_t: torch.Tensor | None = None
+        self._head_plan = MatvecPlan()
+        self._head_packed: torch.Tensor | None = None
         self._interleaved = False
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
@@ -154,6 +156,12 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._head_t is not None:
+            rows = hidden.numel() // hidden.shape[-1]
+            if rows <= self._head_plan.split_max_rows:
+                return split_product(hidden.reshape(rows, -1), self._head_t, self._head_plan).view(*hidden.shape[:-1], -1)
+            if self._head_packed is not None:
+                return torch.ops.mkldnn._linear_pointwise(hidden.reshape(rows, -1), self._head_packed, None,
+                                                          "none", [], "").view(*hidden.shape[:-1], -1)
             return hidden @ self._head_t
         if self.lm_head is not None:
             return self.lm_head(hidden)
@@ -172,3 +180,7 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is None:
             self._head_t = self.embed_tokens.weight.detach().t().contiguous()
             self.embed_tokens.weight = None
+            self._head_plan = matvec_plan(*self._head_t.shape, self._head_t.dtype, torch.get_num_threads(),
+                                          layouts=("in_out",))
+            if self._head_plan.packed:        # rows of several requests or verification: see Linear
+                self._head_packed = pack_weight(self._head_t.t())

@@ -1,0 +1,61 @@
+"""Linear's storage plans: every plan computes x W^T + b, for every row count, as the plain product."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llmd.runtime.models.layers import Linear, MatvecPlan, can_pack, matvec_plan, split_product
+
+PLANS = [MatvecPlan("out_in", 1, 0), MatvecPlan("in_out", 1, 0),
+         MatvecPlan("in_out", 2, 4), MatvecPlan("out_in", 2, 4),
+         MatvecPlan("in_out", 4, 16), MatvecPlan("out_in", 4, 16)]
+
+
+def linear_with(plan: MatvecPlan, in_f: int, out_f: int, bias: bool, packed: bool) -> tuple[Linear, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    m = Linear(in_f, out_f, bias)
+    with torch.no_grad():
+        m.weight.normal_()
+        if bias:
+            m.bias.normal_()
+    w, b = m.weight.detach().clone(), (m.bias.detach().clone() if bias else None)
+    m.requires_grad_(False)
+    m.plan = MatvecPlan(plan.layout, plan.splits, plan.split_max_rows, packed)
+    if packed:
+        from llmd.runtime.models.layers import pack_weight
+        m.packed = pack_weight(w)
+    if plan.layout == "in_out":
+        m.weight_t, m.weight = w.t().contiguous(), None
+    return m, w, b
+
+
+@pytest.mark.parametrize("plan", PLANS, ids=lambda p: f"{p.layout}-s{p.splits}-r{p.split_max_rows}")
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_every_plan_gives_the_plain_product_for_every_row_count(plan, packed, bias):
+    if packed and not can_pack(torch.float32):
+        pytest.skip("oneDNN is not available in this torch build")
+    m, w, b = linear_with(plan, 64, 96, bias, packed)
+    for rows in (1, 2, 3, 4, 5, 16, 17, 40):
+        x = torch.randn(rows, 64)
+        want = F.linear(x.double(), w.double(), None if b is None else b.double()).float()
+        got = m(x.view(1, rows, 64))
+        assert got.shape == (1, rows, 96)
+        torch.testing.assert_close(got[0], want, rtol=1e-4, atol=1e-4)
+    assert torch.equal(m.dense_weight(), w)
+
+
+def test_split_product_splits_the_reduction_or_the_outputs():
+    x, w = torch.randn(3, 8), torch.randn(6, 8)
+    want = x @ w.t()
+    torch.testing.assert_close(split_product(x, w.t().contiguous(), MatvecPlan("in_out", 2, 3)), want)
+    torch.testing.assert_close(split_product(x, w, MatvecPlan("out_in", 3, 3)), want)
+
+
+def test_plan_is_one_of_the_candidates_and_respects_divisibility():
+    plan = matvec_plan(63, 96, torch.float32, 2)          # 63 is odd: no split of the reduction
+    assert plan.layout in ("out_in", "in_out")
+    assert not (plan.splits > 1 and plan.layout == "in_out")
+    one = matvec_plan(64, 96, torch.float32, 1)
+    assert one.splits == 1 and one.split_max_rows in (0, 1, 4, 16)
+    head = matvec_plan(64, 96, torch.float32, 2, layouts=("in_out",))
+    assert head.layout == "in_out"
