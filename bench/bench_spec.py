@@ -6,7 +6,8 @@
    k, interleaved. Reports the acceptance rate a, the draft's cost c (one draft forward / one plain
    target step), the verification cost v (a target step over k+1 tokens / a plain step), the predicted
    speedup E(a, k) / (k c + v) with E = (1 - a^(k+1)) / (1 - a), the measured speedup, and their ratio.
-2. Code edit (output copies the input), single stream: n-gram lookup against plain decoding.
+2. Code edit (output copies the input), single stream: n-gram lookup (fixed depth k, and adaptive)
+   against plain decoding.
 3. 16 concurrent streams: adaptive speculation against none.
 """
 from __future__ import annotations
@@ -107,16 +108,24 @@ def completion(target: str, draft: str, k: int, n: int, max_tokens: int) -> dict
 
 
 def code_edit(target: str, n: int, max_tokens: int, k: int) -> dict:
+    """Plain decoding, n-gram lookup at a fixed depth k, and n-gram under the adaptive controller,
+    interleaved prompt by prompt."""
     prompts = edit_prompts(n)
-    plain = LLM(target, kv_memory="256MiB")
-    ngram = LLM(target, draft="ngram", kv_memory="256MiB", num_speculative_tokens=k)
-    rp, rn = [], []
+    llms = {"plain": LLM(target, kv_memory="256MiB"),
+            "ngram_fixed": LLM(target, draft="ngram", kv_memory="256MiB", num_speculative_tokens=k,
+                               adaptive_speculation=False),
+            "ngram_adaptive": LLM(target, draft="ngram", kv_memory="256MiB", num_speculative_tokens=k)}
+    rates: dict[str, list[float]] = {name: [] for name in llms}
     for p in prompts:
-        rp.append(decode_rate(plain, [p], max_tokens)[0])
-        rn.append(decode_rate(ngram, [p], max_tokens)[0])
-    st = ngram.stats()
-    return {"prompts": len(prompts), "plain_tok_s": statistics.mean(rp), "ngram_tok_s": statistics.mean(rn),
-            "speedup": statistics.mean(rn) / statistics.mean(rp), "alpha": st["spec_acceptance_rate"]}
+        for name, llm in llms.items():
+            rates[name].append(decode_rate(llm, [p], max_tokens)[0])
+    mean = {name: statistics.mean(r) for name, r in rates.items()}
+    return {"prompts": len(prompts), "k": k, "plain_tok_s": mean["plain"],
+            "ngram_fixed_tok_s": mean["ngram_fixed"], "ngram_adaptive_tok_s": mean["ngram_adaptive"],
+            "speedup_fixed": mean["ngram_fixed"] / mean["plain"],
+            "speedup_adaptive": mean["ngram_adaptive"] / mean["plain"],
+            "alpha_fixed": llms["ngram_fixed"].stats()["spec_acceptance_rate"],
+            "alpha_adaptive": llms["ngram_adaptive"].stats()["spec_acceptance_rate"]}
 
 
 def concurrent(target: str, draft: str, streams: int, max_tokens: int, rounds: int = 2) -> dict:

@@ -54,7 +54,7 @@ def add_export_parser(sub) -> None:
     a("--symmetric", action="store_true", help="int4 without zero points")
     a("--head", default="auto", choices=("auto", "float", "int8", "w8a8"),
       help="output head (and tied embedding): float, int8 weight-only, or int8 with per-token int8 input; "
-           "auto: int8 for --quant int8, w8a8 for int4/w8a8 (default)")
+           "auto: float for --quant none, else w8a8 (default; the quality gate shows its cost)")
     a("--embed", default="float", choices=("float", "int8"), help="untied embedding storage (default float)")
     a("--kv-dtype", default="auto", choices=("auto", "int8"), help="KV cache dtype recorded for the runtime")
     a("--backend", default="torch", choices=("torch", "onnxruntime", "tensorrt"))

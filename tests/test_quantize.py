@@ -82,14 +82,14 @@ def test_int4_rejects_a_group_size_that_does_not_divide_the_width():
 
 
 def test_auto_head_is_resolved_per_method():
-    assert [QuantSpec(m).head for m in ("none", "int8", "int4", "w8a8")] == ["float", "int8", "w8a8", "w8a8"]
+    assert [QuantSpec(m).head for m in ("none", "int8", "int4", "w8a8")] == ["float", "w8a8", "w8a8", "w8a8"]
     assert QuantSpec("int8", head="w8a8").head == "w8a8"
 
 
 SPECS = {"int8": (QuantSpec("int8"), 0.01), "int4": (QuantSpec("int4", group_size=32), 0.02),
          "int4-sym": (QuantSpec("int4", group_size=32, symmetric=True), 0.03),
          "w8a8": (QuantSpec("w8a8"), 0.01), "int8-float-head": (QuantSpec("int8", head="float"), 0.003),
-         "int8-w8a8-head": (QuantSpec("int8", head="w8a8"), 0.01)}
+         "int8-int8-head": (QuantSpec("int8", head="int8"), 0.01)}
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +120,7 @@ def test_quantized_model_logits_close_to_float32(small_model_dir, name):
 def test_tied_int8_head_is_also_the_embedding(small_model_dir):
     m = load_model(small_model_dir)
     emb = m.embed_tokens.weight.detach().clone()
-    quantize_model(m, QuantSpec("int8"))
+    quantize_model(m, QuantSpec("int8", head="int8"))
     assert isinstance(m.embed_tokens, Int8Embedding) and m.embed_tokens.table is m.lm_head
     ids = torch.tensor([0, 5, 439])
     q, s = quantize_int8(emb)

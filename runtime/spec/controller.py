@@ -84,7 +84,9 @@ class SpecController:
         if self.adaptive and b:
             k_star = self._best_depth(decoding, other_tokens)
             ks = {rid: min(k, k_star) for rid, k in ks.items()}
-            if k_star:
+            if k_star and not self.proposer_is_free:
+                # a draft forward per proposal: a request stops where its next token is unlikely to pay
+                # for one. A free proposer (n-gram) costs only verification rows, which k_star weighs.
                 for r in decoding:
                     ks[r.request_id] = min(ks[r.request_id], self._own_depth(self.alpha.get(r.request_id, self.global_alpha), b))
         for r in decoding:
