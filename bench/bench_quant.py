@@ -30,7 +30,7 @@ from llmd.runtime.models.llama import LlamaForCausalLM
 from llmd.runtime.models.random_model import hf_config, init_weights, write_random_model
 
 VARIANTS = {"float32": QuantSpec("none"), "int8": QuantSpec("int8"), "int4": QuantSpec("int4", group_size=128),
-            "w8a8": QuantSpec("w8a8"), "int8-w8a8head": QuantSpec("int8", head="w8a8")}
+            "w8a8": QuantSpec("w8a8"), "int8-int8head": QuantSpec("int8", head="int8")}
 
 
 def build(shape: str, spec: QuantSpec, seed: int) -> LlamaForCausalLM:

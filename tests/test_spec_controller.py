@@ -70,3 +70,19 @@ def test_depth_capped_by_max_tokens():
     r.token_ids.append(9)                          # one output token so far: room for 1 more proposal
     ctrl.plan([r], 0)
     assert r.spec_k == 1
+
+
+def test_a_probe_after_a_long_pause_speculates_for_one_request_only():
+    from llmd.runtime.spec.controller import PROBE_EVERY
+    ctrl = SpecController(4, 2048)
+    rs = reqs(16)
+    for r in rs:
+        ctrl.alpha[r.request_id] = 0.6
+    feed(ctrl, lambda rows: 0.0005 * rows, 0.002, 16)
+    for _ in range(PROBE_EVERY):
+        ctrl.plan(rs, 0)
+        assert all(r.spec_k == 0 for r in rs)      # compute-bound: off
+    ctrl.plan(rs, 0)
+    assert [r.spec_k for r in rs] == [1] + [0] * 15
+    ctrl.plan(rs, 0)
+    assert all(r.spec_k == 0 for r in rs)          # back off after the probe

@@ -76,6 +76,7 @@ class SpecController:
         self.enabled_steps = 0
         self.disabled_steps = 0
         self.last_plan: dict = {}
+        self._probing = False                 # this step's plan is a probe (set by _best_depth)
 
     def plan(self, decoding: list[Request], other_tokens: int) -> None:
         """Set ``spec_k`` on each decoding request (0 = no speculation this step)."""
@@ -84,6 +85,11 @@ class SpecController:
         if self.adaptive and b:
             k_star = self._best_depth(decoding, other_tokens)
             ks = {rid: min(k, k_star) for rid, k in ks.items()}
+            if self._probing:
+                # one request refreshes the acceptance estimate; probing all of them would make the
+                # draft catch up on every request's context at once, a prompt-sized step
+                first = decoding[0].request_id
+                ks = {rid: (k if rid == first else 0) for rid, k in ks.items()}
             if k_star and not self.proposer_is_free:
                 # a draft forward per proposal: a request stops where its next token is unlikely to pay
                 # for one. A free proposer (n-gram) costs only verification rows, which k_star weighs.
@@ -115,6 +121,7 @@ class SpecController:
         return t
 
     def _best_depth(self, decoding: list[Request], other_tokens: int) -> int:
+        self._probing = False
         b = len(decoding)
         plain = self._step_cost(0, b, other_tokens)
         if plain is None:
@@ -122,6 +129,7 @@ class SpecController:
         if not self.proposer_is_free and self.draft.estimate(b) is None:
             return min(2, self.max_k)    # measure the draft's single-token forward (needs depth >= 2)
         if self.steps_off >= PROBE_EVERY:
+            self._probing = True
             return 1                     # a cheap probe now and then keeps the acceptance estimate current
         alphas = [self.alpha.get(r.request_id, self.global_alpha) for r in decoding]
         best_k, best_rate = 0, b / plain
@@ -130,12 +138,21 @@ class SpecController:
             if cost is None:
                 if k == 1:
                     return 1             # measure one verification step; deeper ones are extrapolated
+                if b == 1 and not other_tokens and self._worth_exploring(k, alphas, best_rate):
+                    return k             # one stream: measuring a deeper verification is cheap
                 cost = self._extrapolated_cost(k, b, other_tokens)
             rate = sum(expected_tokens(a, k) for a in alphas) / cost
             if rate > best_rate * MARGIN:
                 best_k, best_rate = k, rate
         self.last_plan = {"k": best_k, "predicted_speedup": best_rate / (b / plain)}
         return best_k
+
+    def _worth_exploring(self, k: int, alphas: list[float], best_rate: float) -> bool:
+        """Would depth k win if its extra verification rows cost no more than depth 1's? Costs are not
+        linear in rows (one row runs a matrix-vector product, several rows a matrix product), so the
+        linear extrapolation from depth 1 can hide a depth that pays."""
+        optimistic = self._step_cost(1, 1, 0) + (0.0 if self.proposer_is_free else (k - 1) * self.draft.estimate(1))
+        return sum(expected_tokens(a, k) for a in alphas) / optimistic > best_rate * MARGIN
 
     def _extrapolated_cost(self, k: int, b: int, other_tokens: int) -> float:
         """Cost of depth k from plain and depth-1 measurements, linear in the rows verified (exploring
