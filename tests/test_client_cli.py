@@ -74,7 +74,7 @@ def test_ctrl_c_stops_the_answer_and_keeps_the_session(daemon):
         alone = c.chat([{"role": "user", "content": "And then?"}], max_tokens=1)
         alone.text()
     before = finished(daemon)
-    proc = subprocess.Popen(llmd("run", "--interactive", "--stats", "--ignore-eos", "--max-tokens", "300",
+    proc = subprocess.Popen(llmd("run", "--interactive", "--stats", "--ignore-eos", "--max-tokens", "600",
                                  "--socket", daemon.settings.socket),
                             cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     out, err = Pipe(proc.stdout), Pipe(proc.stderr)
