@@ -124,22 +124,27 @@ def matvec_plan(in_features: int, out_features: int, dtype: torch.dtype, threads
         small += [MatvecPlan("out_in", threads, 1)] if out_features % threads == 0 and "out_in" in stores else []
     packed = [pack_weight(w) for w in ws] if can_pack(dtype) else []
 
-    def median_time(fn, n: int) -> float:
-        times = []
-        for i in range(2 + 3 * n):
-            t = time.perf_counter()
+    def fastest_time(fn, n: int) -> float:
+        """The fastest of several rounds over the copies: interference only ever adds time, and a
+        median of few samples let the plan of one shape change from run to run."""
+        for i in range(2 * n):
             fn(i % n)
-            times.append(time.perf_counter() - t)
-        return sorted(times[2:])[len(times[2:]) // 2]
+        rounds = []
+        for _ in range(5):
+            t = time.perf_counter()
+            for i in range(n):
+                fn(i)
+            rounds.append((time.perf_counter() - t) / n)
+        return min(rounds)
 
     def small_cost(plan: MatvecPlan, rows: int) -> float:
         x = torch.randn(rows, in_features).to(dtype)
-        return median_time(lambda i: split_product(x, stores[plan.layout][i], plan), copies)
+        return fastest_time(lambda i: split_product(x, stores[plan.layout][i], plan), copies)
 
     def large_cost(rows: int, use_packed: bool) -> float:
         x = torch.randn(rows, in_features).to(dtype)
         if use_packed:
-            return median_time(lambda i: torch.ops.mkldnn._linear_pointwise(x, packed[i], None, "none", [], ""), copies)
+            return fastest_time(lambda i: torch.ops.mkldnn._linear_pointwise(x, packed[i], None, "none", [], ""), copies)
         return small_cost(MatvecPlan(best.layout, 1, 1), rows)
 
     best = min(small, key=lambda p: small_cost(p, 1))
