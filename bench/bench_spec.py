@@ -155,6 +155,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5, help="rounds of the 16-stream comparison; medians reported")
     ap.add_argument("--only", choices=("completion", "edit", "concurrent"), action="append")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -165,7 +166,7 @@ def main(argv=None) -> int:
     if "edit" in parts:
         res["code_edit_ngram"] = code_edit(args.target, args.prompts, args.max_tokens, args.k)
     if "concurrent" in parts:
-        res["concurrent"] = concurrent(args.target, args.draft, args.streams, args.max_tokens)
+        res["concurrent"] = concurrent(args.target, args.draft, args.streams, args.max_tokens, args.rounds)
     print(json.dumps(res, indent=1))
     return 0
 
