@@ -19,12 +19,7 @@ def linear_with(plan: MatvecPlan, in_f: int, out_f: int, bias: bool, packed: boo
             m.bias.normal_()
     w, b = m.weight.detach().clone(), (m.bias.detach().clone() if bias else None)
     m.requires_grad_(False)
-    m.plan = MatvecPlan(plan.layout, plan.splits, plan.split_max_rows, packed)
-    if packed:
-        from llmd.runtime.models.layers import pack_weight
-        m.packed = pack_weight(w)
-    if plan.layout == "in_out":
-        m.weight_t, m.weight = w.t().contiguous(), None
+    m.apply_plan(MatvecPlan(plan.layout, plan.splits, plan.split_max_rows, packed))
     return m, w, b
 
 

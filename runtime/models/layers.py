@@ -37,31 +37,20 @@ class Linear(nn.Module):
         self.plan = MatvecPlan()
 
     def prepare(self) -> None:
+        self.apply_plan(matvec_plan(self.in_features, self.out_features, self.weight.dtype, torch.get_num_threads()))
+
+    def apply_plan(self, plan: MatvecPlan) -> None:
+        """Store the weight as ``plan`` says (from the [out, in] checkpoint layout)."""
         w = self.weight.detach()
-        self.plan = matvec_plan(self.in_features, self.out_features, w.dtype, torch.get_num_threads())
-        if self.plan.packed:
-            self.packed = pack_weight(w)
-        if self.plan.layout == "in_out":
+        self.plan = plan
+        self.packed = pack_weight(w) if plan.packed else None
+        if plan.layout == "in_out":
             self.weight_t = w.t().contiguous()
             self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // self.in_features
-        if rows <= self.plan.split_max_rows:
-            y = split_product(x.reshape(rows, self.in_features), self.weight_t if self.weight is None else self.weight,
-                              self.plan)
-            if self.bias is not None:
-                y.add_(self.bias)
-            return y.view(*x.shape[:-1], self.out_features)
-        if self.packed is not None:
-            y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, self.in_features), self.packed, self.bias,
-                                                   "none", [], "")
-            return y.view(*x.shape[:-1], self.out_features)
-        if self.weight_t is None:
-            return F.linear(x, self.weight, self.bias)
-        if self.bias is not None:
-            return torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight_t).view(*x.shape[:-1], -1)
-        return x @ self.weight_t
+        w = self.weight if self.weight_t is None else self.weight_t
+        return planned_product(x, w, self.packed, self.plan, self.bias)
 
     def dense_weight(self) -> torch.Tensor:
         """The [out, in] weight, whichever storage is active."""
@@ -87,6 +76,26 @@ def can_pack(dtype: torch.dtype) -> bool:
 def pack_weight(w: torch.Tensor) -> torch.Tensor:
     """The [out, in] weight in oneDNN's blocked layout, tuned for products of about 128 rows."""
     return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 128)
+
+
+def planned_product(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | None, plan: MatvecPlan,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] times a weight stored as ``plan`` says (``w`` in the plan's layout, ``packed`` its
+    oneDNN copy or None): split for a few rows, packed for more, else the plain product."""
+    k = w.shape[1] if plan.layout == "out_in" else w.shape[0]
+    rows = x.numel() // k
+    x2 = x.reshape(rows, k)
+    if rows <= plan.split_max_rows:
+        y = split_product(x2, w, plan)
+        if bias is not None:
+            y.add_(bias)
+    elif packed is not None:
+        y = torch.ops.mkldnn._linear_pointwise(x2, packed, bias, "none", [], "")
+    elif plan.layout == "out_in":
+        y = F.linear(x2, w, bias)
+    else:
+        y = x2 @ w if bias is None else torch.addmm(bias, x2, w)
+    return y.view(*x.shape[:-1], -1)
 
 
 def split_product(x: torch.Tensor, w: torch.Tensor, plan: MatvecPlan) -> torch.Tensor:
@@ -116,12 +125,11 @@ def matvec_plan(in_features: int, out_features: int, dtype: torch.dtype, threads
     model sees: each layer's weight is streamed from memory once per step."""
     copies = max(1, min(4, (64 << 20) // max(1, in_features * out_features * torch.finfo(dtype).bits // 8)))
     ws = [torch.randn(out_features, in_features).to(dtype) for _ in range(copies)]
-    stores = {"out_in": ws, "in_out": [w.t().contiguous() for w in ws] if "in_out" in layouts else []}
-    stores = {layout: stores[layout] for layout in layouts}
-    small = [MatvecPlan(layout, 1, 1) for layout in stores]
-    if threads > 1:
-        small += [MatvecPlan("in_out", threads, 1)] if in_features % threads == 0 and "in_out" in stores else []
-        small += [MatvecPlan("out_in", threads, 1)] if out_features % threads == 0 and "out_in" in stores else []
+    stores = {layout: ws if layout == "out_in" else [w.t().contiguous() for w in ws] for layout in layouts}
+    small = []
+    for layout in layouts:
+        split_dim = in_features if layout == "in_out" else out_features      # the dimension cut in parts
+        small += [MatvecPlan(layout, s, 1) for s in {1, threads} if split_dim % s == 0]
     packed = [pack_weight(w) for w in ws] if can_pack(dtype) else []
 
     def fastest_time(fn, n: int) -> float:

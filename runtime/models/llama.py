@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .layers import Linear, MatvecPlan, RMSNorm, Rotary, apply_rotary, matvec_plan, pack_weight, split_product
+from .layers import Linear, MatvecPlan, RMSNorm, Rotary, apply_rotary, matvec_plan, pack_weight, planned_product
 
 
 class Attention(nn.Module):
@@ -156,13 +156,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._head_t is not None:
-            rows = hidden.numel() // hidden.shape[-1]
-            if rows <= self._head_plan.split_max_rows:
-                return split_product(hidden.reshape(rows, -1), self._head_t, self._head_plan).view(*hidden.shape[:-1], -1)
-            if self._head_packed is not None:
-                return torch.ops.mkldnn._linear_pointwise(hidden.reshape(rows, -1), self._head_packed, None,
-                                                          "none", [], "").view(*hidden.shape[:-1], -1)
-            return hidden @ self._head_t
+            return planned_product(hidden, self._head_t, self._head_packed, self._head_plan)
         if self.lm_head is not None:
             return self.lm_head(hidden)
         return F.linear(hidden, self.embed_tokens.weight)
