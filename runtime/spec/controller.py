@@ -76,16 +76,15 @@ class SpecController:
         self.enabled_steps = 0
         self.disabled_steps = 0
         self.last_plan: dict = {}
-        self._probing = False                 # this step's plan is a probe (set by _best_depth)
 
     def plan(self, decoding: list[Request], other_tokens: int) -> None:
         """Set ``spec_k`` on each decoding request (0 = no speculation this step)."""
         b = len(decoding)
         ks = {r.request_id: self._cap(r, self.max_k) for r in decoding}
         if self.adaptive and b:
-            k_star = self._best_depth(decoding, other_tokens)
+            k_star, probing = self._best_depth(decoding, other_tokens)
             ks = {rid: min(k, k_star) for rid, k in ks.items()}
-            if self._probing:
+            if probing:
                 # one request refreshes the acceptance estimate; probing all of them would make the
                 # draft catch up on every request's context at once, a prompt-sized step
                 first = decoding[0].request_id
@@ -120,32 +119,31 @@ class SpecController:
             t += k * d
         return t
 
-    def _best_depth(self, decoding: list[Request], other_tokens: int) -> int:
-        self._probing = False
+    def _best_depth(self, decoding: list[Request], other_tokens: int) -> tuple[int, bool]:
+        """(depth for this step, whether it is a probe)."""
         b = len(decoding)
         plain = self._step_cost(0, b, other_tokens)
         if plain is None:
-            return 0                     # measure plain decoding at this size first: the safe choice
+            return 0, False              # measure plain decoding at this size first: the safe choice
         if not self.proposer_is_free and self.draft.estimate(b) is None:
-            return min(2, self.max_k)    # measure the draft's single-token forward (needs depth >= 2)
+            return min(2, self.max_k), False   # measure the draft's single-token forward (needs depth >= 2)
         if self.steps_off >= PROBE_EVERY:
-            self._probing = True
-            return 1                     # a cheap probe now and then keeps the acceptance estimate current
+            return 1, True               # a cheap probe now and then keeps the acceptance estimate current
         alphas = [self.alpha.get(r.request_id, self.global_alpha) for r in decoding]
         best_k, best_rate = 0, b / plain
         for k in range(1, self.max_k + 1):
             cost = self._step_cost(k, b, other_tokens)
             if cost is None:
                 if k == 1:
-                    return 1             # measure one verification step; deeper ones are extrapolated
+                    return 1, False      # measure one verification step; deeper ones are extrapolated
                 if b == 1 and not other_tokens and self._worth_exploring(k, alphas, best_rate):
-                    return k             # one stream: measuring a deeper verification is cheap
+                    return k, False      # one stream: measuring a deeper verification is cheap
                 cost = self._extrapolated_cost(k, b, other_tokens)
             rate = sum(expected_tokens(a, k) for a in alphas) / cost
             if rate > best_rate * MARGIN:
                 best_k, best_rate = k, rate
         self.last_plan = {"k": best_k, "predicted_speedup": best_rate / (b / plain)}
-        return best_k
+        return best_k, False
 
     def _worth_exploring(self, k: int, alphas: list[float], best_rate: float) -> bool:
         """Would depth k win if its extra verification rows cost no more than depth 1's? Costs are not
