@@ -62,6 +62,11 @@ def measure(model: LlamaForCausalLM, prompt_tokens: int, decode: int, repeat: in
             t = time.perf_counter()
             tok = int(step(runner, [tok], prompt_tokens + i, block_ids).argmax())
             per_token.append(time.perf_counter() - t)
+    return rates(prompt_tokens, prefill, per_token)
+
+
+def rates(prompt_tokens: int, prefill: list[float], per_token: list[float]) -> dict:
+    """Tokens/s from the timed prompt forwards and decode steps: the best run and the median."""
     return {"prefill_tps": prompt_tokens / min(prefill), "prefill_tps_median": prompt_tokens / statistics.median(prefill),
             "decode_tps": 1 / min(per_token), "decode_tps_median": 1 / statistics.median(per_token)}
 
@@ -92,8 +97,7 @@ def measure_llamacpp(shape: str, quant: str, threads: int, prompt_tokens: int, d
             if i == decode:
                 break
     del llm
-    return {"prefill_tps": prompt_tokens / min(prefill), "prefill_tps_median": prompt_tokens / statistics.median(prefill),
-            "decode_tps": 1 / min(per_token), "decode_tps_median": 1 / statistics.median(per_token)}
+    return rates(prompt_tokens, prefill, per_token)
 
 
 def report(name: str, r: dict) -> None:

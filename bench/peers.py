@@ -37,6 +37,18 @@ class Peer:
     concurrent = False            # True when the peer batches requests that overlap
 
     def run(self, workload: Workload) -> list[Timing]:
+        """One request at a time, each started at its arrival time (or when the previous ends)."""
+        out = []
+        t0 = time.perf_counter()
+        for r in workload.requests:
+            _wait_until(t0, r.arrival_s)
+            tm = _timing(r)
+            self._serve_one(list(r.prompt_ids), r.max_tokens, tm, t0)
+            out.append(tm)
+        return out
+
+    def _serve_one(self, prompt_ids: list[int], max_tokens: int, timing: Timing, t0: float) -> None:
+        """Generate for one request, stamping ``timing`` (seconds since t0) as tokens appear."""
         raise NotImplementedError
 
     def sweep(self, prompts: list[list[int]], gen: int) -> float:
@@ -123,15 +135,8 @@ class HFPeer(Peer):
                                        attention_mask=torch.ones(len(ids), len(ids[0]), dtype=torch.long),
                                        **(self.extra if len(ids) == 1 else {}))
 
-    def run(self, workload):
-        out = []
-        t0 = time.perf_counter()
-        for r in workload.requests:
-            _wait_until(t0, r.arrival_s)
-            tm = _timing(r)
-            self._generate([list(r.prompt_ids)], r.max_tokens, _Stamper(tm, t0))
-            out.append(tm)
-        return out
+    def _serve_one(self, prompt_ids, max_tokens, timing, t0):
+        self._generate([prompt_ids], max_tokens, _Stamper(timing, t0))
 
     def sweep(self, prompts, gen):
         t0 = time.perf_counter()
@@ -175,17 +180,10 @@ class LlamaCppPeer(Peer):
             if n >= gen:
                 return
 
-    def run(self, workload):
-        out = []
-        t0 = time.perf_counter()
-        for r in workload.requests:
-            _wait_until(t0, r.arrival_s)
-            tm = _timing(r)
-            for tok in self._stream(list(r.prompt_ids), r.max_tokens):
-                tm.stamps.append((time.perf_counter() - t0, 1))
-                tm.output_ids.append(int(tok))
-            out.append(tm)
-        return out
+    def _serve_one(self, prompt_ids, max_tokens, timing, t0):
+        for tok in self._stream(prompt_ids, max_tokens):
+            timing.stamps.append((time.perf_counter() - t0, 1))
+            timing.output_ids.append(int(tok))
 
     def sweep(self, prompts, gen):
         t0 = time.perf_counter()

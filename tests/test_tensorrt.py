@@ -33,16 +33,11 @@ def test_profiles_cover_every_token_count_once():
 
 @NEEDS_GPU
 def test_tensorrt_greedy_matches_torch(source, tmp_path):
-    from llmd import LLM, SamplingParams
     from llmd.export.manifest import read_manifest
     from llmd.runtime.backends.base import create_backend
-    from llmd.runtime.models.config import ModelConfig
-    from test_onnx_backend import PROMPTS, greedy_onnx
+    from test_onnx_backend import same_greedy_count
     out = tmp_path / "trt"
     assert main(["export", "--target", str(source), "--quant", "none", "--backend", "tensorrt",
                  "--eval-windows", "1", "--eval-tokens", "32", "--out", str(out)]) == 0
     backend = create_backend("tensorrt", out, read_manifest(out))
-    ref = LLM(str(source), kv_memory="16MiB").generate(PROMPTS, SamplingParams(max_tokens=16, ignore_eos=True))
-    cfg = ModelConfig.from_dir(source)
-    same = sum(greedy_onnx(backend, cfg, p, 16) == r.token_ids for p, r in zip(PROMPTS, ref))
-    assert same >= 2          # FP16 kernels: near-ties may flip
+    assert same_greedy_count(backend, source, source, n=16) >= 2          # FP16 kernels: near-ties may flip
