@@ -24,7 +24,7 @@ def build_aot_package(source: Path, out: Path, spec, max_tokens: int = 8192) -> 
     from .quantize import prepare_quantized, quantize_model
     model = quantize_model(load_model(source, "float32"), spec)
     model.requires_grad_(False)
-    prepare_quantized(model)
+    prepare_quantized(model, use_kernels=False)
     step = OnnxStep(model, separate_embedding=False).eval()
     (out / "aot").mkdir(parents=True, exist_ok=True)
     p = Dim("P", min=0, max=model.config.max_position_embeddings)

@@ -4,12 +4,17 @@ Every quantized module keeps the forward signature of ``llmd.runtime.models.laye
 (x [..., in] -> [..., out], output in x's dtype) and picks its kernel by the number of rows M:
 
     method  stored (safetensors)                       M <= small_m                 M > small_m
-    int8    qweight int8 [N,K], scales f32 [N]         _weight_int8pack_mm (bf16)   bf16 matmul, weight
-                                                                                    dequantized once per call
-    int4    qweight u8 [N,K/2] (two nibbles, low       _weight_int4pack_mm_for_cpu  same as int8, from nibbles
-            first), scales/zeros f32 [N, K/G]          (bf16)
-    w8a8    qweight int8 [N,K], scales f32 [N]         _int_mm: activations quantized per token (dynamic,
-                                                       symmetric), int32 accumulation, at every M
+    int8    qweight int8 [N,K], scales f32 [N]         llmd int8 kernel: x as       bf16 matmul, weight
+                                                       16-bit integers per row      dequantized once per call
+    int4    qweight u8 [N,K/2] (two nibbles, low       llmd int4 kernel: x as 8-bit same as int8, from nibbles
+            first), scales/zeros f32 [N, K/G]          integers per 128 columns
+    w8a8    qweight int8 [N,K], scales f32 [N]         llmd w8a8 kernel (M <= 4), else _int_mm: activations
+                                                       quantized per token (dynamic, symmetric), int32 sums
+
+The llmd kernels (llmd.runtime.kernels, AVX-512 VNNI) stream the weights at memory speed; where
+they cannot run (other CPUs, no compiler, a graph being compiled, int4 group size 32, widths not
+a multiple of 128) torch's packed kernels take their place: _weight_int8pack_mm and
+_weight_int4pack_mm_for_cpu with x rounded to bfloat16, which are compute-bound here.
 
 Formulas (q is the stored integer, G the group size):
     int8:  w = q * s[n]                              q in [-127, 127]
@@ -37,7 +42,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmd.runtime import kernels
 from llmd.runtime.errors import InvalidRequest
+from llmd.runtime.kernels import ops
 from llmd.runtime.models.layers import Linear
 
 METHODS = ("none", "int8", "int4", "w8a8")
@@ -53,7 +60,7 @@ class QuantSpec:
     method: str = "none"          # none | int8 | int4 | w8a8
     group_size: int = 128         # int4 only: input columns sharing one scale
     symmetric: bool = False       # int4 only: zero points (False) or none (True)
-    head: str = "auto"            # auto | float | int8 | w8a8: the output head (and a tied embedding)
+    head: str = "auto"            # auto | float | int8 | w8a8 | int4: the output head (and a tied embedding)
     embed: str = "float"          # float | int8: an untied embedding (a tied one follows the head)
     kv_dtype: str = "auto"        # auto | int8 (recorded; the runtime owns the pool)
     small_m: int = SMALL_M
@@ -63,8 +70,8 @@ class QuantSpec:
             raise QuantizationError(f"quantization must be one of {METHODS}, got {self.method!r}")
         if self.group_size not in (32, 64, 128, 256):
             raise QuantizationError(f"group size must be 32, 64, 128 or 256, got {self.group_size}")
-        if self.head not in ("auto", "float", "int8", "w8a8") or self.embed not in ("float", "int8"):
-            raise QuantizationError("head must be auto, float, int8 or w8a8; embed float or int8")
+        if self.head not in ("auto", "float", "int8", "w8a8", "int4") or self.embed not in ("float", "int8"):
+            raise QuantizationError("head must be auto, float, int8, w8a8 or int4; embed float or int8")
         if self.head == "auto":     # resolved once, so manifests record the concrete choice
             auto = "float" if self.method == "none" else "w8a8"
             object.__setattr__(self, "head", auto)
@@ -152,7 +159,8 @@ class QuantLinear(nn.Module):
         """Many rows: one dequantization amortized over all of them, then a dense bf16 product."""
         return F.linear(x.to(torch.bfloat16), self.dense_weight().to(torch.bfloat16))
 
-    def prepare(self) -> None:
+    def prepare(self, use_kernels: bool = True) -> None:
+        """Build the kernel forms; ``use_kernels=False`` keeps to torch's ops (graphs to be compiled)."""
         self.align()
 
     def align(self) -> None:
@@ -178,17 +186,25 @@ class Int8Linear(QuantLinear):
     def load_weight(self, w: torch.Tensor) -> None:
         self.qweight, self.scales = quantize_int8(w)
 
-    def prepare(self) -> None:
+    def prepare(self, use_kernels: bool = True) -> None:
         self.align()
         self._scales_bf16 = self.scales.to(torch.bfloat16)
 
     def small(self, x: torch.Tensor) -> torch.Tensor:
+        if kernels.usable(x):
+            y = ops.int8_matvec(x, self.qweight, self.scales, None)
+            if y is not None:
+                return y
         if self._scales_bf16 is None:
             self.prepare()
         return torch._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), self.qweight, self._scales_bf16)
 
     def dense_weight(self) -> torch.Tensor:
         return dequantize_int8(self.qweight, self.scales)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Dequantized rows ``ids`` of the weight (an embedding lookup in a tied table)."""
+        return self.qweight.index_select(0, ids).float() * self.scales.index_select(0, ids)[:, None]
 
 
 class W8A8Linear(Int8Linear):
@@ -197,13 +213,21 @@ class W8A8Linear(Int8Linear):
     method = "w8a8"
 
     def small(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= ops.MAX_ROWS and kernels.usable(x):
+            y = ops.w8a8_matvec(x, self.qweight, self.scales, None)
+            if y is not None:
+                return y
+        return self.integer_product(x)
+
+    def integer_product(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float()
         sx = (x.abs().amax(dim=1, keepdim=True) / 127).clamp(min=1e-12)
         xq = torch.round(x / sx).to(torch.int8)
         # qweight.t() is a column-major view; oneDNN reads it without a copy.
         return torch._int_mm(xq, self.qweight.t()).float() * (sx * self.scales)
 
-    large = small
+    def large(self, x: torch.Tensor) -> torch.Tensor:
+        return self.integer_product(x)
 
 
 class Int4Linear(QuantLinear):
@@ -219,36 +243,54 @@ class Int4Linear(QuantLinear):
         self.register_buffer("scales", torch.ones(out_features, groups))
         self.register_buffer("zeros", torch.zeros(out_features, groups))
         self._packed = self._scales_zeros = None
+        self._kernel_form = None
 
     def load_weight(self, w: torch.Tensor) -> None:
         q, self.scales, self.zeros = quantize_int4(w, self.group_size, self.symmetric)
         self.qweight = pack_nibbles(q)
 
-    def prepare(self) -> None:
+    def prepare(self, use_kernels: bool = True) -> None:
+        """llmd's kernel layout where it runs (see llmd.runtime.kernels), else torch's packed form."""
         self.align()
+        use = use_kernels and kernels.available()
+        self._kernel_form = None
+        if use:
+            self._kernel_form = ops.int4_pack(unpack_nibbles(self.qweight), self.scales, self.zeros, self.group_size)
+        if self._kernel_form is None:
+            self.torch_pack()
+
+    def torch_pack(self) -> None:
         q = unpack_nibbles(self.qweight).to(torch.int32)
         self._packed = torch._convert_weight_to_int4pack_for_cpu(q, 2)
         # the kernel wants [K/G, N, 2] (scale, zero) in bf16
         self._scales_zeros = torch.stack((self.scales, self.zeros), dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
 
     def small(self, x: torch.Tensor) -> torch.Tensor:
+        if self._kernel_form is not None and kernels.usable(x):
+            y = ops.int4_matvec(x, self._kernel_form, self.group_size, None)
+            if y is not None:
+                return y
         if self._packed is None:
-            self.prepare()
+            self.torch_pack()
         return torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16).contiguous(), self._packed,
                                                  self.group_size, self._scales_zeros)
 
     def dense_weight(self) -> torch.Tensor:
         return dequantize_int4(unpack_nibbles(self.qweight), self.scales, self.zeros)
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return dequantize_int4(unpack_nibbles(self.qweight.index_select(0, ids)), self.scales.index_select(0, ids),
+                               self.zeros.index_select(0, ids))
+
     def extra_repr(self) -> str:
         return super().extra_repr() + f", group_size={self.group_size}, symmetric={self.symmetric}"
 
 
-class Int8Embedding(nn.Module):
-    """Rows of an int8 table times their scales. For a tied model the table is the head's own
-    (the same tensors, not a copy)."""
+class QuantEmbedding(nn.Module):
+    """Rows of a quantized table (int8, or int4 for a tied int4 head), dequantized per looked-up row.
+    For a tied model the table is the head's own (the same tensors, not a copy)."""
 
-    def __init__(self, table: Int8Linear, owns_table: bool):
+    def __init__(self, table: "Int8Linear | Int4Linear", owns_table: bool):
         super().__init__()
         if owns_table:
             self.table = table                      # registered: saved as embed_tokens.table.*
@@ -260,9 +302,7 @@ class Int8Embedding(nn.Module):
         return self.table.qweight
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self.table.qweight.index_select(0, ids.reshape(-1)).float()
-        rows = rows * self.table.scales.index_select(0, ids.reshape(-1))[:, None]
-        return rows.view(*ids.shape, -1)
+        return self.table.rows(ids.reshape(-1)).view(*ids.shape, -1)
 
 
 def check_int4_shape(in_features: int, out_features: int, group_size: int) -> None:
@@ -315,26 +355,30 @@ def _swap(linear: Linear, q: QuantLinear, from_weights: bool) -> QuantLinear:
 def _quantize_head(model: nn.Module, spec: QuantSpec, from_weights: bool) -> None:
     cfg = model.config
     if spec.head != "float":
-        head = (W8A8Linear if spec.head == "w8a8" else Int8Linear)(cfg.hidden_size, cfg.vocab_size, False, spec.small_m)
+        if spec.head == "int4":
+            head = Int4Linear(cfg.hidden_size, cfg.vocab_size, False, spec.small_m, spec.group_size, spec.symmetric)
+        else:
+            head = (W8A8Linear if spec.head == "w8a8" else Int8Linear)(cfg.hidden_size, cfg.vocab_size, False, spec.small_m)
         if model.lm_head is not None:
             model.lm_head = _swap(model.lm_head, head, from_weights)
         else:   # tied: one int8 table serves as head and embedding
             if from_weights:
                 head.load_weight(model.embed_tokens.weight.detach())
             model.lm_head = head
-            model.embed_tokens = Int8Embedding(head, owns_table=False)
-    if spec.embed == "int8" and model.lm_head is not None and not isinstance(model.embed_tokens, Int8Embedding):
+            model.embed_tokens = QuantEmbedding(head, owns_table=False)
+    if spec.embed == "int8" and model.lm_head is not None and not isinstance(model.embed_tokens, QuantEmbedding):
         table = Int8Linear(cfg.hidden_size, cfg.vocab_size, False, spec.small_m)
         if from_weights:
             table.load_weight(model.embed_tokens.weight.detach())
-        model.embed_tokens = Int8Embedding(table, owns_table=True)
+        model.embed_tokens = QuantEmbedding(table, owns_table=True)
 
 
-def prepare_quantized(model: nn.Module) -> None:
-    """Build the kernel forms (packed int4, bf16 scales) after tensors are in place."""
+def prepare_quantized(model: nn.Module, use_kernels: bool = True) -> None:
+    """Build the kernel forms (packed int4, bf16 scales) after tensors are in place. ``use_kernels=False``
+    builds torch's forms only, for a graph that torch.export traces (llmd's kernels are opaque to it)."""
     for m in model.modules():
         if isinstance(m, QuantLinear):
-            m.prepare()
+            m.prepare(use_kernels)
 
 
 def quantized_state(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -3,7 +3,7 @@ large row counts, whole-model logits against float32, and the int8 KV-cache code
 import pytest
 import torch
 
-from llmd.export.quantize import (Int4Linear, Int8Embedding, Int8Linear, QuantizationError, QuantSpec,
+from llmd.export.quantize import (Int4Linear, QuantEmbedding, Int8Linear, QuantizationError, QuantSpec,
                                   W8A8Linear, dequantize_int4, dequantize_int8, pack_nibbles,
                                   prepare_quantized, quantize_int4, quantize_int8, quantize_model,
                                   read_kv_int8, unpack_nibbles, write_kv_int8)
@@ -121,7 +121,7 @@ def test_tied_int8_head_is_also_the_embedding(small_model_dir):
     m = load_model(small_model_dir)
     emb = m.embed_tokens.weight.detach().clone()
     quantize_model(m, QuantSpec("int8", head="int8"))
-    assert isinstance(m.embed_tokens, Int8Embedding) and m.embed_tokens.table is m.lm_head
+    assert isinstance(m.embed_tokens, QuantEmbedding) and m.embed_tokens.table is m.lm_head
     ids = torch.tensor([0, 5, 439])
     q, s = quantize_int8(emb)
     assert torch.equal(m.embed_tokens(ids), dequantize_int8(q, s)[ids])

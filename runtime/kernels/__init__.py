@@ -1,0 +1,109 @@
+"""llmd's own CPU kernels for quantized products of a few rows (see qmatvec.c), built on first use.
+
+The C source is compiled once per machine with the system C compiler into a cache directory
+(``$LLMD_CACHE``, else ``$XDG_CACHE_HOME/llmd``, else ``~/.cache/llmd``; a temporary directory when
+none is writable) and loaded with ctypes; it links the OpenMP runtime torch has already loaded, so
+both share one thread pool. ``available()`` is False, with ``why()`` saying why, when there is no
+compiler, the CPU lacks AVX-512 (with VNNI), or ``LLMD_KERNELS=0``: quantized modules then use
+torch's kernels, slower but the same formulas.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+_SOURCE = Path(__file__).with_name("qmatvec.c")
+_lib: ctypes.CDLL | None = None
+_why = ""
+_tried = False
+
+_P, _I = ctypes.c_void_p, ctypes.c_int
+_SIGNATURES = {
+    "llmd_cpu_ok": [],
+    "llmd_x16_quantize": [_P, _I, _I, _P, _P, _P, _P],
+    "llmd_int8": [_P, _P, _P, _P, _I, _I, _P, _P, _P, _P, _I, _I],
+    "llmd_int4_pack": [_P, _I, _I, _P],
+    "llmd_x8_blocks": [_P, _I, _I, _I, _P, _P, _P],
+    "llmd_int4": [_P, _P, _P, _I, _I, _I, _P, _P, _P, _P, _P, _I, _I],
+    "llmd_w8a8_quantize": [_P, _I, _I, _P, _P, _P],
+    "llmd_w8a8": [_P, _P, _P, _I, _I, _P, _P, _P, _P, _I, _I],
+}
+
+
+def _cache_dir() -> Path:
+    for d in (os.environ.get("LLMD_CACHE"), os.environ.get("XDG_CACHE_HOME") and Path(os.environ["XDG_CACHE_HOME"]) / "llmd",
+              Path.home() / ".cache" / "llmd"):
+        if d:
+            try:
+                Path(d).mkdir(parents=True, exist_ok=True)
+                if os.access(d, os.W_OK):
+                    return Path(d)
+            except OSError:
+                continue
+    return Path(tempfile.gettempdir())
+
+
+def _build() -> Path:
+    src = _SOURCE.read_bytes()
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler found (install gcc)")
+    tag = hashlib.sha256(src + cc.encode()).hexdigest()[:16]
+    out = _cache_dir() / f"qmatvec-{tag}.so"
+    if out.exists():
+        return out
+    tmp = out.with_suffix(f".{os.getpid()}.tmp")
+    cmd = [cc, "-O3", "-fopenmp", "-shared", "-fPIC", "-o", str(tmp), str(_SOURCE)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"compiling {_SOURCE.name} failed: {done.stderr.strip()[-400:]}")
+    os.replace(tmp, out)          # atomic: a concurrent build never loads a half-written file
+    return out
+
+
+def lib() -> ctypes.CDLL | None:
+    """The loaded library, or None (see ``why()``). Built at most once per process."""
+    global _lib, _why, _tried
+    if _tried:
+        return _lib
+    _tried = True
+    if os.environ.get("LLMD_KERNELS", "1") == "0":
+        _why = "turned off by LLMD_KERNELS=0"
+        return None
+    try:
+        so = ctypes.CDLL(str(_build()))
+    except (OSError, RuntimeError) as e:
+        _why = str(e)
+        return None
+    for name, args in _SIGNATURES.items():
+        fn = getattr(so, name)
+        fn.argtypes, fn.restype = args, ctypes.c_int
+    if not so.llmd_cpu_ok():
+        _why = "this CPU lacks AVX-512 with VNNI"
+        return None
+    _lib = so
+    return _lib
+
+
+def available() -> bool:
+    return lib() is not None
+
+
+def why() -> str:
+    lib()
+    return _why
+
+
+def usable(x: torch.Tensor) -> bool:
+    """True when the kernels may run on ``x``: loaded, a real CPU tensor, and not inside a graph
+    being traced or compiled (those keep torch's ops, which they can capture)."""
+    return (_lib is not None or (not _tried and available())) and x.device.type == "cpu" \
+        and not torch.compiler.is_compiling() and not torch.jit.is_tracing() \
+        and type(x) is torch.Tensor

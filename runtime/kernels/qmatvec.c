@@ -1,0 +1,278 @@
+/* Quantized products for a few rows (decode, short verification), x86-64 with AVX-512.
+ *
+ * llmd's decode step reads every weight once per token, so its speed is the rate at which weights
+ * stream from memory. torch's packed int8/int4 kernels convert and multiply at a rate below that
+ * on small machines; these loops keep the arithmetic per weight byte small enough that the memory
+ * system is the limit. Rows of the output are split across threads with OpenMP (the same runtime
+ * torch uses, loaded once per process). Built and loaded by llmd.runtime.kernels.
+ *
+ *   int8:  y[m,n] = s[n] * sum_k w[n,k] x[m,k]                 w int8 [N,K], x as 16-bit integers
+ *   int4:  y[m,n] = sum_g s[n,g] sum_{k in g} (q[n,k] - 8) x[m,k] + z[n,g] sum_{k in g} x[m,k]
+ *          q in [0,15], x as 8-bit integers per block of 128; weights in the layout of llmd_int4_pack
+ *   w8a8:  y[m,n] = sx[m] s[n] sum_k w[n,k] xq[m,k]            xq = round(x / sx), sx = max|x| / 127
+ * Every function takes M <= 4 rows and K a multiple of 128, and returns 0, or -1 when the CPU
+ * lacks the instructions (the caller then uses torch's kernels).
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAXM 4
+#define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
+
+int llmd_cpu_ok(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+        && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")
+        && __builtin_cpu_supports("avx512vnni");
+}
+
+/* max|r| / qmax over a row of K floats (never 0, so that dividing by it is safe). */
+static inline TARGET float row_scale(const float *r, int K, float qmax) {
+    __m512 mx = _mm512_setzero_ps();
+    for (int k = 0; k < K; k += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(r + k)));
+    float scale = _mm512_reduce_max_ps(mx) / qmax;
+    return scale < 1e-30f ? 1e-30f : scale;
+}
+
+/* The body of each product: rows of the output split across nt threads, M fixed per case so the
+ * compiler unrolls the loops over rows of x. */
+#define BY_ROWS(CASE) do { \
+    switch (M) { \
+    case 1: CASE(1) break; \
+    case 2: CASE(2) break; \
+    case 3: CASE(3) break; \
+    default: CASE(4) break; \
+    } } while (0)
+
+/* ---- int8 weights, 16-bit integer activations ------------------------------------------- */
+/* x is carried per row as 16-bit integers, xi = round(x / sx) with sx = max|x| / 32767 (finer than
+ * the bfloat16 that torch's int8 kernel rounds x to), split into a signed high byte and an
+ * unsigned low byte, xi = 256 * hi + lo. vpdpbusd multiplies unsigned by signed bytes: lo enters
+ * as it is; hi enters as |hi| with its sign moved onto the weight (w negated where hi < 0).
+ * Both sums are exact in int32 for K < 2^16. */
+
+static inline TARGET __attribute__((always_inline))
+void int8_row(const uint8_t *xh, const uint8_t *xl, const uint64_t *neg, int M, int K, const int8_t *w,
+              float s, const float *sx, float b, float *y, int N) {
+    __m512i ah[MAXM][2], al[MAXM][2];
+    const __m512i zero = _mm512_setzero_si512();
+    for (int m = 0; m < MAXM; m++) ah[m][0] = ah[m][1] = al[m][0] = al[m][1] = zero;
+    for (int k = 0; k < K; k += 128) {
+        for (int j = 0; j < 2; j++) {
+            __m512i wv = _mm512_loadu_si512((const void *)(w + k + 64 * j));
+            for (int m = 0; m < M; m++) {
+                size_t at = (size_t)m * K + k + 64 * j;
+                __m512i ws = _mm512_mask_sub_epi8(wv, neg[at / 64], zero, wv);
+                ah[m][j] = _mm512_dpbusd_epi32(ah[m][j], _mm512_loadu_si512((const void *)(xh + at)), ws);
+                al[m][j] = _mm512_dpbusd_epi32(al[m][j], _mm512_loadu_si512((const void *)(xl + at)), wv);
+            }
+        }
+    }
+    for (int m = 0; m < M; m++) {
+        float hi = (float)_mm512_reduce_add_epi32(_mm512_add_epi32(ah[m][0], ah[m][1]));
+        float lo = (float)_mm512_reduce_add_epi32(_mm512_add_epi32(al[m][0], al[m][1]));
+        y[(size_t)m * N] = (256.f * hi + lo) * (sx[m] * s) + b;
+    }
+}
+
+#define INT8_CASE(MM) \
+    _Pragma("omp parallel for num_threads(nt) schedule(static)") \
+    for (int n = 0; n < N; n++) \
+        int8_row(xh, xl, neg, MM, K, w + (size_t)n * K, s[n], sx, bias ? bias[n] : 0.f, y + n, N);
+
+/* x float32 [M,K] -> |hi| and lo bytes, sign masks of hi (one bit per column), scales sx [M]. */
+TARGET int llmd_x16_quantize(const float *x, int M, int K, uint8_t *xh, uint8_t *xl, uint64_t *neg, float *sx) {
+    if (!llmd_cpu_ok() || K % 64) return -1;
+    for (int m = 0; m < M; m++) {
+        const float *r = x + (size_t)m * K;
+        const float scale = sx[m] = row_scale(r, K, 32767.f);
+        const __m512 inv = _mm512_set1_ps(1.f / scale);
+        for (int k = 0; k < K; k += 64) {
+            uint64_t bits = 0;
+            for (int j = 0; j < 4; j++) {
+                __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(r + k + 16 * j), inv));
+                q = _mm512_max_epi32(_mm512_min_epi32(q, _mm512_set1_epi32(32767)), _mm512_set1_epi32(-32767));
+                __m512i h = _mm512_srai_epi32(q, 8), l = _mm512_and_si512(q, _mm512_set1_epi32(255));
+                bits |= (uint64_t)_mm512_cmplt_epi32_mask(h, _mm512_setzero_si512()) << (16 * j);
+                size_t at = (size_t)m * K + k + 16 * j;
+                _mm_storeu_si128((__m128i *)(xh + at), _mm512_cvtepi32_epi8(_mm512_abs_epi32(h)));
+                _mm_storeu_si128((__m128i *)(xl + at), _mm512_cvtepi32_epi8(l));
+            }
+            neg[((size_t)m * K + k) / 64] = bits;
+        }
+    }
+    return 0;
+}
+
+TARGET int llmd_int8(const uint8_t *xh, const uint8_t *xl, const uint64_t *neg, const float *sx, int M, int K,
+                     const int8_t *w, const float *s, const float *bias, float *y, int N, int nt) {
+    if (!llmd_cpu_ok() || M < 1 || M > MAXM || K % 128 || K >= 65536) return -1;
+    BY_ROWS(INT8_CASE);
+    return 0;
+}
+
+/* ---- int4 weights, 8-bit activations per block of 128 columns ---------------------------- */
+/* Layout: each 128 columns of a row are 64 bytes; byte j holds q[c+j] | q[c+64+j] << 4, so the
+ * low nibbles of a line are 64 consecutive columns and the high nibbles the next 64. x is
+ * quantized per block b of 128 columns, xq = round(x / sx[b]), sx[b] = max|x in b| / 127 (as for
+ * the weights, the error is bounded by the block, not the row). The weights take vpdpbusd's
+ * unsigned side as they are. Per row n and half-line h (64 columns, inside weight group g):
+ *   sum_k ((q - 8) s + z) x = s sx[b] sum_k q xq + (z - 8 s) X[h],   X[h] = sx[b] sum_{k in h} xq
+ * and the last term summed over a group is (z - 8 s) X[g].
+ * G is 64, 128 or 256. */
+
+TARGET void llmd_int4_pack(const uint8_t *q, int N, int K, uint8_t *out) {
+    for (int n = 0; n < N; n++)
+        for (int c = 0; c < K; c += 128)
+            for (int j = 0; j < 64; j++) {
+                const uint8_t *r = q + (size_t)n * K + c;
+                out[((size_t)n * K + c) / 2 + j] = (uint8_t)(r[j] | r[64 + j] << 4);
+            }
+}
+
+/* x float32 [M,K] -> xq int8 [M,K], block scales sx [M, K/128], and the sums X of sx xq over each
+ * weight group [M, K/G]. */
+TARGET int llmd_x8_blocks(const float *x, int M, int K, int G, int8_t *xq, float *sx, float *xs) {
+    if (!llmd_cpu_ok() || K % 128 || G % 64 || K % G) return -1;
+    memset(xs, 0, sizeof(float) * (size_t)M * (K / G));
+    for (int m = 0; m < M; m++)
+        for (int c = 0; c < K; c += 128) {
+            const float *r = x + (size_t)m * K + c;
+            const float scale = sx[((size_t)m * K + c) / 128] = row_scale(r, 128, 127.f);
+            const __m512 inv = _mm512_set1_ps(1.f / scale);
+            for (int h = 0; h < 2; h++) {
+                __m512i sum = _mm512_setzero_si512();
+                for (int k = 64 * h; k < 64 * h + 64; k += 16) {
+                    __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(r + k), inv));
+                    q = _mm512_max_epi32(_mm512_min_epi32(q, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+                    sum = _mm512_add_epi32(sum, q);
+                    _mm_storeu_si128((__m128i *)(xq + (size_t)m * K + c + k), _mm512_cvtepi32_epi8(q));
+                }
+                xs[(size_t)m * (K / G) + (c + 64 * h) / G] += scale * (float)_mm512_reduce_add_epi32(sum);
+            }
+        }
+    return 0;
+}
+
+/* One line of 128 columns for MM rows of x into acc. With SPLIT the two halves lie in different
+ * weight groups (G = 64) and are scaled apart; otherwise their sums are added first. */
+#define INT4_LINE(c, acc, SPLIT) do { \
+    __m512i v = _mm512_loadu_si512((const void *)(w + (c) / 2)); \
+    __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib); \
+    const float s0 = s[(c) >> gshift], s1 = s[((c) + 64) >> gshift]; \
+    for (int m = 0; m < MM; m++) { \
+        const int8_t *xr = xq + (size_t)m * K + (c); \
+        const float bs = sx[((size_t)m * K + (c)) / 128]; \
+        __m512i d0 = _mm512_dpbusd_epi32(zero, lo, _mm512_loadu_si512((const void *)xr)); \
+        if (SPLIT) { \
+            __m512i d1 = _mm512_dpbusd_epi32(zero, hi, _mm512_loadu_si512((const void *)(xr + 64))); \
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), _mm512_set1_ps(s0 * bs), acc[m]); \
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), _mm512_set1_ps(s1 * bs), acc[m]); \
+        } else { \
+            d0 = _mm512_dpbusd_epi32(d0, hi, _mm512_loadu_si512((const void *)(xr + 64))); \
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), _mm512_set1_ps(s0 * bs), acc[m]); \
+        } \
+    } } while (0)
+
+#define INT4_LINES(SPLIT) do { \
+    int c = 0; \
+    for (; c + 256 <= K; c += 256) {       /* two lines, two accumulators: independent chains */ \
+        INT4_LINE(c, a0, SPLIT); \
+        INT4_LINE(c + 128, a1, SPLIT); \
+    } \
+    if (c < K) INT4_LINE(c, a0, SPLIT); } while (0)
+
+static inline TARGET __attribute__((always_inline))
+void int4_row(const int8_t *xq, const float *sx, const float *xs, const int MM, int K, int gshift,
+              const uint8_t *w, const float *s, const float *off, float b, float *y, int N) {
+    const __m512i nib = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
+    __m512 a0[MAXM], a1[MAXM];
+    for (int m = 0; m < MAXM; m++) a0[m] = a1[m] = _mm512_setzero_ps();
+    if (gshift == 6) INT4_LINES(1); else INT4_LINES(0);
+    const int groups = K >> gshift;
+    for (int m = 0; m < MM; m++) {
+        for (int i = 0; i < groups; i += 16) {     /* the offsets, in the same vector as the rest */
+            __mmask16 k = groups - i >= 16 ? 0xFFFF : (__mmask16)((1u << (groups - i)) - 1);
+            a1[m] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, off + i), _mm512_maskz_loadu_ps(k, xs + (size_t)m * groups + i), a1[m]);
+        }
+        y[(size_t)m * N] = _mm512_reduce_add_ps(_mm512_add_ps(a0[m], a1[m])) + b;
+    }
+}
+
+#define INT4_CASE(MM) \
+    _Pragma("omp parallel for num_threads(nt) schedule(static)") \
+    for (int n = 0; n < N; n++) \
+        int4_row(xq, sx, xs, MM, K, gshift, w + (size_t)n * K / 2, s + (size_t)n * groups, \
+                 off + (size_t)n * groups, bias ? bias[n] : 0.f, y + n, N);
+
+/* xq, sx, xs [M, K/G] from llmd_x8_blocks; w [N, K/2] in the layout above; s, off: [N, K/G] scales and z - 8 s. */
+TARGET int llmd_int4(const int8_t *xq, const float *sx, const float *xs, int M, int K, int G,
+                     const uint8_t *w, const float *s, const float *off, const float *bias,
+                     float *y, int N, int nt) {
+    if (!llmd_cpu_ok() || M < 1 || M > MAXM || K % 128 || G < 64 || K % G) return -1;
+    const int groups = K / G;
+    int gshift = 0;
+    while ((1 << gshift) < G) gshift++;
+    if ((1 << gshift) != G) return -1;
+    BY_ROWS(INT4_CASE);
+    return 0;
+}
+
+/* ---- int8 weights, int8 activations (w8a8) ---------------------------------------------- */
+/* vpdpbusd multiplies unsigned by signed bytes: x enters as |xq| (unsigned) and its sign moves
+ * onto the weight (w negated where xq < 0), so the sum is exact in int32. */
+
+static inline TARGET __attribute__((always_inline))
+void w8a8_row(const uint8_t *xa, const uint64_t *neg, int M, int K, const int8_t *w, float s,
+              const float *sx, float b, float *y, int N) {
+    __m512i acc[MAXM][2];
+    const __m512i zero = _mm512_setzero_si512();
+    for (int m = 0; m < MAXM; m++) acc[m][0] = acc[m][1] = zero;
+    for (int k = 0; k < K; k += 128) {
+        for (int j = 0; j < 2; j++) {
+            __m512i wv = _mm512_loadu_si512((const void *)(w + k + 64 * j));
+            for (int m = 0; m < M; m++) {
+                __mmask64 nm = neg[((size_t)m * K + k) / 64 + j];
+                __m512i ws = _mm512_mask_sub_epi8(wv, nm, zero, wv);
+                __m512i xv = _mm512_loadu_si512((const void *)(xa + (size_t)m * K + k + 64 * j));
+                acc[m][j] = _mm512_dpbusd_epi32(acc[m][j], xv, ws);
+            }
+        }
+    }
+    for (int m = 0; m < M; m++)
+        y[(size_t)m * N] = (float)_mm512_reduce_add_epi32(_mm512_add_epi32(acc[m][0], acc[m][1])) * (sx[m] * s) + b;
+}
+
+#define W8A8_CASE(MM) \
+    _Pragma("omp parallel for num_threads(nt) schedule(static)") \
+    for (int n = 0; n < N; n++) \
+        w8a8_row(xa, neg, MM, K, w + (size_t)n * K, s[n], sx, bias ? bias[n] : 0.f, y + n, N);
+
+/* x float32 [M,K] -> |xq| bytes, sign masks (one bit per column), per-row scales sx. */
+TARGET int llmd_w8a8_quantize(const float *x, int M, int K, uint8_t *xa, uint64_t *neg, float *sx) {
+    if (!llmd_cpu_ok() || K % 64) return -1;
+    for (int m = 0; m < M; m++) {
+        const float *r = x + (size_t)m * K;
+        const float scale = sx[m] = row_scale(r, K, 127.f);
+        const __m512 sv = _mm512_set1_ps(scale);
+        for (int k = 0; k < K; k += 64) {
+            uint64_t bits = 0;
+            for (int j = 0; j < 4; j++) {
+                __m512 v = _mm512_div_ps(_mm512_loadu_ps(r + k + 16 * j), sv);
+                __m512i q = _mm512_cvtps_epi32(_mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+                bits |= (uint64_t)_mm512_cmplt_epi32_mask(q, _mm512_setzero_si512()) << (16 * j);
+                _mm_storeu_si128((__m128i *)(xa + (size_t)m * K + k + 16 * j), _mm512_cvtepi32_epi8(_mm512_abs_epi32(q)));
+            }
+            neg[((size_t)m * K + k) / 64] = bits;
+        }
+    }
+    return 0;
+}
+
+TARGET int llmd_w8a8(const uint8_t *xa, const uint64_t *neg, const float *sx, int M, int K, const int8_t *w,
+                     const float *s, const float *bias, float *y, int N, int nt) {
+    if (!llmd_cpu_ok() || M < 1 || M > MAXM || K % 128) return -1;
+    BY_ROWS(W8A8_CASE);
+    return 0;
+}

@@ -1,0 +1,101 @@
+"""llmd's quantized matrix-vector kernels (llmd.runtime.kernels) against float64 references of the
+same formulas, with error bounds derived from how each kernel rounds its input rows."""
+import pytest
+import torch
+
+from llmd.export.quantize import (Int4Linear, Int8Linear, W8A8Linear, dequantize_int4, dequantize_int8, quantize_int4,
+                                  quantize_int8)
+from llmd.runtime import kernels
+from llmd.runtime.kernels import ops
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"llmd kernels unavailable: {kernels.why()}")
+
+
+def rows(m, k, seed, outlier=True):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g)
+    if outlier:
+        x[:, 3] *= 30                                # an outlier channel, as real activations have
+    return x
+
+
+def weight(n, k, seed):
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("n,k", [(40, 128), (1152, 896), (384, 1024)])
+def test_int8_kernel_matches_weight_only_reference(m, n, k):
+    q, s = quantize_int8(weight(n, k, n + k))
+    x = rows(m, k, m)
+    bias = torch.randn(n)
+    y = ops.int8_matvec(x, q, s, bias)
+    w = dequantize_int8(q, s).double()
+    ref = x.double() @ w.t() + bias.double()
+    # x is carried as 16-bit integers: each element off by at most half a step, max|x| / 32767 / 2
+    step = x.abs().amax(1, keepdim=True).double() / 32767
+    bound = step / 2 * w.abs().sum(1) + 1e-5 * (x.double().abs() @ w.abs().t())
+    assert ((y.double() - ref).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("m", [1, 4])
+@pytest.mark.parametrize("group", [64, 128, 256])
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_int4_kernel_matches_reference(m, group, symmetric):
+    n, k = 200, 1024
+    q, s, z = quantize_int4(weight(n, k, group), group, symmetric)
+    form = ops.int4_pack(q, s, z, group)
+    x = rows(m, k, group + m)
+    y = ops.int4_matvec(x, form, group, None)
+    w = dequantize_int4(q, s, z).double()
+    ref = x.double() @ w.t()
+    # x is quantized per block of 128 columns to 8 bits: half a step of that block per element
+    step = (x.abs().view(m, k // 128, 128).amax(-1).double() / 127).repeat_interleave(128, dim=1)   # [m, k]
+    bound = (step / 2) @ w.abs().t() + 1e-5 * (x.double().abs() @ w.abs().t())
+    assert ((y.double() - ref).abs() <= bound).all()
+
+
+def test_int4_kernel_declines_group_32_and_odd_widths():
+    q, s, z = quantize_int4(weight(64, 256, 0), 32)
+    assert ops.int4_pack(q, s, z, 32) is None
+    q, s, z = quantize_int4(weight(64, 192, 0), 64)
+    assert ops.int4_pack(q, s, z, 64) is None             # 192 is not a multiple of 128
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_w8a8_kernel_matches_integer_reference(m):
+    n, k = 300, 896
+    q, s = quantize_int8(weight(n, k, 7))
+    x = rows(m, k, 11)
+    y = ops.w8a8_matvec(x, q, s, None)
+    sx = (x.abs().amax(1, keepdim=True) / 127).clamp(min=1e-12)
+    xq = torch.round(x / sx)
+    ref = (xq.double() @ q.double().t()) * sx.double() * s.double()
+    assert torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+def test_kernels_refuse_more_than_four_rows_and_unaligned_widths():
+    q, s = quantize_int8(weight(16, 128, 0))
+    assert ops.int8_matvec(rows(5, 128, 0), q, s, None) is None
+    q, s = quantize_int8(weight(16, 96, 0))
+    assert ops.int8_matvec(rows(1, 96, 0), q, s, None) is None
+
+
+@pytest.mark.parametrize("cls", [Int8Linear, W8A8Linear, Int4Linear])
+def test_modules_agree_with_and_without_kernels(cls, monkeypatch):
+    """The kernel path and torch's fallback compute the same layer (within their rounding; the
+    kernel tests above bound that rounding with outliers present)."""
+    layer = cls(512, 256, bias=True) if cls is not Int4Linear else cls(512, 256, bias=True, group_size=128)
+    layer.load_weight(weight(256, 512, 3))
+    layer.bias = torch.randn(256)
+    layer.prepare()
+    x = rows(2, 512, 5, outlier=False)
+    fast = layer(x)
+    monkeypatch.setattr(kernels, "_lib", None)        # as on a machine where the kernels cannot load
+    monkeypatch.setattr(kernels, "_tried", True)
+    layer.prepare()
+    slow = layer(x)
+    ref = x.double() @ layer.dense_weight().double().t() + layer.bias.double()
+    scale = ref.abs().max().item()
+    assert (fast.double() - ref).abs().max().item() < 0.02 * scale
+    assert (slow.double() - ref).abs().max().item() < 0.02 * scale
