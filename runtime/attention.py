@@ -5,10 +5,13 @@ The pool of one layer is a flat array of token slots, block after block:
     k_pool[layer]: [num_blocks * block_size, kv_heads, head_dim]     slot = block_id * block_size + offset
 
 Each step, every layer first writes its new keys/values at ``slot_mapping`` (one slot per packed
-token), then attends. The fast path builds, once per step, padded gather indices and masks for at
-most two groups (all single-token rows together; all multi-token rows together) and runs one
-scaled_dot_product_attention per group and layer. The reference path loops over requests with
-explicit softmax; tests hold the fast path to it.
+token), then attends. Requests with a few query rows (decode, verification of proposals) go to
+llmd's attention kernel (llmd.runtime.kernels), which reads keys and values in place through the
+block table, for float32 pools where it runs. The others (prompt chunks, or every request where
+the kernel does not run) take the torch path: padded gather indices and masks built once per step
+for at most two groups (single-token rows; multi-token rows), one scaled_dot_product_attention per
+group and layer. The reference path loops over requests with explicit softmax; tests hold both
+fast paths to it.
 """
 from __future__ import annotations
 
@@ -17,6 +20,11 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+from llmd.runtime import kernels
+from llmd.runtime.kernels import ops
+
+KERNEL_MAX_Q = 8        # query rows per request up to which the kernel serves it (decode, verification)
 
 
 @dataclass
@@ -32,6 +40,28 @@ class SeqSpan:
     def kv_slots(self, block_size: int) -> torch.Tensor:
         blocks = torch.tensor(self.block_ids[:-(-self.ctx_len // block_size)], dtype=torch.long)
         return (blocks.unsqueeze(1) * block_size + torch.arange(block_size)).flatten()[:self.ctx_len]
+
+
+@dataclass
+class KernelRows:
+    """The query rows the attention kernel serves this step (int32, as the kernel reads them)."""
+
+    rows: torch.Tensor         # [R] packed row of each query
+    spans: torch.Tensor        # [R] its request's row in ``table``
+    lengths: torch.Tensor      # [R] positions it attends to (causal within its request's rows)
+    table: torch.Tensor        # [B, max blocks] block ids, zero-padded
+
+    @classmethod
+    def build(cls, spans: list[SeqSpan], block_size: int) -> "KernelRows":
+        rows, owner, lengths = [], [], []
+        for i, s in enumerate(spans):
+            rows += range(s.start, s.start + s.num_q)
+            owner += [i] * s.num_q
+            lengths += range(s.ctx_len - s.num_q + 1, s.ctx_len + 1)
+        nb = max(-(-s.ctx_len // block_size) for s in spans)
+        table = [s.block_ids[:nb] + [0] * (nb - min(nb, len(s.block_ids))) for s in spans]
+        i32 = lambda x: torch.tensor(x, dtype=torch.int32)     # noqa: E731
+        return cls(i32(rows), i32(owner), i32(lengths), i32(table))
 
 
 @dataclass
@@ -61,16 +91,32 @@ class PagedAttention:
         self.slot_mapping: torch.Tensor | None = None
         self.spans: list[SeqSpan] = []
         self.groups: list[Group] = []
+        self.kernel_rows: KernelRows | None = None
         self.num_rows = 0
+
+    def kernel_fits(self) -> bool:
+        """llmd's attention kernel can read these pools (float32, head sizes it handles)."""
+        _, _, kvh, d = self.k_pool.shape
+        return (not self.reference and self.scales is None and self.k_pool.dtype == torch.float32
+                and d % 16 == 0 and kernels.available())
 
     def prepare(self, slot_mapping: torch.Tensor, spans: list[SeqSpan]) -> None:
         self.slot_mapping, self.spans = slot_mapping, spans
         self.num_rows = slot_mapping.numel()
-        if not self.reference:
-            singles = [s for s in spans if s.num_q == 1]
-            multis = [s for s in spans if s.num_q > 1]
-            bs = self.block_size
-            self.groups = [g for g in (build_group(singles, bs), build_group(multis, bs)) if g is not None]
+        self.kernel_rows, self.groups = None, []
+        if self.reference:
+            return
+        if self.kernel_fits():
+            few = [s for s in spans if s.num_q <= KERNEL_MAX_Q]
+            spans = [s for s in spans if s.num_q > KERNEL_MAX_Q]
+            self.kernel_rows = KernelRows.build(few, self.block_size) if few else None
+        self._build_groups(spans)
+
+    def _build_groups(self, spans: list[SeqSpan]) -> None:
+        singles = [s for s in spans if s.num_q == 1]
+        multis = [s for s in spans if s.num_q > 1]
+        bs = self.block_size
+        self.groups = [g for g in (build_group(singles, bs), build_group(multis, bs)) if g is not None]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kp, vp = self.k_pool[layer], self.v_pool[layer]
@@ -78,7 +124,25 @@ class PagedAttention:
             return self._attend_int8(layer, q, k, v)
         kp.index_copy_(0, self.slot_mapping, k.to(kp.dtype))
         vp.index_copy_(0, self.slot_mapping, v.to(vp.dtype))
+        if self.kernel_rows is not None:
+            if kernels.usable(q):
+                return self._attend_kernel(q, kp, vp)
+            self.kernel_rows = None              # a graph being traced: torch's path for every request
+            self._build_groups(self.spans)
         return self._attend(q, kp, vp)
+
+    def _attend_kernel(self, q, kp, vp) -> torch.Tensor:
+        q = q.float().contiguous()
+        out = torch.empty_like(q)
+        kr = self.kernel_rows
+        if not ops.attend(q, kp, vp, kr.rows, kr.spans, kr.lengths, kr.table, self.block_size, out):
+            raise MemoryError("attention kernel could not allocate its score buffers")
+        if self.groups:
+            k_get = _gatherer(kp, None, self.block_size, q.dtype)
+            v_get = _gatherer(vp, None, self.block_size, q.dtype)
+            for g in self.groups:
+                out.index_copy_(0, g.rows, self._group(q, k_get, v_get, g))
+        return out
 
     def _attend(self, q, kp, vp, ks=None, vs=None) -> torch.Tensor:
         k_get = _gatherer(kp, ks, self.block_size, q.dtype)

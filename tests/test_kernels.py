@@ -99,3 +99,30 @@ def test_modules_agree_with_and_without_kernels(cls, monkeypatch):
     scale = ref.abs().max().item()
     assert (fast.double() - ref).abs().max().item() < 0.02 * scale
     assert (slow.double() - ref).abs().max().item() < 0.02 * scale
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 64), (14, 2, 64), (8, 2, 32), (4, 1, 128)])
+def test_attention_kernel_matches_reference_over_the_paged_pool(heads, kv_heads, dim):
+    """Decode rows, verification rows and a prompt chunk in one step: the kernel serves the first
+    two kinds, torch the chunk; every row equals the per-request reference."""
+    from llmd.runtime.attention import PagedAttention, SeqSpan, reference_attention, _gatherer
+    g = torch.Generator().manual_seed(heads + dim)
+    bs, blocks = 16, 24
+    kp = torch.randn(1, blocks * bs, kv_heads, dim, generator=g)
+    vp = torch.randn(1, blocks * bs, kv_heads, dim, generator=g)
+    # (num_q, ctx_len, block ids): scattered, shared and partly filled blocks
+    layout = [(1, 37, [5, 2, 9]), (4, 20, [7, 1]), (1, 1, [3]), (20, 50, [11, 12, 13, 14]), (8, 64, [15, 16, 17, 18])]
+    spans, start = [], 0
+    for nq, ctx, ids in layout:
+        spans.append(SeqSpan(start, nq, ctx, ids))
+        start += nq
+    slots = torch.cat([s.kv_slots(bs)[s.ctx_len - s.num_q:] for s in spans])
+    q = torch.randn(start, heads, dim, generator=g)
+    k = torch.randn(start, kv_heads, dim, generator=g)
+    v = torch.randn(start, kv_heads, dim, generator=g)
+    attn = PagedAttention(kp, vp, bs)
+    attn.prepare(slots, spans)
+    assert attn.kernel_rows is not None and attn.kernel_rows.rows.numel() == 1 + 4 + 1 + 8
+    got = attn.attend(0, q, k, v)
+    want = reference_attention(q, _gatherer(kp[0], None, bs, q.dtype), _gatherer(vp[0], None, bs, q.dtype), spans, bs)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

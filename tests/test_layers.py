@@ -3,11 +3,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from llmd.runtime import kernels
 from llmd.runtime.models.layers import Linear, MatvecPlan, can_pack, matvec_plan, split_product
 
 PLANS = [MatvecPlan("out_in", 1, 0), MatvecPlan("in_out", 1, 0),
          MatvecPlan("in_out", 2, 4), MatvecPlan("out_in", 2, 4),
-         MatvecPlan("in_out", 4, 16), MatvecPlan("out_in", 4, 16)]
+         MatvecPlan("in_out", 4, 16), MatvecPlan("out_in", 4, 16),
+         MatvecPlan("blocked", 1, 1), MatvecPlan("blocked", 1, 4)]
+needs_kernels = pytest.mark.skipif(not kernels.available(), reason=f"llmd kernels unavailable: {kernels.why()}")
 
 
 def linear_with(plan: MatvecPlan, in_f: int, out_f: int, bias: bool, packed: bool) -> tuple[Linear, torch.Tensor, torch.Tensor]:
@@ -29,14 +32,18 @@ def linear_with(plan: MatvecPlan, in_f: int, out_f: int, bias: bool, packed: boo
 def test_every_plan_gives_the_plain_product_for_every_row_count(plan, packed, bias):
     if packed and not can_pack(torch.float32):
         pytest.skip("oneDNN is not available in this torch build")
-    m, w, b = linear_with(plan, 64, 96, bias, packed)
+    if plan.layout == "blocked" and not kernels.available():
+        pytest.skip(f"llmd kernels unavailable: {kernels.why()}")
+    m, w, b = linear_with(plan, 64, 128, bias, packed)
     for rows in (1, 2, 3, 4, 5, 16, 17, 40):
         x = torch.randn(rows, 64)
         want = F.linear(x.double(), w.double(), None if b is None else b.double()).float()
         got = m(x.view(1, rows, 64))
-        assert got.shape == (1, rows, 96)
+        assert got.shape == (1, rows, 128)
         torch.testing.assert_close(got[0], want, rtol=1e-4, atol=1e-4)
     assert torch.equal(m.dense_weight(), w)
+    ids = torch.tensor([0, 127, 64, 5, 5])
+    assert torch.equal(m.rows(ids), w[ids])          # embedding lookups in a tied head's storage
 
 
 def test_split_product_splits_the_reduction_or_the_outputs():
@@ -53,4 +60,11 @@ def test_plan_is_one_of_the_candidates_and_respects_divisibility():
     one = matvec_plan(64, 96, torch.float32, 1)
     assert one.splits == 1 and one.split_max_rows in (0, 1, 4, 16)
     head = matvec_plan(64, 96, torch.float32, 2, layouts=("in_out",))
-    assert head.layout == "in_out"
+    assert head.layout == "in_out"                      # 96 outputs: not a multiple of 64, no kernel
+
+
+@needs_kernels
+def test_plans_offer_the_float32_kernel_where_it_fits():
+    plan = matvec_plan(256, 1024, torch.float32, 2)
+    assert plan.layout == "blocked" and plan.packed and plan.split_max_rows in (1, 4)
+    assert matvec_plan(256, 1024, torch.bfloat16, 2).layout != "blocked"

@@ -33,6 +33,11 @@ _SIGNATURES = {
     "llmd_x8_blocks": [_P, _I, _I, _I, _P, _P, _P],
     "llmd_int4": [_P, _P, _P, _I, _I, _I, _P, _P, _P, _P, _P, _I, _I],
     "llmd_w8a8_quantize": [_P, _I, _I, _P, _P, _P],
+    "llmd_f32": [_P, _I, _I, _P, _P, _P, _I, _I],
+    "llmd_attend": [_P, _P, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _P, _I],
+    "llmd_rmsnorm": [_P, _I, _I, _P, ctypes.c_float, _P],
+    "llmd_silu_mul": [_P, _I, _I, _P],
+    "llmd_rope_qk": [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P],
     "llmd_w8a8": [_P, _P, _P, _I, _I, _P, _P, _P, _P, _I, _I],
 }
 
@@ -60,7 +65,7 @@ def _build() -> Path:
     if out.exists():
         return out
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    cmd = [cc, "-O3", "-fopenmp", "-shared", "-fPIC", "-o", str(tmp), str(_SOURCE)]
+    cmd = [cc, "-O3", "-fopenmp", "-shared", "-fPIC", "-o", str(tmp), str(_SOURCE), "-lm"]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"compiling {_SOURCE.name} failed: {done.stderr.strip()[-400:]}")

@@ -15,6 +15,31 @@ def _threads(n: int, k: int) -> int:
     return 1 if n * k < _SERIAL_BELOW else torch.get_num_threads()
 
 
+def f32_blocks(w: torch.Tensor) -> torch.Tensor:
+    """A float32 weight [N, K] (out, in) in the kernel's layout [N/64, K, 64]; N a multiple of 64."""
+    n, k = w.shape
+    return w.detach().float().t().reshape(k, n // 64, 64).transpose(0, 1).contiguous()
+
+
+def f32_unblock(blocks: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``f32_blocks``: the [N, K] weight."""
+    nb, k, _ = blocks.shape
+    return blocks.transpose(0, 1).reshape(k, nb * 64).t()
+
+
+def f32_matvec(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None):
+    """x [M, K] float32 times a weight in ``f32_blocks`` layout -> [M, N]."""
+    so = lib()
+    m, k = x.shape
+    n = blocks.shape[0] * 64
+    if so is None or not 1 <= m <= MAX_ROWS or x.dtype != torch.float32:
+        return None
+    x = x.contiguous()
+    y = torch.empty(m, n)
+    rc = so.llmd_f32(x.data_ptr(), m, k, blocks.data_ptr(), _ptr(bias), y.data_ptr(), n, _threads(n, k))
+    return y if rc == 0 else None
+
+
 def shape_ok(m: int, k: int) -> bool:
     return 1 <= m <= MAX_ROWS and k % 128 == 0
 
@@ -93,3 +118,62 @@ def w8a8_matvec(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bi
     rc = so.llmd_w8a8(xa.data_ptr(), neg.data_ptr(), sx.data_ptr(), m, k, qweight.data_ptr(), scales.data_ptr(),
                       _ptr(bias), y.data_ptr(), n, _threads(n, k))
     return y if rc == 0 else None
+
+
+def attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor, spans: torch.Tensor,
+           lengths: torch.Tensor, table: torch.Tensor, block_size: int, out: torch.Tensor) -> bool:
+    """Attention of query rows ``rows`` of q [T, H, D] over float32 pools [S, KVH, D], row r seeing
+    the first ``lengths[r]`` positions of request ``spans[r]``, whose block ids are ``table[spans[r]]``
+    (int32 tensors). Writes those rows of ``out`` [T, H, D]; False when the kernel cannot run."""
+    so = lib()
+    if so is None or q.dtype != torch.float32 or k_pool.dtype != torch.float32 or not q.is_contiguous():
+        return False
+    _, h, d = q.shape
+    kvh = k_pool.shape[1]
+    rc = so.llmd_attend(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), rows.data_ptr(), spans.data_ptr(),
+                        lengths.data_ptr(), rows.numel(), table.data_ptr(), table.shape[1], block_size, h, kvh, d,
+                        out.data_ptr(), torch.get_num_threads())
+    return rc == 0
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float):
+    """RMSNorm of float32 rows [..., K] (K a multiple of 16); None when the kernel cannot run."""
+    so = lib()
+    k = x.shape[-1]
+    if so is None or x.dtype != torch.float32 or k % 16:
+        return None
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    if so.llmd_rmsnorm(x.data_ptr(), x.numel() // k, k, weight.data_ptr(), eps, out.data_ptr()):
+        return None
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor):
+    """silu(gate) * up of float32 rows [..., 2I] -> [..., I]; None when the kernel cannot run."""
+    so = lib()
+    if so is None or gate_up.dtype != torch.float32:
+        return None
+    gate_up = gate_up.contiguous()
+    i = gate_up.shape[-1] // 2
+    out = gate_up.new_empty(*gate_up.shape[:-1], i)
+    if so.llmd_silu_mul(gate_up.data_ptr(), gate_up.numel() // (2 * i), i, out.data_ptr()):
+        return None
+    return out
+
+
+def rope_qk(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
+            positions: torch.Tensor):
+    """Rotary embedding (adjacent pairs) of the q and k heads of float32 qkv rows [T, (H + 2 KVH) D]
+    -> (q [T, H, D], k [T, KVH, D]), contiguous; None when the kernel cannot run."""
+    so = lib()
+    if so is None or qkv.dtype != torch.float32 or positions.dtype != torch.int64:
+        return None
+    qkv = qkv.contiguous()
+    t = qkv.shape[0]
+    q = qkv.new_empty(t, heads, head_dim)
+    k = qkv.new_empty(t, kv_heads, head_dim)
+    if so.llmd_rope_qk(qkv.data_ptr(), t, heads, kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
+                       positions.contiguous().data_ptr(), q.data_ptr(), k.data_ptr()):
+        return None
+    return q, k

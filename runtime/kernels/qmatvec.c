@@ -16,6 +16,8 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
+#include <stdlib.h>
+#include <math.h>
 
 #define MAXM 4
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
@@ -274,5 +276,165 @@ TARGET int llmd_w8a8(const uint8_t *xa, const uint64_t *neg, const float *sx, in
                      const float *s, const float *bias, float *y, int N, int nt) {
     if (!llmd_cpu_ok() || M < 1 || M > MAXM || K % 128) return -1;
     BY_ROWS(W8A8_CASE);
+    return 0;
+}
+
+/* ---- float32 weights in blocks of 64 output columns ------------------------------------- */
+/* The weight is stored as [N/64, K, 64]: block b holds W[k, 64b:64b+64] for every k, one after
+ * another, so each thread streams whole blocks front to back. y[m, block] = sum_k x[m,k] W[k, block]:
+ * x broadcast, one FMA per 16 weights, no reductions. N a multiple of 64. */
+
+static inline TARGET __attribute__((always_inline))
+void f32_block(const float *x, const int MM, int K, const float *w, const float *bias, float *y, int N) {
+    __m512 acc[MAXM][4];
+    for (int m = 0; m < MAXM; m++)
+        for (int j = 0; j < 4; j++) acc[m][j] = bias ? _mm512_loadu_ps(bias + 16 * j) : _mm512_setzero_ps();
+    for (int k = 0; k < K; k++) {
+        const float *wr = w + (size_t)k * 64;
+        __m512 wv[4];
+        for (int j = 0; j < 4; j++) wv[j] = _mm512_loadu_ps(wr + 16 * j);
+        for (int m = 0; m < MM; m++) {
+            __m512 xb = _mm512_set1_ps(x[(size_t)m * K + k]);
+            for (int j = 0; j < 4; j++) acc[m][j] = _mm512_fmadd_ps(xb, wv[j], acc[m][j]);
+        }
+    }
+    for (int m = 0; m < MM; m++)
+        for (int j = 0; j < 4; j++) _mm512_storeu_ps(y + (size_t)m * N + 16 * j, acc[m][j]);
+}
+
+#define F32_CASE(MM) \
+    _Pragma("omp parallel for num_threads(nt) schedule(static)") \
+    for (int b = 0; b < N / 64; b++) \
+        f32_block(x, MM, K, w + (size_t)b * K * 64, bias ? bias + 64 * b : 0, y + 64 * b, N);
+
+TARGET int llmd_f32(const float *x, int M, int K, const float *w, const float *bias, float *y, int N, int nt) {
+    if (!llmd_cpu_ok() || M < 1 || M > MAXM || N % 64) return -1;
+    BY_ROWS(F32_CASE);
+    return 0;
+}
+
+/* ---- attention of a few query rows over the paged KV pool -------------------------------- */
+/* Query row r (row[r] of q [T, H, D]) attends to the first len[r] positions of its request,
+ * whose keys/values live at slot table[span[r]][l / bs] * bs + l % bs of the pools [S, KVH, D].
+ * Softmax(q k / sqrt(D)) v per head in float32, heads sharing a key/value head read it once.
+ * Threads take (row, kv head) pairs. For decode and verification rows (a few per request); long
+ * prompt chunks go to torch's blocked attention. */
+
+static inline TARGET float dot64(const float *a, const float *b, int D) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
+    return _mm512_reduce_add_ps(acc);
+}
+
+TARGET int llmd_attend(const float *q, const float *kpool, const float *vpool, const int32_t *row, const int32_t *span,
+                       const int32_t *len, int R, const int32_t *table, int table_width, int bs, int H, int KVH, int D,
+                       float *out, int nt) {
+    if (!llmd_cpu_ok() || D % 16 || H % KVH || H / KVH > 64) return -1;
+    const int G = H / KVH;
+    const float scale = 1.f / sqrtf((float)D);
+    int failed = 0;
+    #pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
+    for (int item = 0; item < R * KVH; item++) {
+        const int r = item / KVH, kvh = item % KVH, L = len[r];
+        const int32_t *blocks = table + (size_t)span[r] * table_width;
+        float *p = (float *)malloc(sizeof(float) * (size_t)G * (L > 0 ? L : 1));
+        if (!p) { failed = 1; continue; }
+        const float *qh = q + ((size_t)row[r] * H + (size_t)kvh * G) * D;
+        float mx[64];
+        for (int g = 0; g < G; g++) mx[g] = -INFINITY;
+        for (int l = 0; l < L; l++) {
+            const size_t slot = (size_t)blocks[l / bs] * bs + l % bs;
+            const float *k = kpool + (slot * KVH + kvh) * D;
+            for (int g = 0; g < G; g++) {
+                float s = dot64(qh + (size_t)g * D, k, D) * scale;
+                p[(size_t)g * L + l] = s;
+                if (s > mx[g]) mx[g] = s;
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            float *pg = p + (size_t)g * L, sum = 0.f;
+            for (int l = 0; l < L; l++) { pg[l] = expf(pg[l] - mx[g]); sum += pg[l]; }
+            const float inv = 1.f / sum;
+            for (int l = 0; l < L; l++) pg[l] *= inv;
+        }
+        __m512 acc[64 / 16 * 8];          /* up to 8 heads per kv head at D <= 64, else the slow loop */
+        const int fast = G <= 8 && D <= 64;
+        float *o = out + ((size_t)row[r] * H + (size_t)kvh * G) * D;
+        if (fast) {
+            for (int i = 0; i < G * D / 16; i++) acc[i] = _mm512_setzero_ps();
+            for (int l = 0; l < L; l++) {
+                const size_t slot = (size_t)blocks[l / bs] * bs + l % bs;
+                const float *v = vpool + (slot * KVH + kvh) * D;
+                for (int d = 0; d < D; d += 16) {
+                    __m512 vv = _mm512_loadu_ps(v + d);
+                    for (int g = 0; g < G; g++)
+                        acc[g * (D / 16) + d / 16] = _mm512_fmadd_ps(_mm512_set1_ps(p[(size_t)g * L + l]), vv, acc[g * (D / 16) + d / 16]);
+                }
+            }
+            for (int g = 0; g < G; g++)
+                for (int d = 0; d < D; d += 16) _mm512_storeu_ps(o + (size_t)g * D + d, acc[g * (D / 16) + d / 16]);
+        } else {
+            for (int g = 0; g < G; g++)
+                for (int d = 0; d < D; d += 16) {
+                    __m512 a = _mm512_setzero_ps();
+                    for (int l = 0; l < L; l++) {
+                        const size_t slot = (size_t)blocks[l / bs] * bs + l % bs;
+                        a = _mm512_fmadd_ps(_mm512_set1_ps(p[(size_t)g * L + l]), _mm512_loadu_ps(vpool + (slot * KVH + kvh) * D + d), a);
+                    }
+                    _mm512_storeu_ps(o + (size_t)g * D + d, a);
+                }
+        }
+        free(p);
+    }
+    return failed ? -2 : 0;
+}
+
+/* ---- small row-wise operations of the decode step ------------------------------------------ */
+/* Each costs one call instead of the four to six torch operations it replaces; rows are short
+ * (a few thousand floats), so they run on the calling thread. */
+
+/* out[m] = x[m] / sqrt(mean(x[m]^2) + eps) * w, for M rows of K floats (K a multiple of 16). */
+TARGET int llmd_rmsnorm(const float *x, int M, int K, const float *w, float eps, float *out) {
+    if (!llmd_cpu_ok() || K % 16) return -1;
+    for (int m = 0; m < M; m++) {
+        const float *r = x + (size_t)m * K;
+        __m512 ss = _mm512_setzero_ps();
+        for (int k = 0; k < K; k += 16) { __m512 v = _mm512_loadu_ps(r + k); ss = _mm512_fmadd_ps(v, v, ss); }
+        const __m512 inv = _mm512_set1_ps(1.f / sqrtf(_mm512_reduce_add_ps(ss) / K + eps));
+        for (int k = 0; k < K; k += 16)
+            _mm512_storeu_ps(out + (size_t)m * K + k, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(r + k), inv), _mm512_loadu_ps(w + k)));
+    }
+    return 0;
+}
+
+/* out[m, i] = silu(gu[m, i]) * gu[m, I + i]: the gated MLP's activation, for M rows of 2I floats. */
+TARGET int llmd_silu_mul(const float *gu, int M, int I, float *out) {
+    if (!llmd_cpu_ok()) return -1;
+    for (int m = 0; m < M; m++) {
+        const float *g = gu + (size_t)m * 2 * I, *u = g + I;
+        float *o = out + (size_t)m * I;
+        for (int i = 0; i < I; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+    }
+    return 0;
+}
+
+/* Rotary embedding on adjacent pairs (2i, 2i+1) of each q and k head, from packed qkv rows
+ * [T, (H + 2 KVH) D], into contiguous q [T, H, D] and k [T, KVH, D]; cos/sin tables [P, D/2]. */
+TARGET int llmd_rope_qk(const float *qkv, int T, int H, int KVH, int D, const float *cos_t, const float *sin_t,
+                        const int64_t *pos, float *q, float *k) {
+    if (!llmd_cpu_ok() || D % 2) return -1;
+    const int width = (H + 2 * KVH) * D;
+    for (int t = 0; t < T; t++) {
+        const float *c = cos_t + (size_t)pos[t] * (D / 2), *s = sin_t + (size_t)pos[t] * (D / 2);
+        for (int h = 0; h < H + KVH; h++) {
+            const float *x = qkv + (size_t)t * width + (size_t)h * D;
+            float *o = h < H ? q + ((size_t)t * H + h) * D : k + ((size_t)t * KVH + h - H) * D;
+            for (int i = 0; i < D / 2; i++) {
+                const float a = x[2 * i], b = x[2 * i + 1];
+                o[2 * i] = a * c[i] - b * s[i];
+                o[2 * i + 1] = a * s[i] + b * c[i];
+            }
+        }
+    }
     return 0;
 }

@@ -10,6 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmd.runtime import kernels
+from llmd.runtime.kernels import ops
+
 from .config import RopeScaling
 
 
@@ -17,10 +20,12 @@ class Linear(nn.Module):
     """y = x W^T + b, with W stored [out, in] as in checkpoints.
 
     ``prepare()`` picks, by timing this shape once (``matvec_plan``), how products are run:
-    - a few rows (decode): a matrix-vector product bound by memory bandwidth. torch's own kernel
-      streams the weight from one core, so the product is split in ``threads`` parts run as one
-      ``bmm`` over views of the stored weight (896 -> 4864 on 2 threads: 558 us against 791 us here),
-      in whichever layout ([out, in] or a contiguous [in, out] copy) is faster;
+    - a few rows (decode): a matrix-vector product bound by memory bandwidth. Where llmd's kernels
+      run (llmd.runtime.kernels), the weight is stored in blocks of 64 output columns that each
+      thread streams front to back (896 -> 4864 on 2 threads: 475 us against 598 us for the best
+      torch form here). Otherwise torch's own kernel, which streams the weight from one core, is
+      split in ``threads`` parts run as one ``bmm`` over views of the stored weight, in whichever
+      layout ([out, in] or a contiguous [in, out] copy) is faster;
     - more rows (prompt chunks, batches, verification): float32 weights get a second copy in
       oneDNN's blocked layout, whose kernel beats the default one 1.6x at 128 rows and 7x at 5 rows
       here. That copy doubles the float32 weight memory; bfloat16 and quantized models skip it.
@@ -32,7 +37,7 @@ class Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
-        self.weight_t: torch.Tensor | None = None
+        self.stored: torch.Tensor | None = None     # the weight in the plan's layout, once prepared
         self.packed: torch.Tensor | None = None
         self.plan = MatvecPlan()
 
@@ -41,27 +46,39 @@ class Linear(nn.Module):
 
     def apply_plan(self, plan: MatvecPlan) -> None:
         """Store the weight as ``plan`` says (from the [out, in] checkpoint layout)."""
-        w = self.weight.detach()
+        w = self.dense_weight().detach()
         self.plan = plan
         self.packed = pack_weight(w) if plan.packed else None
-        if plan.layout == "in_out":
-            self.weight_t = w.t().contiguous()
+        if plan.layout == "out_in":
+            self.stored = None
+            self.weight = nn.Parameter(w, requires_grad=False) if self.weight is None else self.weight
+        else:
+            self.stored = store(w, plan.layout)
             self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight if self.weight_t is None else self.weight_t
+        w = self.weight if self.stored is None else self.stored
         return planned_product(x, w, self.packed, self.plan, self.bias)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of the [out, in] weight (an embedding lookup in a tied head), any storage."""
+        if self.stored is None:
+            return self.weight.index_select(0, ids)
+        if self.plan.layout == "in_out":
+            return self.stored.index_select(1, ids).t()
+        return self.stored[ids // 64, :, ids % 64]
 
     def dense_weight(self) -> torch.Tensor:
         """The [out, in] weight, whichever storage is active."""
-        return self.weight if self.weight_t is None else self.weight_t.t()
+        return self.weight if self.stored is None else unstore(self.stored, self.plan.layout)
 
 
 @dataclass(frozen=True)
 class MatvecPlan:
-    """How one weight shape is stored and multiplied. ``layout``: "out_in" (as in checkpoints) or
-    "in_out" (transposed copy). Products of at most ``split_max_rows`` rows run in ``splits`` parts;
-    more rows go to one matmul over the oneDNN-packed copy when ``packed``, else the plain one."""
+    """How one weight shape is stored and multiplied. ``layout``: "out_in" (as in checkpoints),
+    "in_out" (transposed copy) or "blocked" (llmd's float32 kernel: [out/64, in, 64]). Products of at
+    most ``split_max_rows`` rows run in ``splits`` parts (the kernel for "blocked"); more rows go to
+    one matmul over the oneDNN-packed copy when ``packed``, else the plain one."""
     layout: str = "out_in"
     splits: int = 1
     split_max_rows: int = 0
@@ -73,6 +90,25 @@ def can_pack(dtype: torch.dtype) -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
+def store(w: torch.Tensor, layout: str) -> torch.Tensor:
+    """The [out, in] weight in ``layout``."""
+    if layout == "out_in":
+        return w
+    return w.t().contiguous() if layout == "in_out" else ops.f32_blocks(w)
+
+
+def unstore(stored: torch.Tensor, layout: str) -> torch.Tensor:
+    """The [out, in] weight (a view where possible) from its stored ``layout``."""
+    if layout == "out_in":
+        return stored
+    return stored.t() if layout == "in_out" else ops.f32_unblock(stored)
+
+
+def can_block(in_features: int, out_features: int, dtype: torch.dtype) -> bool:
+    """llmd's float32 kernel can serve this shape (and a packed copy can serve many rows)."""
+    return dtype == torch.float32 and out_features % 64 == 0 and can_pack(dtype) and kernels.available()
+
+
 def pack_weight(w: torch.Tensor) -> torch.Tensor:
     """The [out, in] weight in oneDNN's blocked layout, tuned for products of about 128 rows."""
     return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 128)
@@ -82,7 +118,7 @@ def planned_product(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | Non
                     bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] times a weight stored as ``plan`` says (``w`` in the plan's layout, ``packed`` its
     oneDNN copy or None): split for a few rows, packed for more, else the plain product."""
-    k = w.shape[1] if plan.layout == "out_in" else w.shape[0]
+    k = w.shape[0] if plan.layout == "in_out" else w.shape[1]
     rows = x.numel() // k
     x2 = x.reshape(rows, k)
     if rows <= plan.split_max_rows:
@@ -91,10 +127,10 @@ def planned_product(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | Non
             y.add_(bias)
     elif packed is not None:
         y = torch.ops.mkldnn._linear_pointwise(x2, packed, bias, "none", [], "")
-    elif plan.layout == "out_in":
-        y = F.linear(x2, w, bias)
-    else:
+    elif plan.layout == "in_out":
         y = x2 @ w if bias is None else torch.addmm(bias, x2, w)
+    else:
+        y = F.linear(x2, unstore(w, plan.layout), bias)
     return y.view(*x.shape[:-1], -1)
 
 
@@ -106,6 +142,9 @@ def split_product(x: torch.Tensor, w: torch.Tensor, plan: MatvecPlan) -> torch.T
     W^T (a free view) and the parts are summed. out_in weight [out, in]: split the outputs, each
     part computes its block of columns, then the blocks are laid side by side."""
     s, rows = plan.splits, x.shape[0]
+    if plan.layout == "blocked":
+        y = ops.f32_matvec(x, w, None) if kernels.usable(x) else None
+        return y if y is not None else F.linear(x, ops.f32_unblock(w))
     if s == 1:
         return F.linear(x, w) if plan.layout == "out_in" else x @ w
     if plan.layout == "in_out":
@@ -125,9 +164,11 @@ def matvec_plan(in_features: int, out_features: int, dtype: torch.dtype, threads
     model sees: each layer's weight is streamed from memory once per step."""
     copies = max(1, min(4, (64 << 20) // max(1, in_features * out_features * torch.finfo(dtype).bits // 8)))
     ws = [torch.randn(out_features, in_features).to(dtype) for _ in range(copies)]
-    stores = {layout: ws if layout == "out_in" else [w.t().contiguous() for w in ws] for layout in layouts}
-    small = []
-    for layout in layouts:
+    if can_block(in_features, out_features, dtype):
+        layouts = layouts + ("blocked",)
+    stores = {layout: [store(w, layout) for w in ws] for layout in layouts}
+    small = [MatvecPlan("blocked", 1, 1)] if "blocked" in layouts else []
+    for layout in set(layouts) - {"blocked"}:
         split_dim = in_features if layout == "in_out" else out_features      # the dimension cut in parts
         small += [MatvecPlan(layout, s, 1) for s in {1, threads} if split_dim % s == 0]
     packed = [pack_weight(w) for w in ws] if can_pack(dtype) else []
@@ -156,9 +197,12 @@ def matvec_plan(in_features: int, out_features: int, dtype: torch.dtype, threads
         return small_cost(MatvecPlan(best.layout, 1, 1), rows)
 
     best = min(small, key=lambda p: small_cost(p, 1))
-    use_packed = bool(packed) and large_cost(16, True) < large_cost(16, False)
+    # a blocked weight has no plain form to multiply many rows: it always keeps the packed copy
+    use_packed = bool(packed) and (best.layout == "blocked" or large_cost(16, True) < large_cost(16, False))
     best = replace(best, packed=use_packed)
     for rows in (4, 16):        # single-row plans that still win at this many rows serve them too
+        if best.layout == "blocked" and rows > ops.MAX_ROWS:
+            break
         if small_cost(best, rows) < large_cost(rows, use_packed):
             best = replace(best, split_max_rows=rows)
     return best
@@ -172,7 +216,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == self.weight.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)      # one fused op
+            if x.shape[0] <= ops.MAX_ROWS and kernels.usable(x):     # decode: one call, not five
+                y = ops.rmsnorm(x, self.weight, self.eps)
+                if y is not None:
+                    return y
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
