@@ -320,69 +320,92 @@ TARGET int llmd_f32(const float *x, int M, int K, const float *w, const float *b
  * Threads take (row, kv head) pairs. For decode and verification rows (a few per request); long
  * prompt chunks go to torch's blocked attention. */
 
-static inline TARGET float dot64(const float *a, const float *b, int D) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
-    return _mm512_reduce_add_ps(acc);
+/* exp(x) for x <= 0 (scores minus their maximum): 2^(x log2 e) as 2^n 2^f, f in [-1/2, 1/2],
+ * 2^f by a degree-6 polynomial (relative error below 2e-7), 2^n exactly by scalef. */
+static inline TARGET __m512 exp_ps(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Sixteen vectors -> one: lane j holds the sum of v[j]'s lanes. */
+static inline TARGET __m512 sum16x16(const __m512 *v) {
+    __m512 t[8], u[4];
+    for (int i = 0; i < 8; i++)
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
+        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x44), _mm512_shuffle_f32x4(u[0], u[1], 0xEE));
+    __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x44), _mm512_shuffle_f32x4(u[2], u[3], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
 }
 
 TARGET int llmd_attend(const float *q, const float *kpool, const float *vpool, const int32_t *row, const int32_t *span,
                        const int32_t *len, int R, const int32_t *table, int table_width, int bs, int H, int KVH, int D,
                        float *out, int nt) {
-    if (!llmd_cpu_ok() || D % 16 || H % KVH || H / KVH > 64) return -1;
+    if (!llmd_cpu_ok() || D % 16 || D > 256 || H % KVH) return -1;
     const int G = H / KVH;
     const float scale = 1.f / sqrtf((float)D);
     int failed = 0;
     #pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
     for (int item = 0; item < R * KVH; item++) {
         const int r = item / KVH, kvh = item % KVH, L = len[r];
+        const int Lp = (L + 15) & ~15;                        /* scores padded to whole vectors */
         const int32_t *blocks = table + (size_t)span[r] * table_width;
-        float *p = (float *)malloc(sizeof(float) * (size_t)G * (L > 0 ? L : 1));
+        float *p = (float *)malloc(sizeof(float) * (size_t)Lp + sizeof(size_t) * (size_t)Lp);
         if (!p) { failed = 1; continue; }
-        const float *qh = q + ((size_t)row[r] * H + (size_t)kvh * G) * D;
-        float mx[64];
-        for (int g = 0; g < G; g++) mx[g] = -INFINITY;
-        for (int l = 0; l < L; l++) {
-            const size_t slot = (size_t)blocks[l / bs] * bs + l % bs;
-            const float *k = kpool + (slot * KVH + kvh) * D;
-            for (int g = 0; g < G; g++) {
-                float s = dot64(qh + (size_t)g * D, k, D) * scale;
-                p[(size_t)g * L + l] = s;
-                if (s > mx[g]) mx[g] = s;
-            }
+        size_t *slot = (size_t *)(p + Lp);
+        for (int l = 0, b = 0, o = 0; l < Lp; l++) {          /* padding repeats the last position */
+            slot[l] = ((size_t)blocks[b] * bs + o) * KVH + kvh;
+            if (l + 1 < L && ++o == bs) { o = 0; b++; }
         }
         for (int g = 0; g < G; g++) {
-            float *pg = p + (size_t)g * L, sum = 0.f;
-            for (int l = 0; l < L; l++) { pg[l] = expf(pg[l] - mx[g]); sum += pg[l]; }
-            const float inv = 1.f / sum;
-            for (int l = 0; l < L; l++) pg[l] *= inv;
-        }
-        __m512 acc[64 / 16 * 8];          /* up to 8 heads per kv head at D <= 64, else the slow loop */
-        const int fast = G <= 8 && D <= 64;
-        float *o = out + ((size_t)row[r] * H + (size_t)kvh * G) * D;
-        if (fast) {
-            for (int i = 0; i < G * D / 16; i++) acc[i] = _mm512_setzero_ps();
-            for (int l = 0; l < L; l++) {
-                const size_t slot = (size_t)blocks[l / bs] * bs + l % bs;
-                const float *v = vpool + (slot * KVH + kvh) * D;
-                for (int d = 0; d < D; d += 16) {
-                    __m512 vv = _mm512_loadu_ps(v + d);
-                    for (int g = 0; g < G; g++)
-                        acc[g * (D / 16) + d / 16] = _mm512_fmadd_ps(_mm512_set1_ps(p[(size_t)g * L + l]), vv, acc[g * (D / 16) + d / 16]);
+            const float *qh = q + ((size_t)row[r] * H + (size_t)kvh * G + g) * D;
+            __m512 qv[16];
+            for (int d = 0; d < D / 16; d++) qv[d] = _mm512_mul_ps(_mm512_loadu_ps(qh + 16 * d), _mm512_set1_ps(scale));
+            __m512 mx = _mm512_set1_ps(-INFINITY);
+            for (int l = 0; l < Lp; l += 16) {                  /* scores, sixteen positions at a time */
+                __m512 dots[16];
+                for (int j = 0; j < 16; j++) {
+                    const float *k = kpool + slot[l + j] * D;
+                    __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+                    for (int d = 1; d < D / 16; d++) a = _mm512_fmadd_ps(qv[d], _mm512_loadu_ps(k + 16 * d), a);
+                    dots[j] = a;
                 }
+                __m512 sc = sum16x16(dots);
+                if (l + 16 > L) sc = _mm512_mask_blend_ps((__mmask16)((1u << (L - l)) - 1), _mm512_set1_ps(-INFINITY), sc);
+                _mm512_storeu_ps(p + l, sc);
+                mx = _mm512_max_ps(mx, sc);
             }
-            for (int g = 0; g < G; g++)
-                for (int d = 0; d < D; d += 16) _mm512_storeu_ps(o + (size_t)g * D + d, acc[g * (D / 16) + d / 16]);
-        } else {
-            for (int g = 0; g < G; g++)
-                for (int d = 0; d < D; d += 16) {
-                    __m512 a = _mm512_setzero_ps();
-                    for (int l = 0; l < L; l++) {
-                        const size_t slot = (size_t)blocks[l / bs] * bs + l % bs;
-                        a = _mm512_fmadd_ps(_mm512_set1_ps(p[(size_t)g * L + l]), _mm512_loadu_ps(vpool + (slot * KVH + kvh) * D + d), a);
-                    }
-                    _mm512_storeu_ps(o + (size_t)g * D + d, a);
-                }
+            const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+            __m512 sum = _mm512_setzero_ps();
+            for (int l = 0; l < Lp; l += 16) {
+                __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(p + l), m));
+                if (l + 16 > L) e = _mm512_maskz_mov_ps((__mmask16)((1u << (L - l)) - 1), e);
+                _mm512_storeu_ps(p + l, e);
+                sum = _mm512_add_ps(sum, e);
+            }
+            const float inv = 1.f / _mm512_reduce_add_ps(sum);
+            __m512 acc[16];
+            for (int d = 0; d < D / 16; d++) acc[d] = _mm512_setzero_ps();
+            for (int l = 0; l < L; l++) {
+                const float *v = vpool + slot[l] * D;
+                const __m512 w = _mm512_set1_ps(p[l]);
+                for (int d = 0; d < D / 16; d++) acc[d] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 16 * d), acc[d]);
+            }
+            float *o = out + ((size_t)row[r] * H + (size_t)kvh * G + g) * D;
+            for (int d = 0; d < D / 16; d++) _mm512_storeu_ps(o + 16 * d, _mm512_mul_ps(acc[d], _mm512_set1_ps(inv)));
         }
         free(p);
     }
