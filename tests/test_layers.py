@@ -9,7 +9,7 @@ from llmd.runtime.models.layers import Linear, MatvecPlan, can_pack, matvec_plan
 PLANS = [MatvecPlan("out_in", 1, 0), MatvecPlan("in_out", 1, 0),
          MatvecPlan("in_out", 2, 4), MatvecPlan("out_in", 2, 4),
          MatvecPlan("in_out", 4, 16), MatvecPlan("out_in", 4, 16),
-         MatvecPlan("blocked", 1, 1), MatvecPlan("blocked", 1, 4)]
+         MatvecPlan("blocked", 1, 1), MatvecPlan("blocked", 1, 4), MatvecPlan("blocked", 1, 16)]
 needs_kernels = pytest.mark.skipif(not kernels.available(), reason=f"llmd kernels unavailable: {kernels.why()}")
 
 
@@ -66,5 +66,5 @@ def test_plan_is_one_of_the_candidates_and_respects_divisibility():
 @needs_kernels
 def test_plans_offer_the_float32_kernel_where_it_fits():
     plan = matvec_plan(256, 1024, torch.float32, 2)
-    assert plan.layout == "blocked" and plan.packed and plan.split_max_rows in (1, 4)
+    assert plan.layout == "blocked" and plan.packed and plan.split_max_rows in (1, 4, 16)
     assert matvec_plan(256, 1024, torch.bfloat16, 2).layout != "blocked"

@@ -7,7 +7,8 @@ import torch
 
 from . import lib
 
-MAX_ROWS = 4
+MAX_ROWS = 4              # rows of x the quantized kernels take
+F32_MAX_ROWS = 16         # rows of x the float32 kernel takes
 _SERIAL_BELOW = 1 << 18      # weights in a product below which one thread beats the parallel split
 
 
@@ -32,7 +33,7 @@ def f32_matvec(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None)
     so = lib()
     m, k = x.shape
     n = blocks.shape[0] * 64
-    if so is None or not 1 <= m <= MAX_ROWS or x.dtype != torch.float32:
+    if so is None or not 1 <= m <= F32_MAX_ROWS or x.dtype != torch.float32:
         return None
     x = x.contiguous()
     y = torch.empty(m, n)

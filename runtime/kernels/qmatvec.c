@@ -302,14 +302,25 @@ void f32_block(const float *x, const int MM, int K, const float *w, const float 
         for (int j = 0; j < 4; j++) _mm512_storeu_ps(y + (size_t)m * N + 16 * j, acc[m][j]);
 }
 
-#define F32_CASE(MM) \
-    _Pragma("omp parallel for num_threads(nt) schedule(static)") \
-    for (int b = 0; b < N / 64; b++) \
-        f32_block(x, MM, K, w + (size_t)b * K * 64, bias ? bias + 64 * b : 0, y + 64 * b, N);
+#define F32_CASE(MM) f32_block(x + (size_t)m0 * K, MM, K, w + (size_t)b * K * 64, bias ? bias + 64 * b : 0, \
+                            y + (size_t)m0 * N + 64 * b, N);
+
+/* Up to F32_MAXM rows: groups of four rows per block, so a block is read from memory once and
+ * from cache for the later groups (verification of a few proposals, small batches). */
+#define F32_MAXM 16
 
 TARGET int llmd_f32(const float *x, int M, int K, const float *w, const float *bias, float *y, int N, int nt) {
-    if (!llmd_cpu_ok() || M < 1 || M > MAXM || N % 64) return -1;
-    BY_ROWS(F32_CASE);
+    if (!llmd_cpu_ok() || M < 1 || M > F32_MAXM || N % 64) return -1;
+    #pragma omp parallel for num_threads(nt) schedule(static)
+    for (int b = 0; b < N / 64; b++)
+        for (int m0 = 0; m0 < M; m0 += 4) {
+            switch (M - m0) {
+            case 1: F32_CASE(1) break;
+            case 2: F32_CASE(2) break;
+            case 3: F32_CASE(3) break;
+            default: F32_CASE(4) break;
+            }
+        }
     return 0;
 }
 

@@ -201,8 +201,6 @@ def matvec_plan(in_features: int, out_features: int, dtype: torch.dtype, threads
     use_packed = bool(packed) and (best.layout == "blocked" or large_cost(16, True) < large_cost(16, False))
     best = replace(best, packed=use_packed)
     for rows in (4, 16):        # single-row plans that still win at this many rows serve them too
-        if best.layout == "blocked" and rows > ops.MAX_ROWS:
-            break
         if small_cost(best, rows) < large_cost(rows, use_packed):
             best = replace(best, split_max_rows=rows)
     return best
