@@ -6,9 +6,9 @@
    k, interleaved. Reports the acceptance rate a, the draft's cost c (one draft forward / one plain
    target step), the verification cost v (a target step over k+1 tokens / a plain step), the predicted
    speedup E(a, k) / (k c + v) with E = (1 - a^(k+1)) / (1 - a), the measured speedup, and their ratio.
-2. Code edit (output copies the input), single stream: n-gram lookup (fixed depth k, and adaptive)
-   against plain decoding.
-3. 16 concurrent streams: adaptive speculation against none.
+2. Code edit (output copies the input), single stream: n-gram lookup (at most --ngram-k proposals,
+   fixed and adaptive) against plain decoding.
+3. 16 concurrent streams: adaptive speculation against none, rounds in ABBA order.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ import torch
 
 from llmd import LLM, SamplingParams
 from llmd.export.corpus import list_sources, read_source, split
+from llmd.runtime.config import DRAFT_K, NGRAM_K
 from llmd.runtime.spec.controller import expected_tokens
 
 
@@ -134,8 +135,9 @@ def concurrent(target: str, draft: str, streams: int, max_tokens: int, rounds: i
     off = LLM(target, kv_memory="512MiB")
     adaptive = LLM(target, draft=draft, kv_memory="512MiB", num_speculative_tokens=4)
     rates = {"off": [], "adaptive": []}
-    for _ in range(rounds):
-        for name, llm in (("off", off), ("adaptive", adaptive)):
+    order = (("off", off), ("adaptive", adaptive))
+    for r in range(rounds):     # off, adaptive, adaptive, off, ...: neither always runs on a warmer cache
+        for name, llm in (order if r % 2 == 0 else order[::-1]):
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params)
             rates[name].append(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0))
@@ -150,7 +152,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="models/code-target")
     ap.add_argument("--draft", default="models/code-draft")
-    ap.add_argument("--k", type=int, default=4, help="fixed depth for the predicted-vs-measured test")
+    ap.add_argument("--k", type=int, default=DRAFT_K, help="fixed depth for the predicted-vs-measured test")
+    ap.add_argument("--ngram-k", type=int, default=NGRAM_K, help="most n-gram proposals per step (the engine's default)")
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--streams", type=int, default=16)
@@ -164,7 +167,7 @@ def main(argv=None) -> int:
     if "completion" in parts:
         res["completion"] = completion(args.target, args.draft, args.k, args.prompts, args.max_tokens)
     if "edit" in parts:
-        res["code_edit_ngram"] = code_edit(args.target, args.prompts, args.max_tokens, args.k)
+        res["code_edit_ngram"] = code_edit(args.target, args.prompts, args.max_tokens, args.ngram_k)
     if "concurrent" in parts:
         res["concurrent"] = concurrent(args.target, args.draft, args.streams, args.max_tokens, args.rounds)
     print(json.dumps(res, indent=1))

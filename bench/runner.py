@@ -29,7 +29,7 @@ class BenchConfig:
     scale: str = "full"                      # full | short
     rate: float = 4.0                        # mixed workload: arrivals per second
     draft: Optional[str] = None
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: Optional[int] = None   # None: the engine's default for the proposer
     engine: Mapping = field(default_factory=dict)     # further LLM(...) options
     concurrency: tuple[int, ...] = (1, 2, 4, 8)
     sweep_prompt: int = 128
@@ -47,13 +47,14 @@ def _run(cfg: BenchConfig, work_dir: str, log) -> dict:
     from llmd.runtime.llm import LLM
     opts = dict(cfg.engine, num_speculative_tokens=cfg.num_speculative_tokens)
     llm = LLM(cfg.model, draft=cfg.draft, **opts)
+    k = llm.engine.config.num_speculative_tokens      # resolved: peers propose as many
     peers: list[Peer] = [LLMDPeer(llm)]
     if cfg.draft:                                    # speculation is judged against plain decoding
         peers.append(LLMDPeer(LLM(cfg.model, **opts), "llmd-plain"))
     status: dict = {p.name: "ok" for p in peers}
     max_len = llm.engine.max_model_len
     for name in cfg.peers:
-        p = load_peer(name, cfg.model, draft=cfg.draft, num_speculative_tokens=cfg.num_speculative_tokens,
+        p = load_peer(name, cfg.model, draft=cfg.draft, num_speculative_tokens=k,
                       threads=cfg.engine.get("threads"), n_ctx=max_len, work_dir=work_dir, socket=cfg.socket)
         if isinstance(p, Missing):
             status[name] = {"missing": p.reason}

@@ -33,7 +33,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
       help="disable reuse of cached prompt prefixes")
     a("--kv-dtype", choices=("auto", "int8"), help="KV cache storage: model dtype (auto) or int8 with per-block scales")
     a("--draft", help="speculative decoding: a draft model directory (same tokenizer), or 'ngram' for prompt lookup")
-    a("--num-speculative-tokens", type=int, help="most tokens proposed per step when speculating (default 4)")
+    a("--num-speculative-tokens", type=int,
+      help="most tokens proposed per step when speculating (default: 8 for ngram, 4 for a draft model)")
     a("--no-adaptive-speculation", dest="adaptive_speculation", action="store_const", const=False,
       help="always propose --num-speculative-tokens instead of letting measured costs decide")
     a("--max-queue", type=int, help="requests in flight before new ones are refused with `busy`")

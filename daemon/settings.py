@@ -38,7 +38,7 @@ class Settings:
     prefix_cache: bool = True
     kv_dtype: str = "auto"                # auto (model dtype) | int8 KV cache
     draft: Optional[str] = None           # speculative decoding: a draft model directory or "ngram"
-    num_speculative_tokens: int = 4       # most proposals per step
+    num_speculative_tokens: Optional[int] = None   # most proposals per step; None: 8 for ngram, 4 for a draft
     adaptive_speculation: bool = True     # let measured costs and acceptance pick the depth
     max_queue: int = 64                   # requests in flight (queued + running) before `busy`
     max_message_bytes: int = 1 << 20      # ZMQ_MAXMSGSIZE; larger frames drop the connection
@@ -58,7 +58,7 @@ class Settings:
         positive = ("block_size", "max_batch_tokens", "num_speculative_tokens", "max_queue", "max_message_bytes", "send_hwm",
                     "heartbeat_ivl_ms", "heartbeat_timeout_ms")
         for name in positive:
-            if getattr(self, name) <= 0:
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise SettingsError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("keepalive_s", "drain_grace_s"):
             v = getattr(self, name)

@@ -213,7 +213,7 @@ class W8A8Linear(Int8Linear):
     method = "w8a8"
 
     def small(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= ops.MAX_ROWS and kernels.usable(x):
+        if kernels.usable(x) and x.shape[0] <= ops.MAX_ROWS:
             y = ops.w8a8_matvec(x, self.qweight, self.scales, None)
             if y is not None:
                 return y

@@ -16,7 +16,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     a("--kv-dtype", default="auto", choices=("auto", "int8"),
       help="KV cache storage: the model dtype (auto) or int8 with per-block, per-head scales")
     a("--draft", default=None, help="speculative decoding: a draft model directory, or 'ngram' for prompt lookup")
-    a("--num-speculative-tokens", type=int, default=4, help="most tokens proposed per step when speculating (default 4)")
+    a("--num-speculative-tokens", type=int, default=None,
+      help="most tokens proposed per step when speculating (default: 8 for ngram, 4 for a draft model)")
 
 
 def engine_options(args) -> dict:

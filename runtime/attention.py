@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from llmd.runtime import kernels
 from llmd.runtime.kernels import ops
 
-KERNEL_MAX_Q = 8        # query rows per request up to which the kernel serves it (decode, verification)
+KERNEL_MAX_Q = 16       # query rows per request up to which the kernel serves it (decode, verification)
 
 
 @dataclass

@@ -25,6 +25,9 @@ def parse_bytes(value: str | int) -> int:
     return n
 
 
+DRAFT_K, NGRAM_K = 4, 8         # default most proposals per step, by proposer
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str                               # Hugging Face model directory or llmd engine directory
@@ -40,7 +43,7 @@ class EngineConfig:
     attention: str = "fast"                  # fast | reference
     threads: Optional[int] = None            # torch intra-op threads; None keeps torch's default
     draft: Optional[str] = None              # None | "ngram" | path of a draft model directory
-    num_speculative_tokens: int = 4          # maximum k
+    num_speculative_tokens: Optional[int] = None  # maximum k; None: 8 for n-gram, 4 for a draft model
     adaptive_speculation: bool = True
     ngram_n: int = 3                         # n-gram match length for prompt lookup
     seed: int = 0                            # seeds requests that set no seed
@@ -56,6 +59,10 @@ class EngineConfig:
         check(1 <= self.max_queue <= 1 << 20, "max_queue must be positive")
         check(self.kv_dtype in ("auto", "int8"), f"kv_dtype must be auto or int8, got {self.kv_dtype!r}")
         check(self.attention in ("fast", "reference"), f"attention must be fast or reference, got {self.attention!r}")
+        if self.num_speculative_tokens is None:
+            # n-gram proposals cost nothing to make, and verifying 9 rows costs about 1.3 decode
+            # steps here, so lookups may run deeper than a draft model's (bench_spec measures both)
+            object.__setattr__(self, "num_speculative_tokens", NGRAM_K if self.draft == "ngram" else DRAFT_K)
         check(0 <= self.num_speculative_tokens <= 16, "num_speculative_tokens must be in [0, 16]")
         check(1 <= self.ngram_n <= 16, "ngram_n must be in [1, 16]")
         check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be positive")

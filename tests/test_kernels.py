@@ -122,7 +122,7 @@ def test_attention_kernel_matches_reference_over_the_paged_pool(heads, kv_heads,
     v = torch.randn(start, kv_heads, dim, generator=g)
     attn = PagedAttention(kp, vp, bs)
     attn.prepare(slots, spans)
-    assert attn.kernel_rows is not None and attn.kernel_rows.rows.numel() == 1 + 4 + 1 + 8
+    assert attn.kernel_rows is not None and attn.kernel_rows.rows.numel() == 1 + 4 + 1 + 8   # not the 20-row chunk
     got = attn.attend(0, q, k, v)
     want = reference_attention(q, _gatherer(kp[0], None, bs, q.dtype), _gatherer(vp[0], None, bs, q.dtype), spans, bs)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

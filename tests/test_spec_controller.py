@@ -86,3 +86,31 @@ def test_a_probe_after_a_long_pause_speculates_for_one_request_only():
     assert [r.spec_k for r in rs] == [1] + [0] * 15
     ctrl.plan(rs, 0)
     assert all(r.spec_k == 0 for r in rs)          # back off after the probe
+
+
+def test_probes_that_leave_speculation_off_come_ever_less_often():
+    from llmd.runtime.spec.controller import PROBE_EVERY, PROBE_MAX
+    ctrl = SpecController(4, 2048)
+    rs = reqs(16)
+    feed(ctrl, lambda rows: 0.0005 * rows, 0.002, 16)
+    probes = []
+    for step in range(4 * PROBE_MAX):
+        ctrl.plan(rs, 0)
+        if any(r.spec_k for r in rs):
+            probes.append(step)
+        if step % 100 == 0:                        # keep the cost table fresh, as real steps would
+            feed(ctrl, lambda rows: 0.0005 * rows, 0.002, 16)
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps[:4] == [2 * PROBE_EVERY + 1, 4 * PROBE_EVERY + 1, 8 * PROBE_EVERY + 1, 16 * PROBE_EVERY + 1]
+    assert max(gaps) == PROBE_MAX + 1
+
+
+def test_speculation_that_pays_again_resets_the_probe_interval():
+    from llmd.runtime.spec.controller import PROBE_EVERY
+    ctrl = SpecController(4, 2048)
+    rs = reqs(1)
+    ctrl.probe_every = 8 * PROBE_EVERY
+    feed(ctrl, lambda rows: 0.010, 0.001, 1)        # memory-bound: verification rows are free
+    ctrl.alpha[rs[0].request_id] = 0.9
+    ctrl.plan(rs, 0)
+    assert rs[0].spec_k > 0 and ctrl.probe_every == PROBE_EVERY

@@ -214,7 +214,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == self.weight.dtype == torch.float32:
-            if x.shape[0] <= ops.MAX_ROWS and kernels.usable(x):     # decode: one call, not five
+            if kernels.usable(x) and x.shape[0] <= ops.F32_MAX_ROWS:     # decode: one call, not five
                 y = ops.rmsnorm(x, self.weight, self.eps)
                 if y is not None:
                     return y

@@ -122,7 +122,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if gate_up.dtype == torch.float32 and gate_up.shape[0] <= ops.MAX_ROWS and kernels.usable(gate_up):
+        if kernels.usable(gate_up) and gate_up.dtype == torch.float32 and gate_up.shape[0] <= ops.F32_MAX_ROWS:
             h = ops.silu_mul(gate_up)                  # decode: one call, not three
             if h is not None:
                 return self.down_proj(h)

@@ -17,6 +17,7 @@ PRIOR_ALPHA = 0.6
 EMA = 0.2
 MARGIN = 1.05          # speculate only when predicted at least 5% better than plain decoding
 PROBE_EVERY = 64       # with speculation off this many steps, probe once to refresh the acceptance
+PROBE_MAX = 1024       # ... doubling after each probe that leaves it off, up to this many
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -73,6 +74,8 @@ class SpecController:
         self.alpha: dict[str, float] = {}
         self.global_alpha = PRIOR_ALPHA       # acceptance over all requests: the prior of a new one
         self.steps_off = 0                    # consecutive steps without speculation
+        self.probe_every = PROBE_EVERY        # steps off before the next probe (backs off, see plan)
+        self._probed = False                  # the last speculating step was a probe
         self.enabled_steps = 0
         self.disabled_steps = 0
         self.last_plan: dict = {}
@@ -96,6 +99,14 @@ class SpecController:
                     ks[r.request_id] = min(ks[r.request_id], self._own_depth(self.alpha.get(r.request_id, self.global_alpha), b))
         for r in decoding:
             r.spec_k = ks[r.request_id]
+        if self.adaptive and b:
+            # a probe that leaves speculation off doubles the wait for the next one: each probe costs
+            # a draft catch-up on one request's context, which a steady large batch never repays
+            if any(ks.values()) and not probing:
+                self.probe_every = PROBE_EVERY
+            elif not any(ks.values()) and self._probed:
+                self.probe_every = min(2 * self.probe_every, PROBE_MAX)
+            self._probed = probing
         if b:
             if any(ks.values()):
                 self.enabled_steps += 1
@@ -127,7 +138,7 @@ class SpecController:
             return 0, False              # measure plain decoding at this size first: the safe choice
         if not self.proposer_is_free and self.draft.estimate(b) is None:
             return min(2, self.max_k), False   # measure the draft's single-token forward (needs depth >= 2)
-        if self.steps_off >= PROBE_EVERY:
+        if self.steps_off >= self.probe_every:
             return 1, True               # a cheap probe now and then keeps the acceptance estimate current
         alphas = [self.alpha.get(r.request_id, self.global_alpha) for r in decoding]
         best_k, best_rate = 0, b / plain
