@@ -148,12 +148,13 @@ class QuantLinear(nn.Module):
         self.register_buffer("bias", torch.zeros(out_features) if bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features)
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)     # decode rows come 2-D: no reshape
         y = self.small(x2) if x2.shape[0] <= self.small_m else self.large(x2)
-        y = y.to(x.dtype)
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
-        return y.view(*x.shape[:-1], self.out_features)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
     def large(self, x: torch.Tensor) -> torch.Tensor:
         """Many rows: one dequantization amortized over all of them, then a dense bf16 product."""
@@ -162,6 +163,12 @@ class QuantLinear(nn.Module):
     def prepare(self, use_kernels: bool = True) -> None:
         """Build the kernel forms; ``use_kernels=False`` keeps to torch's ops (graphs to be compiled)."""
         self.align()
+
+    def permute_outputs(self, rows: torch.Tensor) -> None:
+        """Reorder the output features with their scales (before ``prepare()``)."""
+        for name, t in list(self.named_buffers(recurse=False)):
+            if t is not None and t.shape[0] == self.out_features:
+                setattr(self, name, t[rows].contiguous())
 
     def align(self) -> None:
         """Tensors read from a file may sit at any address; the packed kernels need 64-byte aligned

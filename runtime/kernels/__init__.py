@@ -27,18 +27,15 @@ _tried = False
 _P, _I = ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {
     "llmd_cpu_ok": [],
-    "llmd_x16_quantize": [_P, _I, _I, _P, _P, _P, _P],
-    "llmd_int8": [_P, _P, _P, _P, _I, _I, _P, _P, _P, _P, _I, _I],
+    "llmd_int8_x": [_P, _I, _I, _P, _P, _P, _P, _I, _I],
     "llmd_int4_pack": [_P, _I, _I, _P],
-    "llmd_x8_blocks": [_P, _I, _I, _I, _P, _P, _P],
-    "llmd_int4": [_P, _P, _P, _I, _I, _I, _P, _P, _P, _P, _P, _I, _I],
-    "llmd_w8a8_quantize": [_P, _I, _I, _P, _P, _P],
+    "llmd_int4_x": [_P, _I, _I, _I, _P, _P, _P, _P, _P, _I, _I],
     "llmd_f32": [_P, _I, _I, _P, _P, _P, _I, _I],
     "llmd_attend": [_P, _P, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _P, _I],
     "llmd_rmsnorm": [_P, _I, _I, _P, ctypes.c_float, _P],
     "llmd_silu_mul": [_P, _I, _I, _P],
     "llmd_rope_qk": [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P],
-    "llmd_w8a8": [_P, _P, _P, _I, _I, _P, _P, _P, _P, _I, _I],
+    "llmd_w8a8_x": [_P, _I, _I, _P, _P, _P, _P, _I, _I],
 }
 
 

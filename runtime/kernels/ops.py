@@ -63,14 +63,9 @@ def int8_matvec(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bi
         return None
     so, x, m, k = start
     n = qweight.shape[0]
-    xh, xl = torch.empty(m, k, dtype=torch.uint8), torch.empty(m, k, dtype=torch.uint8)
-    neg = torch.empty(m, k // 64, dtype=torch.int64)
-    sx = torch.empty(m)
-    if so.llmd_x16_quantize(x.data_ptr(), m, k, xh.data_ptr(), xl.data_ptr(), neg.data_ptr(), sx.data_ptr()):
-        return None
     y = torch.empty(m, n)
-    rc = so.llmd_int8(xh.data_ptr(), xl.data_ptr(), neg.data_ptr(), sx.data_ptr(), m, k, qweight.data_ptr(),
-                      scales.data_ptr(), _ptr(bias), y.data_ptr(), n, _threads(n, k))
+    rc = so.llmd_int8_x(x.data_ptr(), m, k, qweight.data_ptr(), scales.data_ptr(), _ptr(bias), y.data_ptr(), n,
+                        _threads(n, k))
     return y if rc == 0 else None
 
 
@@ -95,13 +90,9 @@ def int4_matvec(x: torch.Tensor, form: tuple, group_size: int, bias: torch.Tenso
     so, x, m, k = start
     packed, scales, offsets = form
     n = packed.shape[0]
-    xq, sx, xs = torch.empty(m, k, dtype=torch.int8), torch.empty(m, k // 128), torch.empty(m, k // group_size)
-    if so.llmd_x8_blocks(x.data_ptr(), m, k, group_size, xq.data_ptr(), sx.data_ptr(), xs.data_ptr()):
-        return None
     y = torch.empty(m, n)
-    rc = so.llmd_int4(xq.data_ptr(), sx.data_ptr(), xs.data_ptr(), m, k, group_size, packed.data_ptr(),
-                      scales.data_ptr(), offsets.data_ptr(), _ptr(bias),
-                      y.data_ptr(), n, _threads(n, k // 2))
+    rc = so.llmd_int4_x(x.data_ptr(), m, k, group_size, packed.data_ptr(), scales.data_ptr(), offsets.data_ptr(),
+                        _ptr(bias), y.data_ptr(), n, _threads(n, k // 2))
     return y if rc == 0 else None
 
 
@@ -110,14 +101,9 @@ def w8a8_matvec(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bi
         return None
     so, x, m, k = start
     n = qweight.shape[0]
-    xa = torch.empty(m, k, dtype=torch.uint8)
-    neg = torch.empty(m, k // 64, dtype=torch.int64)
-    sx = torch.empty(m)
-    if so.llmd_w8a8_quantize(x.data_ptr(), m, k, xa.data_ptr(), neg.data_ptr(), sx.data_ptr()):
-        return None
     y = torch.empty(m, n)
-    rc = so.llmd_w8a8(xa.data_ptr(), neg.data_ptr(), sx.data_ptr(), m, k, qweight.data_ptr(), scales.data_ptr(),
-                      _ptr(bias), y.data_ptr(), n, _threads(n, k))
+    rc = so.llmd_w8a8_x(x.data_ptr(), m, k, qweight.data_ptr(), scales.data_ptr(), _ptr(bias), y.data_ptr(), n,
+                        _threads(n, k))
     return y if rc == 0 else None
 
 

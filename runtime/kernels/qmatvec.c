@@ -472,3 +472,54 @@ TARGET int llmd_rope_qk(const float *qkv, int T, int H, int KVH, int D, const fl
     }
     return 0;
 }
+
+/* ---- one call per product: quantize x into per-thread scratch, then multiply --------------- */
+/* The scratch grows to the largest row seen and is kept for the thread's life, so a decode step
+ * allocates nothing here; the caller passes x as float32 and gets y. */
+
+static __thread void *scratch;
+static __thread size_t scratch_bytes;
+
+static void *scratch_for(size_t bytes) {
+    if (bytes > scratch_bytes) {
+        void *p = realloc(scratch, bytes);
+        if (!p) return 0;
+        scratch = p;
+        scratch_bytes = bytes;
+    }
+    return scratch;
+}
+
+TARGET int llmd_int8_x(const float *x, int M, int K, const int8_t *w, const float *s, const float *bias, float *y,
+                       int N, int nt) {
+    if (M < 1 || M > MAXM || K % 128) return -1;
+    uint8_t *xh = scratch_for((size_t)M * K * 2 + (size_t)M * (K / 64) * 8 + (size_t)M * 4 + 64);
+    if (!xh) return -2;
+    uint8_t *xl = xh + (size_t)M * K;
+    uint64_t *neg = (uint64_t *)(xl + (size_t)M * K);
+    float *sx = (float *)(neg + (size_t)M * (K / 64));
+    if (llmd_x16_quantize(x, M, K, xh, xl, neg, sx)) return -1;
+    return llmd_int8(xh, xl, neg, sx, M, K, w, s, bias, y, N, nt);
+}
+
+TARGET int llmd_int4_x(const float *x, int M, int K, int G, const uint8_t *w, const float *s, const float *off,
+                       const float *bias, float *y, int N, int nt) {
+    if (M < 1 || M > MAXM || K % 128 || G < 64 || K % G) return -1;
+    float *sx = scratch_for((size_t)M * (K / 128) * 4 + (size_t)M * (K / G) * 4 + (size_t)M * K + 64);
+    if (!sx) return -2;
+    float *xs = sx + (size_t)M * (K / 128);
+    int8_t *xq = (int8_t *)(xs + (size_t)M * (K / G));
+    if (llmd_x8_blocks(x, M, K, G, xq, sx, xs)) return -1;
+    return llmd_int4(xq, sx, xs, M, K, G, w, s, off, bias, y, N, nt);
+}
+
+TARGET int llmd_w8a8_x(const float *x, int M, int K, const int8_t *w, const float *s, const float *bias, float *y,
+                       int N, int nt) {
+    if (M < 1 || M > MAXM || K % 128) return -1;
+    uint8_t *xa = scratch_for((size_t)M * K + (size_t)M * (K / 64) * 8 + (size_t)M * 4 + 64);
+    if (!xa) return -2;
+    uint64_t *neg = (uint64_t *)(xa + (size_t)M * K);
+    float *sx = (float *)(neg + (size_t)M * (K / 64));
+    if (llmd_w8a8_quantize(x, M, K, xa, neg, sx)) return -1;
+    return llmd_w8a8(xa, neg, sx, M, K, w, s, bias, y, N, nt);
+}

@@ -60,6 +60,13 @@ class Linear(nn.Module):
         w = self.weight if self.stored is None else self.stored
         return planned_product(x, w, self.packed, self.plan, self.bias)
 
+    def permute_outputs(self, rows: torch.Tensor) -> None:
+        """Reorder the output features (before ``prepare()``): output i becomes old output rows[i]."""
+        with torch.no_grad():
+            self.weight.copy_(self.weight[rows])
+            if self.bias is not None:
+                self.bias.copy_(self.bias[rows])
+
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of the [out, in] weight (an embedding lookup in a tied head), any storage."""
         if self.stored is None:
@@ -119,8 +126,8 @@ def planned_product(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | Non
     """x [..., in] times a weight stored as ``plan`` says (``w`` in the plan's layout, ``packed`` its
     oneDNN copy or None): split for a few rows, packed for more, else the plain product."""
     k = w.shape[0] if plan.layout == "in_out" else w.shape[1]
-    rows = x.numel() // k
-    x2 = x.reshape(rows, k)
+    x2 = x if x.dim() == 2 else x.reshape(-1, k)
+    rows = x2.shape[0]
     if rows <= plan.split_max_rows:
         y = split_product(x2, w, plan)
         if bias is not None:
@@ -131,7 +138,7 @@ def planned_product(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | Non
         y = x2 @ w if bias is None else torch.addmm(bias, x2, w)
     else:
         y = F.linear(x2, unstore(w, plan.layout), bias)
-    return y.view(*x.shape[:-1], -1)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], -1)
 
 
 def split_product(x: torch.Tensor, w: torch.Tensor, plan: MatvecPlan) -> torch.Tensor:

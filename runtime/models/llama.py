@@ -47,24 +47,23 @@ class Attention(nn.Module):
         self.interleaved = False      # see interleave_rope()
 
     def can_interleave(self) -> bool:
-        return type(self.qkv_proj) is Linear and self.qkv_proj.weight is not None
+        return hasattr(self.qkv_proj, "permute_outputs")
 
     def interleave_rope(self) -> bool:
         """Reorder each q/k head's dimensions from rotate-half pairs (i, i + d/2) to adjacent pairs
-        (2i, 2i + 1), so that rotary embedding becomes one complex multiply over q and k together.
-        Scores are unchanged: q and k get the same permutation, v and o_proj are untouched.
-        Only plain (unquantized) weights are reordered; otherwise the rotate-half path stays."""
+        (2i, 2i + 1), so that rotary embedding becomes one complex multiply (or one kernel call) over
+        q and k together. Scores are unchanged: q and k get the same permutation, v and o_proj are
+        untouched. Works on plain and quantized projections alike (output rows are permuted whole,
+        with their scales), before their kernel forms are built."""
         if not self.can_interleave():
             return False
-        w = self.qkv_proj.weight
         d = self.head_dim
         perm = torch.stack([torch.arange(d // 2), torch.arange(d // 2) + d // 2], dim=-1).flatten()
         heads = self.num_heads + self.num_kv_heads
         rows = (torch.arange(heads).unsqueeze(1) * d + perm).flatten()
+        rows = torch.cat([rows, torch.arange(heads * d, self.qkv_proj.out_features)])
         with torch.no_grad():
-            w[:heads * d] = w[:heads * d][rows]
-            if self.qkv_proj.bias is not None:
-                self.qkv_proj.bias[:heads * d] = self.qkv_proj.bias[:heads * d][rows]
+            self.qkv_proj.permute_outputs(rows)
             for norm in (self.q_norm, self.k_norm):
                 if norm is not None:
                     norm.weight.copy_(norm.weight[perm])
@@ -91,23 +90,23 @@ class Attention(nn.Module):
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
     def _project_interleaved(self, qkv: torch.Tensor, cis: torch.Tensor):
-        t = qkv.shape[0]
-        d = self.head_dim
-        qk = qkv[:, :self.q_size + self.kv_size].unflatten(-1, (self.num_heads + self.num_kv_heads, d))
-        v = qkv[:, self.q_size + self.kv_size:].unflatten(-1, (self.num_kv_heads, d))
+        """qkv [..., T, F] (packed rows, or a dense batch) with cis [T, 1, D/2]."""
+        d, h = self.head_dim, self.num_heads
+        qk = qkv[..., :self.q_size + self.kv_size].unflatten(-1, (h + self.num_kv_heads, d))
+        v = qkv[..., self.q_size + self.kv_size:].unflatten(-1, (self.num_kv_heads, d))
         if self.q_norm is not None:
-            qk = torch.cat([self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])], dim=1)
-        rot = torch.view_as_real(torch.view_as_complex(qk.float().reshape(t, -1, d // 2, 2)) * cis)
-        rot = rot.reshape(t, -1, d).to(qkv.dtype)
-        return rot[:, :self.num_heads], rot[:, self.num_heads:], v
+            qk = torch.cat([self.q_norm(qk[..., :h, :]), self.k_norm(qk[..., h:, :])], dim=-2)
+        rot = torch.view_as_real(torch.view_as_complex(qk.float().reshape(*qk.shape[:-1], d // 2, 2)) * cis)
+        rot = rot.reshape(qk.shape).to(qkv.dtype)
+        return rot[..., :h, :], rot[..., h:, :], v
 
     def forward(self, x, cos, sin, attn, cis=None) -> torch.Tensor:
         q, k, v = self.project(x, cos, sin, cis)
         out = attn.attend(self.layer_idx, q, k, v)             # [T, H, D]
         return self.o_proj(out.flatten(-2))
 
-    def forward_dense(self, x, cos, sin) -> torch.Tensor:
-        q, k, v = self.project(x, cos, sin)                    # [B, T, H, D]
+    def forward_dense(self, x, cos, sin, cis=None) -> torch.Tensor:
+        q, k, v = self.project(x, cos, sin, cis)               # [B, T, H, D]
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                              is_causal=True, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).flatten(-2))
@@ -140,7 +139,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, attn=None, cis=None) -> torch.Tensor:
         h = self.input_layernorm(x)
-        h = self.self_attn(h, cos, sin, attn, cis) if attn is not None else self.self_attn.forward_dense(h, cos, sin)
+        h = self.self_attn(h, cos, sin, attn, cis) if attn is not None else self.self_attn.forward_dense(h, cos, sin, cis)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -174,8 +173,9 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed(input_ids)
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         cos, sin = self.rotary.lookup(positions, x.dtype)
+        cis = self.rotary.lookup_cis(positions) if self._interleaved else None   # prepared weights are interleaved
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            x = layer(x, cos, sin, None, cis)
         return self.compute_logits(self.norm(x))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
