@@ -126,3 +126,13 @@ def test_attention_kernel_matches_reference_over_the_paged_pool(heads, kv_heads,
     got = attn.attend(0, q, k, v)
     want = reference_attention(q, _gatherer(kp[0], None, bs, q.dtype), _gatherer(vp[0], None, bs, q.dtype), spans, bs)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_silu_mul_and_rmsnorm_kernels_match_torch():
+    g = torch.Generator().manual_seed(5)
+    gate_up = torch.randn(3, 2 * 1000, generator=g) * 8          # silu far into both tails
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(ops.silu_mul(gate_up), torch.nn.functional.silu(gate) * up, rtol=2e-6, atol=1e-6)
+    x, w = torch.randn(2, 896, generator=g), torch.randn(896, generator=g)
+    torch.testing.assert_close(ops.rmsnorm(x, w, 1e-6), torch.nn.functional.rms_norm(x, (896,), w, 1e-6),
+                               rtol=2e-6, atol=1e-6)

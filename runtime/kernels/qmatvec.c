@@ -331,10 +331,10 @@ TARGET int llmd_f32(const float *x, int M, int K, const float *w, const float *b
  * Threads take (row, kv head) pairs. For decode and verification rows (a few per request); long
  * prompt chunks go to torch's blocked attention. */
 
-/* exp(x) for x <= 0 (scores minus their maximum): 2^(x log2 e) as 2^n 2^f, f in [-1/2, 1/2],
- * 2^f by a degree-6 polynomial (relative error below 2e-7), 2^n exactly by scalef. */
+/* exp(x) for x in [-87, 88] (clamped there): 2^(x log2 e) as 2^n 2^f, f in [-1/2, 1/2], 2^f by a
+ * degree-6 polynomial (relative error below 2e-7), 2^n exactly by scalef. */
 static inline TARGET __m512 exp_ps(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
     const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
     const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(t, n);
@@ -444,10 +444,17 @@ TARGET int llmd_rmsnorm(const float *x, int M, int K, const float *w, float eps,
 /* out[m, i] = silu(gu[m, i]) * gu[m, I + i]: the gated MLP's activation, for M rows of 2I floats. */
 TARGET int llmd_silu_mul(const float *gu, int M, int I, float *out) {
     if (!llmd_cpu_ok()) return -1;
+    const __m512 one = _mm512_set1_ps(1.f);
     for (int m = 0; m < M; m++) {
         const float *g = gu + (size_t)m * 2 * I, *u = g + I;
         float *o = out + (size_t)m * I;
-        for (int i = 0; i < I; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+        int i = 0;
+        for (; i + 16 <= I; i += 16) {
+            __m512 gv = _mm512_loadu_ps(g + i);
+            __m512 sg = _mm512_div_ps(gv, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+            _mm512_storeu_ps(o + i, _mm512_mul_ps(sg, _mm512_loadu_ps(u + i)));
+        }
+        for (; i < I; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
     }
     return 0;
 }
