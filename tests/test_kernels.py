@@ -1,5 +1,7 @@
-"""llmd's quantized matrix-vector kernels (llmd.runtime.kernels) against float64 references of the
+"""llmd's CPU kernels (llmd.runtime.kernels): products, attention and row operations against float64 or torch references of the
 same formulas, with error bounds derived from how each kernel rounds its input rows."""
+import os
+
 import pytest
 import torch
 
@@ -136,3 +138,19 @@ def test_silu_mul_and_rmsnorm_kernels_match_torch():
     x, w = torch.randn(2, 896, generator=g), torch.randn(896, generator=g)
     torch.testing.assert_close(ops.rmsnorm(x, w, 1e-6), torch.nn.functional.rms_norm(x, (896,), w, 1e-6),
                                rtol=2e-6, atol=1e-6)
+
+
+def test_a_cache_directory_others_can_write_is_not_trusted(tmp_path, monkeypatch):
+    """A library planted in a shared directory must never be loaded: such a directory is skipped."""
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    monkeypatch.setenv("LLMD_CACHE", str(shared))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(shared))
+    monkeypatch.setattr(kernels.Path, "home", staticmethod(lambda: shared))
+    chosen = kernels._cache_dir()
+    assert chosen != shared                         # others may write there: skipped
+    assert chosen.stat().st_mode & 0o077 == 0 and chosen.stat().st_uid == os.getuid()
+    mine = tmp_path / "mine"
+    monkeypatch.setenv("LLMD_CACHE", str(mine))
+    assert kernels._cache_dir() == mine and mine.stat().st_mode & 0o077 == 0

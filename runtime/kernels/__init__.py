@@ -1,8 +1,9 @@
 """llmd's own CPU kernels for quantized products of a few rows (see qmatvec.c), built on first use.
 
 The C source is compiled once per machine with the system C compiler into a cache directory
-(``$LLMD_CACHE``, else ``$XDG_CACHE_HOME/llmd``, else ``~/.cache/llmd``; a temporary directory when
-none is writable) and loaded with ctypes; it links the OpenMP runtime torch has already loaded, so
+(``$LLMD_CACHE``, else ``$XDG_CACHE_HOME/llmd``, else ``~/.cache/llmd``; used only when owned by
+this user and writable by no one else, so nobody can plant a library there; else a fresh private
+temporary directory) and loaded with ctypes; it links the OpenMP runtime torch has already loaded, so
 both share one thread pool. ``available()`` is False, with ``why()`` saying why, when there is no
 compiler, the CPU lacks AVX-512 (with VNNI), or ``LLMD_KERNELS=0``: quantized modules then use
 torch's kernels, slower but the same formulas.
@@ -11,7 +12,9 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -19,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+log = logging.getLogger("llmd.kernels")
 _SOURCE = Path(__file__).with_name("qmatvec.c")
 _lib: ctypes.CDLL | None = None
 _why = ""
@@ -39,17 +43,24 @@ _SIGNATURES = {
 }
 
 
+def _private(d: Path) -> bool:
+    """Ours and writable by nobody else: a shared directory could hold a planted library."""
+    st = d.stat()
+    return st.st_uid == os.getuid() and not st.st_mode & 0o022
+
+
 def _cache_dir() -> Path:
-    for d in (os.environ.get("LLMD_CACHE"), os.environ.get("XDG_CACHE_HOME") and Path(os.environ["XDG_CACHE_HOME"]) / "llmd",
-              Path.home() / ".cache" / "llmd"):
-        if d:
-            try:
-                Path(d).mkdir(parents=True, exist_ok=True)
-                if os.access(d, os.W_OK):
-                    return Path(d)
-            except OSError:
-                continue
-    return Path(tempfile.gettempdir())
+    env_home = os.environ.get("XDG_CACHE_HOME")
+    for d in (os.environ.get("LLMD_CACHE"), env_home and Path(env_home) / "llmd", Path.home() / ".cache" / "llmd"):
+        if not d:
+            continue
+        try:
+            Path(d).mkdir(mode=0o700, parents=True, exist_ok=True)
+            if os.access(d, os.W_OK) and _private(Path(d)):
+                return Path(d)
+        except OSError:
+            continue
+    return Path(tempfile.mkdtemp(prefix="llmd-kernels-"))     # private (0700), rebuilt per process
 
 
 def _build() -> Path:
@@ -59,7 +70,7 @@ def _build() -> Path:
         raise RuntimeError("no C compiler found (install gcc)")
     tag = hashlib.sha256(src + cc.encode()).hexdigest()[:16]
     out = _cache_dir() / f"qmatvec-{tag}.so"
-    if out.exists():
+    if out.exists() and _private(out):
         return out
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
     cmd = [cc, "-O3", "-fopenmp", "-shared", "-fPIC", "-o", str(tmp), str(_SOURCE), "-lm"]
@@ -79,16 +90,23 @@ def lib() -> ctypes.CDLL | None:
     if os.environ.get("LLMD_KERNELS", "1") == "0":
         _why = "turned off by LLMD_KERNELS=0"
         return None
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        _why = f"llmd's kernels are written for x86-64 (AVX-512), not {platform.machine()}"
+        log.info("%s; torch's kernels are used", _why)
+        return None
     try:
         so = ctypes.CDLL(str(_build()))
     except (OSError, RuntimeError) as e:
         _why = str(e)
+        log.warning("llmd's CPU kernels are unavailable (%s); decoding uses torch's kernels, which are slower "
+                    "here. Install a C compiler (gcc) to build them.", _why)
         return None
     for name, args in _SIGNATURES.items():
         fn = getattr(so, name)
         fn.argtypes, fn.restype = args, ctypes.c_int
     if not so.llmd_cpu_ok():
         _why = "this CPU lacks AVX-512 with VNNI"
+        log.info("llmd's CPU kernels need AVX-512 with VNNI; this CPU lacks it, so torch's kernels are used")
         return None
     _lib = so
     return _lib
