@@ -123,7 +123,7 @@ def why() -> str:
 
 def usable(x: torch.Tensor) -> bool:
     """True when the kernels may run on ``x``: loaded, a real CPU tensor, and not inside a graph
-    being traced or compiled (those keep torch's ops, which they can capture)."""
-    return (_lib is not None or (not _tried and available())) and x.device.type == "cpu" \
-        and not torch.compiler.is_compiling() and not torch.jit.is_tracing() \
-        and type(x) is torch.Tensor
+    being traced or compiled (those keep torch's ops, which they can capture). Called per product:
+    the cheap checks come first."""
+    return (type(x) is torch.Tensor and (_lib is not None or (not _tried and available())) and x.is_cpu
+            and not torch.compiler.is_compiling() and not torch.jit.is_tracing())

@@ -57,6 +57,11 @@ class Linear(nn.Module):
             self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (self.plan.layout == "blocked" and x.dim() == 2 and x.shape[0] <= self.plan.split_max_rows
+                and kernels.usable(x)):                # decode: straight to the kernel, bias included
+            y = ops.f32_matvec(x, self.stored, self.bias)
+            if y is not None:
+                return y
         w = self.weight if self.stored is None else self.stored
         return planned_product(x, w, self.packed, self.plan, self.bias)
 
