@@ -5,8 +5,10 @@
 
 Random weights are built in memory (nothing written to disk). For each variant it measures
 single-stream decode (tokens/s over --decode steps after a --prompt-token prompt) and prompt
-processing (tokens/s of one --prompt-token forward). On a shared machine the minimum of --repeat
-runs is the figure least disturbed by other work; medians are printed beside it.
+processing (tokens/s of one --prompt-token forward). All variants are built first and --repeat
+rounds alternate between them. On a shared machine the fastest step is the figure least disturbed
+by other work; medians are printed beside it, and each ratio is given both ways: a memory-bound
+variant gains more than a compute-bound one when the neighbours leave bandwidth free.
 
 With --llamacpp (needs the ``bench`` extra: llama-cpp-python and gguf), the same random weights are
 written once as a model directory, converted to GGUF Q8_0 and Q4_0 (every matrix, the tied
@@ -46,23 +48,31 @@ def step(runner: ModelRunner, ids: list[int], start: int, blocks: list[int]) -> 
     return runner.run(runner.prepare_feeds([Feed(ids, start, blocks, 1)]))
 
 
-def measure(model: LlamaForCausalLM, prompt_tokens: int, decode: int, repeat: int) -> dict:
-    block = 16
-    blocks = (prompt_tokens + decode) // block + 2
-    runner = ModelRunner(model, blocks, block, "float32")
-    block_ids = list(range(blocks))
-    prompt = list(range(1, prompt_tokens + 1))
-    prefill, per_token = [], []
-    for _ in range(repeat):
+class Timer:
+    """One variant's runner and its timings; ``round()`` times one prompt forward and its decode."""
+
+    def __init__(self, model: LlamaForCausalLM, prompt_tokens: int, decode: int):
+        block = 16
+        blocks = (prompt_tokens + decode) // block + 2
+        self.runner = ModelRunner(model, blocks, block, "float32")
+        self.block_ids = list(range(blocks))
+        self.prompt = list(range(1, prompt_tokens + 1))
+        self.decode = decode
+        self.prefill: list[float] = []
+        self.per_token: list[float] = []
+
+    def round(self) -> None:
         t = time.perf_counter()
-        logits = step(runner, prompt, 0, block_ids)
-        prefill.append(time.perf_counter() - t)
+        logits = step(self.runner, self.prompt, 0, self.block_ids)
+        self.prefill.append(time.perf_counter() - t)
         tok = int(logits.argmax())
-        for i in range(decode):
+        for i in range(self.decode):
             t = time.perf_counter()
-            tok = int(step(runner, [tok], prompt_tokens + i, block_ids).argmax())
-            per_token.append(time.perf_counter() - t)
-    return rates(prompt_tokens, prefill, per_token)
+            tok = int(step(self.runner, [tok], len(self.prompt) + i, self.block_ids).argmax())
+            self.per_token.append(time.perf_counter() - t)
+
+    def rates(self) -> dict:
+        return rates(len(self.prompt), self.prefill, self.per_token)
 
 
 def rates(prompt_tokens: int, prefill: list[float], per_token: list[float]) -> dict:
@@ -117,12 +127,18 @@ def main() -> None:
     p.add_argument("--work", type=Path, default=None, help="where the GGUF files go (default: a temporary folder)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    results = {}
-    for name in args.variants.split(","):
-        model = build(args.shape, VARIANTS[name], seed=0)
-        with torch.inference_mode():
-            results[name] = measure(model, args.prompt_tokens, args.decode, args.repeat)
-        del model
+    # every variant is built first and the rounds alternate between them, so that a slow minute on
+    # a shared machine falls on all of them alike, not on whichever ran then
+    names = args.variants.split(",")
+    timers = {}
+    for name in names:
+        timers[name] = Timer(build(args.shape, VARIANTS[name], seed=0), args.prompt_tokens, args.decode)
+    with torch.inference_mode():
+        for _ in range(args.repeat):
+            for name in names:
+                timers[name].round()
+    results = {name: timers[name].rates() for name in names}
+    for name in names:
         report(name, results[name])
     if args.llamacpp:
         with tempfile.TemporaryDirectory(prefix="llmd-gguf-") as tmp:
@@ -142,8 +158,9 @@ def main() -> None:
     for label, a, b, key, goal in ratios:
         if a in results and b in results:
             ratio = results[a][key] / results[b][key]
+            median = results[a][key + "_median"] / results[b][key + "_median"]
             verdict = f"  (goal {goal}x: {'met' if ratio >= goal else 'NOT met'})" if goal else ""
-            print(f"{label:30s} {ratio:5.2f}x{verdict}")
+            print(f"{label:30s} {ratio:5.2f}x  (medians {median:4.2f}x){verdict}")
 
 
 if __name__ == "__main__":
