@@ -102,3 +102,18 @@ def test_draft_with_other_tokenizer_is_refused(tiny_model_dir, tmp_path):
                                num_attention_heads=2, num_key_value_heads=1, intermediate_size=64, vocab_size=512)
     with pytest.raises(ModelLoadError, match="draft's tokenizer differs"):
         LLM(str(tiny_model_dir), draft=str(other))
+
+
+def test_ngram_keeps_copying_the_passage_it_was_copying():
+    """An output copying its prompt meets an n-gram that occurs twice there: the lookup's latest
+    occurrence is the wrong passage, the continuation of the one being copied is right."""
+    from llmd.runtime.request import Request
+    from llmd.runtime.spec.ngram import NgramProposer
+    prompt = [7, 1, 2, 3, 4, 8, 1, 2, 3, 5, 6]
+    req = Request("r", prompt + [7, 1], SamplingParams(max_tokens=20))
+    ng = NgramProposer(n=3, min_n=2)
+    assert ng.propose([(req, 4)])[0].token_ids == [2, 3, 4, 8]       # "7 1" occurs once: copy from there
+    req.token_ids.extend([2, 3])                                     # two accepted, the copy goes on
+    assert ng.propose([(req, 4)])[0].token_ids == [4, 8, 1, 2]       # not [5, 6, 7, 1] after "1 2 3"
+    req.token_ids.extend([9])                                        # the output leaves the passage
+    assert ng.propose([(req, 4)])[0].token_ids == []                 # "2 3 9" / "3 9" occur nowhere

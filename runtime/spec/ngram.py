@@ -2,6 +2,9 @@
 
 No model runs. It fits code edits and infill, where the output copies the input. The per-request
 index maps each n-gram to the position after its latest occurrence, and grows as tokens arrive.
+While the output keeps copying one place (every token since the last proposal equals the source
+there), the next proposal continues from that place instead of looking the n-gram up again: code
+repeats short n-grams often, and the latest occurrence of one is often not the passage being copied.
 """
 from __future__ import annotations
 
@@ -12,11 +15,13 @@ from .proposer import Proposal, Proposer
 
 
 class _Index:
-    __slots__ = ("after", "indexed")
+    __slots__ = ("after", "indexed", "source", "length")
 
     def __init__(self):
         self.after: dict[tuple, int] = {}
         self.indexed = 0          # n-grams ending before this position are indexed
+        self.source = -1          # where the last proposal was copied from (-1: none)
+        self.length = 0           # the request's length when it was made
 
 
 class NgramProposer(Proposer):
@@ -43,13 +48,27 @@ class NgramProposer(Proposer):
                 if end - n + 1 >= 0:
                     idx.after[(n, *toks[end - n + 1:end + 1])] = end + 1
         idx.indexed = max(idx.indexed, last)
+        start = self._continued(idx, toks)
         for n in range(self.n, self.min_n - 1, -1):
-            if last - n + 1 < 0:
-                continue
+            if start is not None or last - n + 1 < 0:
+                break
             start = idx.after.get((n, *toks[last - n + 1:last + 1]))
-            if start is not None:
-                return toks[start:start + k]
-        return []
+        if start is None:
+            idx.source = -1
+            return []
+        idx.source, idx.length = start, len(toks)
+        return toks[start:start + k]
+
+    @staticmethod
+    def _continued(idx: _Index, toks: list[int]) -> int | None:
+        """The source position after the copied passage, if every token since the last proposal
+        copied it."""
+        new = len(toks) - idx.length
+        if idx.source < 0 or new <= 0 or idx.source + new >= len(toks):
+            return None
+        if toks[idx.length:] != toks[idx.source:idx.source + new]:
+            return None
+        return idx.source + new
 
     def reset(self, request: Request) -> None:
         pass        # the index is over token ids, not KV: still valid
