@@ -65,6 +65,12 @@ def test_plan_is_one_of_the_candidates_and_respects_divisibility():
 
 @needs_kernels
 def test_plans_offer_the_float32_kernel_where_it_fits():
+    """Which plan wins is timed (and may differ between runs); which plans compete is not."""
+    from llmd.runtime.models.layers import can_block
+    assert can_block(256, 1024, torch.float32)
+    assert not can_block(256, 1000, torch.float32)         # outputs not in whole blocks of 64
+    assert not can_block(256, 1024, torch.bfloat16)
     plan = matvec_plan(256, 1024, torch.float32, 2)
-    assert plan.layout == "blocked" and plan.packed and plan.split_max_rows in (1, 4, 16)
+    if plan.layout == "blocked":                              # a blocked weight always keeps the packed copy
+        assert plan.packed and plan.split_max_rows in (1, 4, 16)
     assert matvec_plan(256, 1024, torch.bfloat16, 2).layout != "blocked"
