@@ -5,7 +5,8 @@
 1. Code completion, single stream, held-out stdlib files: plain decoding and the draft at a fixed depth
    k, interleaved. Reports the acceptance rate a, the draft's cost c (one draft forward / one plain
    target step), the verification cost v (a target step over k+1 tokens / a plain step), the predicted
-   speedup E(a, k) / (k c + v) with E = (1 - a^(k+1)) / (1 - a), the measured speedup, and their ratio.
+   speedup E(a, k) / (k c + v) with E = (1 - a^(k+1)) / (1 - a), the measured speedup, and their ratio;
+   then the same draft under the adaptive controller (depth up to k, per request and per step).
 2. Code edit (output copies the input), single stream: n-gram lookup (at most --ngram-k proposals,
    fixed and adaptive) against plain decoding.
 3. 16 concurrent streams: adaptive speculation against none, rounds in ABBA order.
@@ -92,10 +93,12 @@ def completion(target: str, draft: str, k: int, n: int, max_tokens: int) -> dict
     prompts = completion_prompts(n)
     plain = LLM(target, kv_memory="256MiB")
     spec = LLM(target, draft=draft, kv_memory="256MiB", num_speculative_tokens=k, adaptive_speculation=False)
-    rates_plain, rates_spec = [], []
+    adaptive = LLM(target, draft=draft, kv_memory="256MiB", num_speculative_tokens=k)
+    rates_plain, rates_spec, rates_adaptive = [], [], []
     for p in prompts:                                   # interleaved, prompt by prompt
         rates_plain.append(decode_rate(plain, [p], max_tokens)[0])
         rates_spec.append(decode_rate(spec, [p], max_tokens)[0])
+        rates_adaptive.append(decode_rate(adaptive, [p], max_tokens)[0])
     st = spec.stats()
     alpha = st["spec_acceptance_rate"]
     t1 = forward_time(spec, 1)
@@ -105,7 +108,9 @@ def completion(target: str, draft: str, k: int, n: int, max_tokens: int) -> dict
     measured = statistics.mean(rates_spec) / statistics.mean(rates_plain)
     return {"k": k, "prompts": len(prompts), "alpha": alpha, "draft_cost_c": c, "verify_cost_v": v,
             "plain_tok_s": statistics.mean(rates_plain), "spec_tok_s": statistics.mean(rates_spec),
-            "predicted_speedup": predicted, "measured_speedup": measured, "measured_over_predicted": measured / predicted}
+            "predicted_speedup": predicted, "measured_speedup": measured, "measured_over_predicted": measured / predicted,
+            "adaptive_tok_s": statistics.mean(rates_adaptive),
+            "adaptive_speedup": statistics.mean(rates_adaptive) / statistics.mean(rates_plain)}
 
 
 def code_edit(target: str, n: int, max_tokens: int, k: int) -> dict:
