@@ -103,8 +103,15 @@ def test_modules_agree_with_and_without_kernels(cls, monkeypatch):
     assert (slow.double() - ref).abs().max().item() < 0.02 * scale
 
 
+LAYOUTS = {   # (num_q, ctx_len, block ids): scattered, shared and partly filled blocks
+    "mixed": [(1, 37, [5, 2, 9]), (4, 20, [7, 1]), (1, 1, [3]), (20, 50, [11, 12, 13, 14]), (8, 64, [15, 16, 17, 18])],
+    "one decode row": [(1, 45, [4, 8, 6])],      # few rows: threads share out the kv heads instead
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 64), (14, 2, 64), (8, 2, 32), (4, 1, 128)])
-def test_attention_kernel_matches_reference_over_the_paged_pool(heads, kv_heads, dim):
+def test_attention_kernel_matches_reference_over_the_paged_pool(heads, kv_heads, dim, layout):
     """Decode rows, verification rows and a prompt chunk in one step: the kernel serves the first
     two kinds, torch the chunk; every row equals the per-request reference."""
     from llmd.runtime.attention import PagedAttention, SeqSpan, reference_attention, _gatherer
@@ -112,10 +119,8 @@ def test_attention_kernel_matches_reference_over_the_paged_pool(heads, kv_heads,
     bs, blocks = 16, 24
     kp = torch.randn(1, blocks * bs, kv_heads, dim, generator=g)
     vp = torch.randn(1, blocks * bs, kv_heads, dim, generator=g)
-    # (num_q, ctx_len, block ids): scattered, shared and partly filled blocks
-    layout = [(1, 37, [5, 2, 9]), (4, 20, [7, 1]), (1, 1, [3]), (20, 50, [11, 12, 13, 14]), (8, 64, [15, 16, 17, 18])]
     spans, start = [], 0
-    for nq, ctx, ids in layout:
+    for nq, ctx, ids in LAYOUTS[layout]:
         spans.append(SeqSpan(start, nq, ctx, ids))
         start += nq
     slots = torch.cat([s.kv_slots(bs)[s.ctx_len - s.num_q:] for s in spans])
@@ -124,7 +129,8 @@ def test_attention_kernel_matches_reference_over_the_paged_pool(heads, kv_heads,
     v = torch.randn(start, kv_heads, dim, generator=g)
     attn = PagedAttention(kp, vp, bs)
     attn.prepare(slots, spans)
-    assert attn.kernel_rows is not None and attn.kernel_rows.rows.numel() == 1 + 4 + 1 + 8   # not the 20-row chunk
+    kernel_rows = sum(nq for nq, _, _ in LAYOUTS[layout] if nq <= 16)        # not the 20-row chunk
+    assert attn.kernel_rows is not None and attn.kernel_rows.rows.numel() == kernel_rows
     got = attn.attend(0, q, k, v)
     want = reference_attention(q, _gatherer(kp[0], None, bs, q.dtype), _gatherer(vp[0], None, bs, q.dtype), spans, bs)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
