@@ -183,3 +183,18 @@ def test_bench_cli_workload_and_classic_modes(tiny_model_dir, tmp_path, capsys):
     assert args.func(args) == 0                      # without --workload: the single-stream/concurrency/prefix report
     res = json.loads(capsys.readouterr().out)
     assert res["llmd_single"]["tokens"] == 4 and res["llmd_concurrent"]["streams"] == 2
+
+
+def test_shape_bench_compares_decode_with_decode(capsys):
+    """`llmd bench --shape tiny`: the concurrent figure it sets against one stream's decode tok/s is
+    measured with the prompts cached (decode only); the end-to-end figure is reported beside it."""
+    import json
+
+    from llmd.cli import main
+    assert main(["bench", "--shape", "tiny", "--gen", "8", "--prompt-len", "32", "--concurrency", "4",
+                 "--shared-prefix", "0", "--repeat", "1", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    c = res["llmd_concurrent"]
+    assert c["cached_prompt_tokens"] >= 4 * 16             # every prompt's full blocks came from the cache
+    assert c["decode_aggregate_tok_s"] > 0 and c["aggregate_tok_s"] > 0
+    assert res["concurrency_gain"] == c["decode_aggregate_tok_s"] / res["llmd_single"]["decode_tok_s"]
