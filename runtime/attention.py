@@ -98,7 +98,7 @@ class PagedAttention:
         """llmd's attention kernel can read these pools (float32, head sizes it handles)."""
         _, _, kvh, d = self.k_pool.shape
         return (not self.reference and self.scales is None and self.k_pool.dtype == torch.float32
-                and d % 16 == 0 and kernels.available())
+                and d % 16 == 0 and d <= 256 and kernels.available())
 
     def prepare(self, slot_mapping: torch.Tensor, spans: list[SeqSpan]) -> None:
         self.slot_mapping, self.spans = slot_mapping, spans
@@ -136,7 +136,7 @@ class PagedAttention:
         out = torch.empty_like(q)
         kr = self.kernel_rows
         if not ops.attend(q, kp, vp, kr.rows, kr.spans, kr.lengths, kr.table, self.block_size, out):
-            raise MemoryError("attention kernel could not allocate its score buffers")
+            raise MemoryError("the attention kernel could not allocate its score buffers (out of memory)")
         if self.groups:
             k_get = _gatherer(kp, None, self.block_size, q.dtype)
             v_get = _gatherer(vp, None, self.block_size, q.dtype)
