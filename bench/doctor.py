@@ -13,7 +13,7 @@ symptom with its evidence. Thresholds are module constants, stated once.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
 HEADROOM_MIN = 0.15        # free RAM left, as a share of (need + free), below which memory is tight

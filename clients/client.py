@@ -28,7 +28,7 @@ from zmq.utils.monitor import parse_monitor_message
 from llmd.daemon import codec
 from llmd.daemon.paths import default_socket_path
 
-from .events import TERMINAL, Ack, Done, Error, Keepalive, Reply, Sentence, Token, from_wire
+from .events import TERMINAL, Ack, Done, Error, Keepalive, Sentence, Token, from_wire
 
 __all__ = ["Client", "AsyncClient", "Stream", "AsyncStream", "ClientError", "DaemonUnavailable",
            "ConnectionLost", "Timeout", "RequestError", "Token", "Sentence", "Done", "Error"]

@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional

@@ -6,7 +6,6 @@ Peers are interleaved with llmd in the same process so machine noise hits both a
 """
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import statistics

@@ -15,7 +15,7 @@ import zmq
 
 from daemon_fixtures import (REPO, daemon_settings, make_engine_factory, offline_greedy, running_daemon,
                              wait_until)
-from llmd.clients.client import Client, RequestError
+from llmd.clients.client import Client
 from llmd.clients.events import Done, Error, Sentence, Token
 from llmd.daemon import codec
 from llmd.daemon.paths import AlreadyRunning

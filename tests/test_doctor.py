@@ -8,7 +8,6 @@ import json
 import pytest
 
 from llmd.bench.doctor import Evidence, diagnose, recommended_flags, render
-from llmd.bench import doctor as d
 
 MIB = 1 << 20
 

@@ -138,7 +138,6 @@ def test_priority_admission_and_preemption(tiny_model_dir):
 
 
 def test_int8_kv_cache_stays_close(tiny_model_dir, ps, alone):
-    import torch
     got, st = run(tiny_model_dir, ps, kv_dtype="int8")
     assert st["kv_dtype"] == "int8"
     same_first = sum(g[:8] == a[:8] for g, a in zip(got, alone))
