@@ -1,6 +1,7 @@
-"""llmd's own CPU kernels for quantized products of a few rows (see qmatvec.c), built on first use.
+"""llmd's own CPU kernels for the decode step, built on first use: quantized products (quant.c),
+float32 products (f32.c), paged attention (attention.c), rmsnorm / silu*mul / rotary (rows.c).
 
-The C source is compiled once per machine with the system C compiler into a cache directory
+The C sources are compiled once per machine with the system C compiler into a cache directory
 (``$LLMD_CACHE``, else ``$XDG_CACHE_HOME/llmd``, else ``~/.cache/llmd``; used only when owned by
 this user and writable by no one else, so nobody can plant a library there; else a fresh private
 temporary directory) and loaded with ctypes; it links the OpenMP runtime torch has already loaded, so
@@ -23,7 +24,9 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger("llmd.kernels")
-_SOURCE = Path(__file__).with_name("qmatvec.c")
+_HERE = Path(__file__).parent
+_SOURCES = [_HERE / name for name in ("quant.c", "f32.c", "attention.c", "rows.c")]
+_HEADER = _HERE / "kernels.h"
 _lib: ctypes.CDLL | None = None
 _why = ""
 _tried = False
@@ -64,19 +67,19 @@ def _cache_dir() -> Path:
 
 
 def _build() -> Path:
-    src = _SOURCE.read_bytes()
+    src = b"".join(p.read_bytes() for p in [*_SOURCES, _HEADER])
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler found (install gcc)")
     tag = hashlib.sha256(src + cc.encode()).hexdigest()[:16]
-    out = _cache_dir() / f"qmatvec-{tag}.so"
+    out = _cache_dir() / f"kernels-{tag}.so"
     if out.exists() and _private(out):
         return out
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    cmd = [cc, "-O3", "-fopenmp", "-shared", "-fPIC", "-o", str(tmp), str(_SOURCE), "-lm"]
+    cmd = [cc, "-O3", "-fopenmp", "-shared", "-fPIC", "-o", str(tmp), *map(str, _SOURCES), "-lm"]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode:
-        raise RuntimeError(f"compiling {_SOURCE.name} failed: {done.stderr.strip()[-400:]}")
+        raise RuntimeError(f"compiling llmd's kernels failed: {done.stderr.strip()[-400:]}")
     os.replace(tmp, out)          # atomic: a concurrent build never loads a half-written file
     return out
 

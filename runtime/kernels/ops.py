@@ -1,4 +1,4 @@
-"""Torch-facing wrappers of qmatvec.c. Each takes x [M, K] (M <= MAX_ROWS) and returns float32
+"""Torch-facing wrappers of llmd's C kernels (quant.c, f32.c, attention.c, rows.c). Each takes x [M, K] (M <= MAX_ROWS) and returns float32
 [M, N], or None when the kernel cannot run (not built, unsupported CPU or shape): the caller then
 uses torch's kernel."""
 from __future__ import annotations
@@ -71,7 +71,7 @@ def int8_matvec(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bi
 
 def int4_pack(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int):
     """uint8 [N, K] nibbles with [N, K/G] scales and zeros -> the kernel's form (packed weights
-    uint8 [N, K/2], scales, offsets z - 8 s; see qmatvec.c), or None where the kernel does not run
+    uint8 [N, K/2], scales, offsets z - 8 s; see quant.c), or None where the kernel does not run
     (not built, K not a multiple of 128, G not 64, 128 or 256)."""
     so = lib()
     n, k = q.shape

@@ -1,0 +1,76 @@
+#include "kernels.h"
+
+/* ---- attention of a few query rows over the paged KV pool -------------------------------- */
+/* Query row r (row[r] of q [T, H, D]) attends to the first len[r] positions of its request,
+ * whose keys/values live at slot table[span[r]][l / bs] * bs + l % bs of the pools [S, KVH, D].
+ * Softmax(q k / sqrt(D)) v per head in float32, heads sharing a key/value head read it once.
+ * Threads take whole rows when there are enough, else (row, kv head) pairs. For decode and
+ * verification rows (a few per request); long prompt chunks go to torch's blocked attention. */
+
+TARGET int llmd_attend(const float *q, const float *kpool, const float *vpool, const int32_t *row, const int32_t *span,
+                       const int32_t *len, int R, const int32_t *table, int table_width, int bs, int H, int KVH, int D,
+                       float *out, int nt) {
+    if (!llmd_cpu_ok() || D % 16 || D > 256 || H % KVH) return -1;
+    const int G = H / KVH;
+    const float scale = 1.f / sqrtf((float)D);
+    int failed = 0;
+    /* With rows enough to keep every thread busy, a thread takes whole rows: it reads a row's keys
+     * and values from memory once and the other kv heads' passes find them in its cache. With a
+     * few rows (one stream), the kv heads of a row are shared out instead. */
+    const int whole_rows = R >= 2 * nt;
+    const int items = whole_rows ? R : R * KVH;
+    #pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
+    for (int item = 0; item < items; item++) {
+        const int r = whole_rows ? item : item / KVH, L = len[r];
+        const int h0 = whole_rows ? 0 : item % KVH, h1 = whole_rows ? KVH : h0 + 1;
+        const int Lp = (L + 15) & ~15;                        /* scores padded to whole vectors */
+        const int32_t *blocks = table + (size_t)span[r] * table_width;
+        float *p = (float *)malloc(sizeof(float) * (size_t)Lp + sizeof(size_t) * (size_t)Lp);
+        if (!p) { failed = 1; continue; }
+        size_t *slot = (size_t *)(p + Lp);
+        for (int l = 0, b = 0, o = 0; l < Lp; l++) {          /* padding repeats the last position */
+            slot[l] = (size_t)blocks[b] * bs + o;
+            if (l + 1 < L && ++o == bs) { o = 0; b++; }
+        }
+        for (int kvh = h0; kvh < h1; kvh++)
+        for (int g = 0; g < G; g++) {
+            const float *qh = q + ((size_t)row[r] * H + (size_t)kvh * G + g) * D;
+            __m512 qv[16];
+            for (int d = 0; d < D / 16; d++) qv[d] = _mm512_mul_ps(_mm512_loadu_ps(qh + 16 * d), _mm512_set1_ps(scale));
+            __m512 mx = _mm512_set1_ps(-INFINITY);
+            for (int l = 0; l < Lp; l += 16) {                  /* scores, sixteen positions at a time */
+                __m512 dots[16];
+                for (int j = 0; j < 16; j++) {
+                    const float *k = kpool + (slot[l + j] * KVH + kvh) * D;
+                    __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+                    for (int d = 1; d < D / 16; d++) a = _mm512_fmadd_ps(qv[d], _mm512_loadu_ps(k + 16 * d), a);
+                    dots[j] = a;
+                }
+                __m512 sc = sum16x16(dots);
+                if (l + 16 > L) sc = _mm512_mask_blend_ps((__mmask16)((1u << (L - l)) - 1), _mm512_set1_ps(-INFINITY), sc);
+                _mm512_storeu_ps(p + l, sc);
+                mx = _mm512_max_ps(mx, sc);
+            }
+            const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+            __m512 sum = _mm512_setzero_ps();
+            for (int l = 0; l < Lp; l += 16) {
+                __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(p + l), m));
+                if (l + 16 > L) e = _mm512_maskz_mov_ps((__mmask16)((1u << (L - l)) - 1), e);
+                _mm512_storeu_ps(p + l, e);
+                sum = _mm512_add_ps(sum, e);
+            }
+            const float inv = 1.f / _mm512_reduce_add_ps(sum);
+            __m512 acc[16];
+            for (int d = 0; d < D / 16; d++) acc[d] = _mm512_setzero_ps();
+            for (int l = 0; l < L; l++) {
+                const float *v = vpool + (slot[l] * KVH + kvh) * D;
+                const __m512 w = _mm512_set1_ps(p[l]);
+                for (int d = 0; d < D / 16; d++) acc[d] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 16 * d), acc[d]);
+            }
+            float *o = out + ((size_t)row[r] * H + (size_t)kvh * G + g) * D;
+            for (int d = 0; d < D / 16; d++) _mm512_storeu_ps(o + 16 * d, _mm512_mul_ps(acc[d], _mm512_set1_ps(inv)));
+        }
+        free(p);
+    }
+    return failed ? -2 : 0;
+}

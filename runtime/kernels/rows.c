@@ -1,0 +1,58 @@
+#include "kernels.h"
+
+/* ---- small row-wise operations of the decode step ------------------------------------------ */
+/* Each costs one call instead of the four to six torch operations it replaces; rows are short
+ * (a few thousand floats), so they run on the calling thread. */
+
+/* out[m] = x[m] / sqrt(mean(x[m]^2) + eps) * w, for M rows of K floats (K a multiple of 16). */
+TARGET int llmd_rmsnorm(const float *x, int M, int K, const float *w, float eps, float *out) {
+    if (!llmd_cpu_ok() || K % 16) return -1;
+    for (int m = 0; m < M; m++) {
+        const float *r = x + (size_t)m * K;
+        __m512 ss = _mm512_setzero_ps();
+        for (int k = 0; k < K; k += 16) { __m512 v = _mm512_loadu_ps(r + k); ss = _mm512_fmadd_ps(v, v, ss); }
+        const __m512 inv = _mm512_set1_ps(1.f / sqrtf(_mm512_reduce_add_ps(ss) / K + eps));
+        for (int k = 0; k < K; k += 16)
+            _mm512_storeu_ps(out + (size_t)m * K + k, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(r + k), inv), _mm512_loadu_ps(w + k)));
+    }
+    return 0;
+}
+
+/* out[m, i] = silu(gu[m, i]) * gu[m, I + i]: the gated MLP's activation, for M rows of 2I floats. */
+TARGET int llmd_silu_mul(const float *gu, int M, int I, float *out) {
+    if (!llmd_cpu_ok()) return -1;
+    const __m512 one = _mm512_set1_ps(1.f);
+    for (int m = 0; m < M; m++) {
+        const float *g = gu + (size_t)m * 2 * I, *u = g + I;
+        float *o = out + (size_t)m * I;
+        int i = 0;
+        for (; i + 16 <= I; i += 16) {
+            __m512 gv = _mm512_loadu_ps(g + i);
+            __m512 sg = _mm512_div_ps(gv, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+            _mm512_storeu_ps(o + i, _mm512_mul_ps(sg, _mm512_loadu_ps(u + i)));
+        }
+        for (; i < I; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+    }
+    return 0;
+}
+
+/* Rotary embedding on adjacent pairs (2i, 2i+1) of each q and k head, from packed qkv rows
+ * [T, (H + 2 KVH) D], into contiguous q [T, H, D] and k [T, KVH, D]; cos/sin tables [P, D/2]. */
+TARGET int llmd_rope_qk(const float *qkv, int T, int H, int KVH, int D, const float *cos_t, const float *sin_t,
+                        const int64_t *pos, float *q, float *k) {
+    if (!llmd_cpu_ok() || D % 2) return -1;
+    const int width = (H + 2 * KVH) * D;
+    for (int t = 0; t < T; t++) {
+        const float *c = cos_t + (size_t)pos[t] * (D / 2), *s = sin_t + (size_t)pos[t] * (D / 2);
+        for (int h = 0; h < H + KVH; h++) {
+            const float *x = qkv + (size_t)t * width + (size_t)h * D;
+            float *o = h < H ? q + ((size_t)t * H + h) * D : k + ((size_t)t * KVH + h - H) * D;
+            for (int i = 0; i < D / 2; i++) {
+                const float a = x[2 * i], b = x[2 * i + 1];
+                o[2 * i] = a * c[i] - b * s[i];
+                o[2 * i + 1] = a * s[i] + b * c[i];
+            }
+        }
+    }
+    return 0;
+}
