@@ -114,3 +114,14 @@ def test_speculation_that_pays_again_resets_the_probe_interval():
     ctrl.alpha[rs[0].request_id] = 0.9
     ctrl.plan(rs, 0)
     assert rs[0].spec_k > 0 and ctrl.probe_every == PROBE_EVERY
+
+
+def test_a_bucket_never_costs_more_than_a_larger_one():
+    from llmd.runtime.spec.controller import CostTable
+    t = CostTable()
+    for _ in range(3):
+        t.observe(1, 0.0044)          # one-row steps caught at a bad moment
+        t.observe(3, 0.0029)
+        t.observe(40, 0.0100)
+    assert t.estimate(1) == 0.0029 and t.estimate(3) == 0.0029 and t.estimate(40) == 0.0100
+    assert t.estimate(200) is None    # nothing measured there yet

@@ -52,12 +52,22 @@ class CostTable:
         self.samples.setdefault(b, collections.deque(maxlen=self.KEEP)).append(seconds)
         self.seen[b] = self.clock
 
-    def estimate(self, rows: int) -> float | None:
-        b = _bucket(rows)
+    def _median(self, b: int) -> float | None:
         got = self.samples.get(b)
         if not got or len(got) < self.MIN_SAMPLES or self.clock - self.seen[b] > self.max_age:
             return None
         return statistics.median(got)
+
+    def estimate(self, rows: int) -> float | None:
+        """The bucket's median, capped by any larger bucket's: more rows never cost less, and a
+        rarely used bucket (one-row steps while speculating, which are mostly the first decode
+        after a prompt) can hold unrepresentative samples."""
+        b = _bucket(rows)
+        own = self._median(b)
+        if own is None:
+            return None
+        larger = [m for k in self.samples if k > b and (m := self._median(k)) is not None]
+        return min([own, *larger])
 
     def snapshot(self) -> dict:
         return {f"<{2 ** b}": statistics.median(v) for b, v in sorted(self.samples.items())}
