@@ -129,6 +129,25 @@ def test_tied_int8_head_is_also_the_embedding(small_model_dir):
     assert "lm_head.qweight" in names and not any(n.startswith("embed_tokens.") for n in names)
 
 
+def test_tied_int4_head_is_also_the_embedding(small_model_dir):
+    from pathlib import Path
+    with pytest.raises(QuantizationError, match="divisible by 16"):     # this model's vocabulary is 446
+        quantize_model(load_model(small_model_dir), QuantSpec("int4", group_size=64, head="int4"))
+    target = Path(__file__).resolve().parents[1] / "models" / "code-target"       # vocabulary 8192
+    m = load_model(target, "float32")
+    emb = m.embed_tokens.weight.detach().clone()
+    quantize_model(m, QuantSpec("int4", head="int4"))
+    assert isinstance(m.lm_head, Int4Linear) and m.embed_tokens.table is m.lm_head
+    ids = torch.tensor([0, 5, 8191])
+    q, s, z = quantize_int4(emb, 128)
+    assert torch.equal(m.embed_tokens(ids), dequantize_int4(q, s, z)[ids])
+    m.prepare_for_inference()
+    prepare_quantized(m)
+    x = torch.randn(2, emb.shape[1])
+    ref = x.double() @ dequantize_int4(q, s, z).double().t()
+    assert (m.compute_logits(x).double() - ref).abs().max() < 0.02 * ref.abs().max()
+
+
 def test_float_head_keeps_tied_embedding_float(small_model_dir):
     m = load_model(small_model_dir)
     quantize_model(m, QuantSpec("int4", group_size=32, head="float"))
