@@ -30,13 +30,13 @@ weight-only. ``head="auto"`` (default) picks w8a8 for every quantized method: on
 held-out text the int8 and w8a8 heads both raised perplexity by 0.03 % (top-1 agreement 98.97 % and
 99.24 %), and w8a8 decodes Qwen2-0.5B 1.1x faster. A model whose final hidden state has outlier
 channels may prefer ``--head int8``; the quality gate shows the difference. In a tied model the
-embedding *is* the head's table, so it follows the head: a quantized head is looked up as int8
-rows times their scales. An untied embedding
+embedding *is* the head's table, so it follows the head: a quantized head's rows are looked up
+and dequantized (``rows()``). An untied embedding
 stays float unless ``embed="int8"``. The embedding is read one row per token, so quantizing it saves memory but no time.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -220,7 +220,7 @@ class W8A8Linear(Int8Linear):
     method = "w8a8"
 
     def small(self, x: torch.Tensor) -> torch.Tensor:
-        if kernels.usable(x) and x.shape[0] <= ops.MAX_ROWS:
+        if kernels.usable(x):                       # the kernel declines more than ops.MAX_ROWS rows
             y = ops.w8a8_matvec(x, self.qweight, self.scales, None)
             if y is not None:
                 return y
@@ -259,9 +259,8 @@ class Int4Linear(QuantLinear):
     def prepare(self, use_kernels: bool = True) -> None:
         """llmd's kernel layout where it runs (see llmd.runtime.kernels), else torch's packed form."""
         self.align()
-        use = use_kernels and kernels.available()
         self._kernel_form = None
-        if use:
+        if use_kernels and kernels.available():
             self._kernel_form = ops.int4_pack(unpack_nibbles(self.qweight), self.scales, self.zeros, self.group_size)
         if self._kernel_form is None:
             self.torch_pack()
@@ -361,14 +360,11 @@ def _swap(linear: Linear, q: QuantLinear, from_weights: bool) -> QuantLinear:
 
 def _quantize_head(model: nn.Module, spec: QuantSpec, from_weights: bool) -> None:
     cfg = model.config
-    if spec.head != "float":
-        if spec.head == "int4":
-            head = Int4Linear(cfg.hidden_size, cfg.vocab_size, False, spec.small_m, spec.group_size, spec.symmetric)
-        else:
-            head = (W8A8Linear if spec.head == "w8a8" else Int8Linear)(cfg.hidden_size, cfg.vocab_size, False, spec.small_m)
+    if spec.head != "float":        # a quantized head is built as a layer of that method would be
+        head = make_quant_linear(replace(spec, method=spec.head), cfg.hidden_size, cfg.vocab_size, False)
         if model.lm_head is not None:
             model.lm_head = _swap(model.lm_head, head, from_weights)
-        else:   # tied: one int8 table serves as head and embedding
+        else:   # tied: one quantized table serves as head and embedding
             if from_weights:
                 head.load_weight(model.embed_tokens.weight.detach())
             model.lm_head = head

@@ -6,8 +6,8 @@ The C sources are compiled once per machine with the system C compiler into a ca
 this user and writable by no one else, so nobody can plant a library there; else a fresh private
 temporary directory) and loaded with ctypes; it links the OpenMP runtime torch has already loaded, so
 both share one thread pool. ``available()`` is False, with ``why()`` saying why, when there is no
-compiler, the CPU lacks AVX-512 (with VNNI), or ``LLMD_KERNELS=0``: quantized modules then use
-torch's kernels, slower but the same formulas.
+compiler, the CPU lacks AVX-512 (with VNNI), or ``LLMD_KERNELS=0``: every caller then uses
+torch's ops, slower but the same formulas.
 """
 from __future__ import annotations
 

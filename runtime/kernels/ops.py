@@ -1,6 +1,6 @@
-"""Torch-facing wrappers of llmd's C kernels (quant.c, f32.c, attention.c, rows.c). Each takes x [M, K] (M <= MAX_ROWS) and returns float32
-[M, N], or None when the kernel cannot run (not built, unsupported CPU or shape): the caller then
-uses torch's kernel."""
+"""Torch-facing wrappers of llmd's C kernels (quant.c, f32.c, attention.c, rows.c). The products take
+x [M, K] and return float32 [M, N]; every wrapper returns None when its kernel cannot run (not
+built, unsupported CPU or shape), and the caller then uses torch's ops."""
 from __future__ import annotations
 
 import torch
@@ -41,15 +41,11 @@ def f32_matvec(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None)
     return y if rc == 0 else None
 
 
-def shape_ok(m: int, k: int) -> bool:
-    return 1 <= m <= MAX_ROWS and k % 128 == 0
-
-
 def _start(x: torch.Tensor):
-    """(library, x as contiguous float32, M, K), or None when the kernels cannot take x."""
+    """(library, x as contiguous float32, M, K), or None when the quantized kernels cannot take x."""
     so = lib()
     m, k = x.shape
-    if so is None or not shape_ok(m, k):
+    if so is None or not 1 <= m <= MAX_ROWS or k % 128:
         return None
     return so, x.float().contiguous(), m, k
 
@@ -58,15 +54,27 @@ def _ptr(t: torch.Tensor | None):
     return None if t is None else t.data_ptr()
 
 
-def int8_matvec(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
+def _int8_weights(entry: str, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                  bias: torch.Tensor | None):
+    """x times an int8 weight [N, K] with per-row scales through the kernel ``entry``."""
     if (start := _start(x)) is None:
         return None
     so, x, m, k = start
     n = qweight.shape[0]
     y = torch.empty(m, n)
-    rc = so.llmd_int8_x(x.data_ptr(), m, k, qweight.data_ptr(), scales.data_ptr(), _ptr(bias), y.data_ptr(), n,
-                        _threads(n, k))
+    rc = getattr(so, entry)(x.data_ptr(), m, k, qweight.data_ptr(), scales.data_ptr(), _ptr(bias), y.data_ptr(), n,
+                            _threads(n, k))
     return y if rc == 0 else None
+
+
+def int8_matvec(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
+    """Weight-only int8: x carried at 16-bit precision per row."""
+    return _int8_weights("llmd_int8_x", x, qweight, scales, bias)
+
+
+def w8a8_matvec(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
+    """w8a8: x quantized to int8 per row (token), as the many-row path does."""
+    return _int8_weights("llmd_w8a8_x", x, qweight, scales, bias)
 
 
 def int4_pack(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int):
@@ -93,17 +101,6 @@ def int4_matvec(x: torch.Tensor, form: tuple, group_size: int, bias: torch.Tenso
     y = torch.empty(m, n)
     rc = so.llmd_int4_x(x.data_ptr(), m, k, group_size, packed.data_ptr(), scales.data_ptr(), offsets.data_ptr(),
                         _ptr(bias), y.data_ptr(), n, _threads(n, k // 2))
-    return y if rc == 0 else None
-
-
-def w8a8_matvec(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
-    if (start := _start(x)) is None:
-        return None
-    so, x, m, k = start
-    n = qweight.shape[0]
-    y = torch.empty(m, n)
-    rc = so.llmd_w8a8_x(x.data_ptr(), m, k, qweight.data_ptr(), scales.data_ptr(), _ptr(bias), y.data_ptr(), n,
-                        _threads(n, k))
     return y if rc == 0 else None
 
 

@@ -10,16 +10,20 @@
  *   int4:  y[m,n] = sum_g s[n,g] sum_{k in g} (q[n,k] - 8) x[m,k] + z[n,g] sum_{k in g} x[m,k]
  *          q in [0,15], x as 8-bit integers per block of 128; weights in the layout of llmd_int4_pack
  *   w8a8:  y[m,n] = sx[m] s[n] sum_k w[n,k] xq[m,k]            xq = round(x / sx), sx = max|x| / 127
- * Every function takes M <= 4 rows and K a multiple of 128, and returns 0, or -1 when the CPU
- * lacks the instructions (the caller then uses torch's kernels).
+ * The entry points (llmd_*_x) take M <= 4 rows and K a multiple of 128 and return 0, -1 for a CPU
+ * or shape they do not take (the caller then uses torch's kernels), -2 out of memory.
  */
 #include "kernels.h"
 
 int llmd_cpu_ok(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
-        && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")
-        && __builtin_cpu_supports("avx512vnni");
+    static int ok = -1;                     /* asked once: every entry point checks it */
+    if (ok < 0) {
+        __builtin_cpu_init();
+        ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+            && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")
+            && __builtin_cpu_supports("avx512vnni");
+    }
+    return ok;
 }
 
 /* ---- int8 weights, 16-bit integer activations ------------------------------------------- */
@@ -59,8 +63,7 @@ void int8_row(const uint8_t *xh, const uint8_t *xl, const uint64_t *neg, int M, 
         int8_row(xh, xl, neg, MM, K, w + (size_t)n * K, s[n], sx, bias ? bias[n] : 0.f, y + n, N);
 
 /* x float32 [M,K] -> |hi| and lo bytes, sign masks of hi (one bit per column), scales sx [M]. */
-TARGET int llmd_x16_quantize(const float *x, int M, int K, uint8_t *xh, uint8_t *xl, uint64_t *neg, float *sx) {
-    if (!llmd_cpu_ok() || K % 64) return -1;
+static TARGET void x16_quantize(const float *x, int M, int K, uint8_t *xh, uint8_t *xl, uint64_t *neg, float *sx) {
     for (int m = 0; m < M; m++) {
         const float *r = x + (size_t)m * K;
         const float scale = sx[m] = row_scale(r, K, 32767.f);
@@ -79,14 +82,11 @@ TARGET int llmd_x16_quantize(const float *x, int M, int K, uint8_t *xh, uint8_t 
             neg[((size_t)m * K + k) / 64] = bits;
         }
     }
-    return 0;
 }
 
-TARGET int llmd_int8(const uint8_t *xh, const uint8_t *xl, const uint64_t *neg, const float *sx, int M, int K,
-                     const int8_t *w, const float *s, const float *bias, float *y, int N, int nt) {
-    if (!llmd_cpu_ok() || M < 1 || M > MAXM || K % 128 || K >= 65536) return -1;
+static TARGET void int8_rows(const uint8_t *xh, const uint8_t *xl, const uint64_t *neg, const float *sx, int M, int K,
+                             const int8_t *w, const float *s, const float *bias, float *y, int N, int nt) {
     BY_ROWS(INT8_CASE);
-    return 0;
 }
 
 /* ---- int4 weights, 8-bit activations per block of 128 columns ---------------------------- */
@@ -110,8 +110,7 @@ TARGET void llmd_int4_pack(const uint8_t *q, int N, int K, uint8_t *out) {
 
 /* x float32 [M,K] -> xq int8 [M,K], block scales sx [M, K/128], and the sums X of sx xq over each
  * weight group [M, K/G]. */
-TARGET int llmd_x8_blocks(const float *x, int M, int K, int G, int8_t *xq, float *sx, float *xs) {
-    if (!llmd_cpu_ok() || K % 128 || G % 64 || K % G) return -1;
+static TARGET void x8_blocks(const float *x, int M, int K, int G, int8_t *xq, float *sx, float *xs) {
     memset(xs, 0, sizeof(float) * (size_t)M * (K / G));
     for (int m = 0; m < M; m++)
         for (int c = 0; c < K; c += 128) {
@@ -129,7 +128,6 @@ TARGET int llmd_x8_blocks(const float *x, int M, int K, int G, int8_t *xq, float
                 xs[(size_t)m * (K / G) + (c + 64 * h) / G] += scale * (float)_mm512_reduce_add_epi32(sum);
             }
         }
-    return 0;
 }
 
 /* One line of 128 columns for MM rows of x into acc. With SPLIT the two halves lie in different
@@ -183,17 +181,13 @@ void int4_row(const int8_t *xq, const float *sx, const float *xs, const int MM, 
         int4_row(xq, sx, xs, MM, K, gshift, w + (size_t)n * K / 2, s + (size_t)n * groups, \
                  off + (size_t)n * groups, bias ? bias[n] : 0.f, y + n, N);
 
-/* xq, sx, xs [M, K/G] from llmd_x8_blocks; w [N, K/2] in the layout above; s, off: [N, K/G] scales and z - 8 s. */
-TARGET int llmd_int4(const int8_t *xq, const float *sx, const float *xs, int M, int K, int G,
-                     const uint8_t *w, const float *s, const float *off, const float *bias,
-                     float *y, int N, int nt) {
-    if (!llmd_cpu_ok() || M < 1 || M > MAXM || K % 128 || G < 64 || K % G) return -1;
-    const int groups = K / G;
-    int gshift = 0;
-    while ((1 << gshift) < G) gshift++;
-    if ((1 << gshift) != G) return -1;
+/* xq, sx, xs [M, K/G] from x8_blocks; w [N, K/2] in the layout above; s, off: [N, K/G] scales and
+ * z - 8 s; G = 2^gshift. */
+static TARGET void int4_rows(const int8_t *xq, const float *sx, const float *xs, int M, int K, int gshift,
+                             const uint8_t *w, const float *s, const float *off, const float *bias,
+                             float *y, int N, int nt) {
+    const int groups = K >> gshift;
     BY_ROWS(INT4_CASE);
-    return 0;
 }
 
 /* ---- int8 weights, int8 activations (w8a8) ---------------------------------------------- */
@@ -227,8 +221,7 @@ void w8a8_row(const uint8_t *xa, const uint64_t *neg, int M, int K, const int8_t
         w8a8_row(xa, neg, MM, K, w + (size_t)n * K, s[n], sx, bias ? bias[n] : 0.f, y + n, N);
 
 /* x float32 [M,K] -> |xq| bytes, sign masks (one bit per column), per-row scales sx. */
-TARGET int llmd_w8a8_quantize(const float *x, int M, int K, uint8_t *xa, uint64_t *neg, float *sx) {
-    if (!llmd_cpu_ok() || K % 64) return -1;
+static TARGET void w8a8_quantize(const float *x, int M, int K, uint8_t *xa, uint64_t *neg, float *sx) {
     for (int m = 0; m < M; m++) {
         const float *r = x + (size_t)m * K;
         const float scale = sx[m] = row_scale(r, K, 127.f);
@@ -244,14 +237,11 @@ TARGET int llmd_w8a8_quantize(const float *x, int M, int K, uint8_t *xa, uint64_
             neg[((size_t)m * K + k) / 64] = bits;
         }
     }
-    return 0;
 }
 
-TARGET int llmd_w8a8(const uint8_t *xa, const uint64_t *neg, const float *sx, int M, int K, const int8_t *w,
-                     const float *s, const float *bias, float *y, int N, int nt) {
-    if (!llmd_cpu_ok() || M < 1 || M > MAXM || K % 128) return -1;
+static TARGET void w8a8_rows(const uint8_t *xa, const uint64_t *neg, const float *sx, int M, int K, const int8_t *w,
+                             const float *s, const float *bias, float *y, int N, int nt) {
     BY_ROWS(W8A8_CASE);
-    return 0;
 }
 
 /* ---- one call per product: quantize x into per-thread scratch, then multiply --------------- */
@@ -271,36 +261,46 @@ static void *scratch_for(size_t bytes) {
     return scratch;
 }
 
+/* The shapes every product takes: 1..MAXM rows of x, K a multiple of 128. */
+static int takes(int M, int K) {
+    return llmd_cpu_ok() && M >= 1 && M <= MAXM && K % 128 == 0;
+}
+
 TARGET int llmd_int8_x(const float *x, int M, int K, const int8_t *w, const float *s, const float *bias, float *y,
                        int N, int nt) {
-    if (M < 1 || M > MAXM || K % 128) return -1;
+    if (!takes(M, K) || K >= 65536) return -1;
     uint8_t *xh = scratch_for((size_t)M * K * 2 + (size_t)M * (K / 64) * 8 + (size_t)M * 4 + 64);
     if (!xh) return -2;
     uint8_t *xl = xh + (size_t)M * K;
     uint64_t *neg = (uint64_t *)(xl + (size_t)M * K);
     float *sx = (float *)(neg + (size_t)M * (K / 64));
-    if (llmd_x16_quantize(x, M, K, xh, xl, neg, sx)) return -1;
-    return llmd_int8(xh, xl, neg, sx, M, K, w, s, bias, y, N, nt);
+    x16_quantize(x, M, K, xh, xl, neg, sx);
+    int8_rows(xh, xl, neg, sx, M, K, w, s, bias, y, N, nt);
+    return 0;
 }
 
 TARGET int llmd_int4_x(const float *x, int M, int K, int G, const uint8_t *w, const float *s, const float *off,
                        const float *bias, float *y, int N, int nt) {
-    if (M < 1 || M > MAXM || K % 128 || G < 64 || K % G) return -1;
+    int gshift = 6;
+    while (gshift < 9 && (1 << gshift) != G) gshift++;
+    if (!takes(M, K) || gshift == 9 || K % G) return -1;        /* G is 64, 128 or 256 */
     float *sx = scratch_for((size_t)M * (K / 128) * 4 + (size_t)M * (K / G) * 4 + (size_t)M * K + 64);
     if (!sx) return -2;
     float *xs = sx + (size_t)M * (K / 128);
     int8_t *xq = (int8_t *)(xs + (size_t)M * (K / G));
-    if (llmd_x8_blocks(x, M, K, G, xq, sx, xs)) return -1;
-    return llmd_int4(xq, sx, xs, M, K, G, w, s, off, bias, y, N, nt);
+    x8_blocks(x, M, K, G, xq, sx, xs);
+    int4_rows(xq, sx, xs, M, K, gshift, w, s, off, bias, y, N, nt);
+    return 0;
 }
 
 TARGET int llmd_w8a8_x(const float *x, int M, int K, const int8_t *w, const float *s, const float *bias, float *y,
                        int N, int nt) {
-    if (M < 1 || M > MAXM || K % 128) return -1;
+    if (!takes(M, K)) return -1;
     uint8_t *xa = scratch_for((size_t)M * K + (size_t)M * (K / 64) * 8 + (size_t)M * 4 + 64);
     if (!xa) return -2;
     uint64_t *neg = (uint64_t *)(xa + (size_t)M * K);
     float *sx = (float *)(neg + (size_t)M * (K / 64));
-    if (llmd_w8a8_quantize(x, M, K, xa, neg, sx)) return -1;
-    return llmd_w8a8(xa, neg, sx, M, K, w, s, bias, y, N, nt);
+    w8a8_quantize(x, M, K, xa, neg, sx);
+    w8a8_rows(xa, neg, sx, M, K, w, s, bias, y, N, nt);
+    return 0;
 }
