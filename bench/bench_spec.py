@@ -89,28 +89,32 @@ def forward_time(llm: LLM, tokens: int, repeat: int = 20, draft: bool = False) -
     return statistics.median(times)
 
 
+def mean_rates(llms: dict, prompts: list, max_tokens: int) -> dict[str, float]:
+    """Mean decode tokens/s of each engine, interleaved prompt by prompt."""
+    rates: dict[str, list[float]] = {name: [] for name in llms}
+    for p in prompts:
+        for name, llm in llms.items():
+            rates[name].append(decode_rate(llm, [p], max_tokens)[0])
+    return {name: statistics.mean(r) for name, r in rates.items()}
+
+
 def completion(target: str, draft: str, k: int, n: int, max_tokens: int) -> dict:
     prompts = completion_prompts(n)
-    plain = LLM(target, kv_memory="256MiB")
-    spec = LLM(target, draft=draft, kv_memory="256MiB", num_speculative_tokens=k, adaptive_speculation=False)
-    adaptive = LLM(target, draft=draft, kv_memory="256MiB", num_speculative_tokens=k)
-    rates_plain, rates_spec, rates_adaptive = [], [], []
-    for p in prompts:                                   # interleaved, prompt by prompt
-        rates_plain.append(decode_rate(plain, [p], max_tokens)[0])
-        rates_spec.append(decode_rate(spec, [p], max_tokens)[0])
-        rates_adaptive.append(decode_rate(adaptive, [p], max_tokens)[0])
-    st = spec.stats()
-    alpha = st["spec_acceptance_rate"]
+    llms = {"plain": LLM(target, kv_memory="256MiB"),
+            "spec": LLM(target, draft=draft, kv_memory="256MiB", num_speculative_tokens=k, adaptive_speculation=False),
+            "adaptive": LLM(target, draft=draft, kv_memory="256MiB", num_speculative_tokens=k)}
+    mean = mean_rates(llms, prompts, max_tokens)
+    spec = llms["spec"]
+    alpha = spec.stats()["spec_acceptance_rate"]
     t1 = forward_time(spec, 1)
     c = forward_time(spec, 1, draft=True) / t1
     v = forward_time(spec, k + 1) / t1
     predicted = expected_tokens(alpha, k) / (k * c + v)
-    measured = statistics.mean(rates_spec) / statistics.mean(rates_plain)
+    measured = mean["spec"] / mean["plain"]
     return {"k": k, "prompts": len(prompts), "alpha": alpha, "draft_cost_c": c, "verify_cost_v": v,
-            "plain_tok_s": statistics.mean(rates_plain), "spec_tok_s": statistics.mean(rates_spec),
+            "plain_tok_s": mean["plain"], "spec_tok_s": mean["spec"],
             "predicted_speedup": predicted, "measured_speedup": measured, "measured_over_predicted": measured / predicted,
-            "adaptive_tok_s": statistics.mean(rates_adaptive),
-            "adaptive_speedup": statistics.mean(rates_adaptive) / statistics.mean(rates_plain)}
+            "adaptive_tok_s": mean["adaptive"], "adaptive_speedup": mean["adaptive"] / mean["plain"]}
 
 
 def code_edit(target: str, n: int, max_tokens: int, k: int) -> dict:
@@ -121,11 +125,7 @@ def code_edit(target: str, n: int, max_tokens: int, k: int) -> dict:
             "ngram_fixed": LLM(target, draft="ngram", kv_memory="256MiB", num_speculative_tokens=k,
                                adaptive_speculation=False),
             "ngram_adaptive": LLM(target, draft="ngram", kv_memory="256MiB", num_speculative_tokens=k)}
-    rates: dict[str, list[float]] = {name: [] for name in llms}
-    for p in prompts:
-        for name, llm in llms.items():
-            rates[name].append(decode_rate(llm, [p], max_tokens)[0])
-    mean = {name: statistics.mean(r) for name, r in rates.items()}
+    mean = mean_rates(llms, prompts, max_tokens)
     return {"prompts": len(prompts), "k": k, "plain_tok_s": mean["plain"],
             "ngram_fixed_tok_s": mean["ngram_fixed"], "ngram_adaptive_tok_s": mean["ngram_adaptive"],
             "speedup_fixed": mean["ngram_fixed"] / mean["plain"],

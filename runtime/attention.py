@@ -59,9 +59,8 @@ class KernelRows:
             owner += [i] * s.num_q
             lengths += range(s.ctx_len - s.num_q + 1, s.ctx_len + 1)
         nb = max(-(-s.ctx_len // block_size) for s in spans)
-        table = [s.block_ids[:nb] + [0] * (nb - min(nb, len(s.block_ids))) for s in spans]
         i32 = lambda x: torch.tensor(x, dtype=torch.int32)     # noqa: E731
-        return cls(i32(rows), i32(owner), i32(lengths), i32(table))
+        return cls(i32(rows), i32(owner), i32(lengths), block_table(spans, nb, torch.int32))
 
 
 @dataclass
@@ -96,7 +95,7 @@ class PagedAttention:
 
     def kernel_fits(self) -> bool:
         """llmd's attention kernel can read these pools (float32, head sizes it handles)."""
-        _, _, kvh, d = self.k_pool.shape
+        d = self.k_pool.shape[-1]
         return (not self.reference and self.scales is None and self.k_pool.dtype == torch.float32
                 and d % 16 == 0 and d <= 256 and kernels.available())
 
@@ -137,12 +136,8 @@ class PagedAttention:
         kr = self.kernel_rows
         if not ops.attend(q, kp, vp, kr.rows, kr.spans, kr.lengths, kr.table, self.block_size, out):
             raise MemoryError("the attention kernel could not allocate its score buffers (out of memory)")
-        if self.groups:
-            k_get = _gatherer(kp, None, self.block_size, q.dtype)
-            v_get = _gatherer(vp, None, self.block_size, q.dtype)
-            for g in self.groups:
-                out.index_copy_(0, g.rows, self._group(q, k_get, v_get, g))
-        return out
+        return self._attend_groups(q, _gatherer(kp, None, self.block_size, q.dtype),
+                                   _gatherer(vp, None, self.block_size, q.dtype), out)
 
     def _attend(self, q, kp, vp, ks=None, vs=None) -> torch.Tensor:
         k_get = _gatherer(kp, ks, self.block_size, q.dtype)
@@ -151,7 +146,10 @@ class PagedAttention:
             return reference_attention(q, k_get, v_get, self.spans, self.block_size)
         if len(self.groups) == 1 and len(self.spans) == 1:
             return self._single(q, k_get, v_get)
-        out = q.new_empty(q.shape)
+        return self._attend_groups(q, k_get, v_get, q.new_empty(q.shape))
+
+    def _attend_groups(self, q, k_get, v_get, out: torch.Tensor) -> torch.Tensor:
+        """Each torch-path group's rows of ``out``."""
         for g in self.groups:
             out.index_copy_(0, g.rows, self._group(q, k_get, v_get, g))
         return out
@@ -198,6 +196,12 @@ def _gatherer(pool: torch.Tensor, scales: Optional[torch.Tensor], block_size: in
                           * scales.index_select(0, slots // block_size).to(dtype).unsqueeze(-1))
 
 
+def block_table(spans: list[SeqSpan], width: int, dtype: torch.dtype) -> torch.Tensor:
+    """[len(spans), width] block ids of each request, zero-padded (padding is never attended)."""
+    return torch.tensor([s.block_ids[:width] + [0] * (width - min(width, len(s.block_ids))) for s in spans],
+                        dtype=dtype)
+
+
 def build_group(spans: list[SeqSpan], block_size: int) -> Group | None:
     """Padded gather indices and mask for a group, from Python lists in a few tensor ops."""
     if not spans:
@@ -206,7 +210,7 @@ def build_group(spans: list[SeqSpan], block_size: int) -> Group | None:
     lq = max(s.num_q for s in spans)
     lk = max(s.ctx_len for s in spans)
     nb = -(-lk // block_size)
-    table = torch.tensor([s.block_ids[:nb] + [0] * (nb - min(nb, len(s.block_ids))) for s in spans], dtype=torch.long)
+    table = block_table(spans, nb, torch.long)
     kv_index = (table.unsqueeze(-1) * block_size + torch.arange(block_size)).view(b, -1)[:, :lk].contiguous()
     # padding query rows point at row 0 and attend to key 0 only (never an all-masked row)
     q_index = torch.tensor([list(range(s.start, s.start + s.num_q)) + [0] * (lq - s.num_q) for s in spans],

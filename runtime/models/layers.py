@@ -57,11 +57,6 @@ class Linear(nn.Module):
             self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (self.plan.layout == "blocked" and x.dim() == 2 and x.shape[0] <= self.plan.split_max_rows
-                and kernels.usable(x)):                # decode: straight to the kernel, bias included
-            y = ops.f32_matvec(x, self.stored, self.bias)
-            if y is not None:
-                return y
         w = self.weight if self.stored is None else self.stored
         return planned_product(x, w, self.packed, self.plan, self.bias)
 
@@ -134,9 +129,7 @@ def planned_product(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | Non
     x2 = x if x.dim() == 2 else x.reshape(-1, k)
     rows = x2.shape[0]
     if rows <= plan.split_max_rows:
-        y = split_product(x2, w, plan)
-        if bias is not None:
-            y.add_(bias)
+        y = split_product(x2, w, plan, bias)
     elif packed is not None:
         y = torch.ops.mkldnn._linear_pointwise(x2, packed, bias, "none", [], "")
     elif plan.layout == "in_out":
@@ -146,24 +139,26 @@ def planned_product(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | Non
     return y if x.dim() == 2 else y.view(*x.shape[:-1], -1)
 
 
-def split_product(x: torch.Tensor, w: torch.Tensor, plan: MatvecPlan) -> torch.Tensor:
-    """x [rows, in] times the weight as ``splits`` independent products in one bmm (one part is a
-    plain product).
+def split_product(x: torch.Tensor, w: torch.Tensor, plan: MatvecPlan, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [rows, in] times the weight (plus ``bias``): llmd's kernel for a blocked weight (bias
+    included), else ``splits`` independent products in one bmm (one part is a plain product).
 
     in_out weight [in, out]: split the reduction, each part multiplies its slice of x by its rows of
     W^T (a free view) and the parts are summed. out_in weight [out, in]: split the outputs, each
     part computes its block of columns, then the blocks are laid side by side."""
-    s, rows = plan.splits, x.shape[0]
     if plan.layout == "blocked":
-        y = ops.f32_matvec(x, w, None) if kernels.usable(x) else None
-        return y if y is not None else F.linear(x, ops.f32_unblock(w))
+        y = ops.f32_matvec(x, w, bias) if kernels.usable(x) else None
+        return y if y is not None else F.linear(x, ops.f32_unblock(w), bias)
+    s, rows = plan.splits, x.shape[0]
     if s == 1:
-        return F.linear(x, w) if plan.layout == "out_in" else x @ w
-    if plan.layout == "in_out":
+        y = F.linear(x, w) if plan.layout == "out_in" else x @ w
+    elif plan.layout == "in_out":
         k, n = w.shape
-        return torch.bmm(x.view(rows, s, k // s).transpose(0, 1), w.view(s, k // s, n)).sum(0)
-    n, k = w.shape
-    return torch.bmm(x.expand(s, rows, k), w.view(s, n // s, k).transpose(1, 2)).transpose(0, 1).reshape(rows, n)
+        y = torch.bmm(x.view(rows, s, k // s).transpose(0, 1), w.view(s, k // s, n)).sum(0)
+    else:
+        n, k = w.shape
+        y = torch.bmm(x.expand(s, rows, k), w.view(s, n // s, k).transpose(1, 2)).transpose(0, 1).reshape(rows, n)
+    return y if bias is None else y.add_(bias)
 
 
 KERNEL_EDGE = 0.75

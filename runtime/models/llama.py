@@ -27,11 +27,10 @@ from .layers import Linear, RMSNorm, Rotary, apply_rotary
 class RopeRows:
     """The step's positions and the rotary tables, for llmd's rotary kernel (float32 steps)."""
     positions: torch.Tensor
-    cos: torch.Tensor                 # [P, D/2]
-    sin: torch.Tensor
+    rotary: Rotary
 
     def complex(self) -> torch.Tensor:
-        return torch.complex(self.cos[self.positions], self.sin[self.positions]).unsqueeze(-2)
+        return self.rotary.lookup_cis(self.positions)
 
 
 class Attention(nn.Module):
@@ -74,7 +73,8 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         if self.interleaved and isinstance(cis, RopeRows):
             if self.q_norm is None:
-                qk = ops.rope_qk(qkv, self.num_heads, self.num_kv_heads, self.head_dim, cis.cos, cis.sin, cis.positions)
+                qk = ops.rope_qk(qkv, self.num_heads, self.num_kv_heads, self.head_dim, cis.rotary.cos, cis.rotary.sin,
+                                 cis.positions)
                 if qk is not None:                  # one call for the whole rotation
                     v = qkv[:, self.q_size + self.kv_size:].unflatten(-1, (self.num_kv_heads, self.head_dim))
                     return qk[0], qk[1], v
@@ -163,7 +163,7 @@ class LlamaForCausalLM(nn.Module):
         cis = None
         if self._interleaved:
             fast = x.dtype == torch.float32 and kernels.usable(x)
-            cis = RopeRows(positions, self.rotary.cos, self.rotary.sin) if fast else self.rotary.lookup_cis(positions)
+            cis = RopeRows(positions, self.rotary) if fast else self.rotary.lookup_cis(positions)
         for layer in self.layers:
             x = layer(x, cos, sin, attn, cis)
         return self.norm(x)

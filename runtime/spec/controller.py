@@ -107,9 +107,6 @@ class SpecController:
                 # for one. A free proposer (n-gram) costs only verification rows, which k_star weighs.
                 for r in decoding:
                     ks[r.request_id] = min(ks[r.request_id], self._own_depth(self.alpha.get(r.request_id, self.global_alpha), b))
-        for r in decoding:
-            r.spec_k = ks[r.request_id]
-        if self.adaptive and b:
             # a probe that leaves speculation off doubles the wait for the next one: each probe costs
             # a draft catch-up on one request's context, which a steady large batch never repays
             if any(ks.values()) and not probing:
@@ -117,6 +114,8 @@ class SpecController:
             elif not any(ks.values()) and self._probed:
                 self.probe_every = min(2 * self.probe_every, PROBE_MAX)
             self._probed = probing
+        for r in decoding:
+            r.spec_k = ks[r.request_id]
         if b:
             if any(ks.values()):
                 self.enabled_steps += 1
