@@ -19,6 +19,10 @@ from llmd.daemon.settings import Settings
 
 REPO = Path(__file__).resolve().parents[1]
 ENGINE_OPTIONS = dict(dtype="float32", kv_memory="64MiB", block_size=16, max_batch_tokens=256)
+# Every engine step of a test daemon lasts at least this long. Tests that interrupt a long answer
+# (cancel, barge-in, drain, deadline) ask for several hundred tokens; the tiny model can produce them
+# in well under a second on a fast machine, so without a floor the answer could finish first.
+MIN_STEP_S = 0.003
 
 
 def daemon_settings(model_dir, socket_dir, **overrides) -> Settings:
@@ -39,10 +43,28 @@ def make_engine_factory(model_dir, wrap=None):
     return make
 
 
+def paced(make_engine, min_step_s: float = MIN_STEP_S):
+    """Wrap an engine factory so that each step of the engine it builds lasts at least min_step_s."""
+    def make(progress=None):
+        engine = make_engine(progress=progress)
+        step = engine.step
+
+        def slow_step(*args, **kwargs):
+            t0 = time.monotonic()
+            out = step(*args, **kwargs)
+            rest = min_step_s - (time.monotonic() - t0)
+            if rest > 0:
+                time.sleep(rest)
+            return out
+        engine.step = slow_step
+        return engine
+    return make
+
+
 @contextlib.contextmanager
 def running_daemon(settings: Settings, make_engine=None, notifier=None, ready_timeout: float = 60.0):
     """Start a Server on a thread, wait until it is ready, stop it (draining) on exit."""
-    server = Server(settings, make_engine or engine_factory(settings), notifier=notifier)
+    server = Server(settings, paced(make_engine or engine_factory(settings)), notifier=notifier)
     ready = threading.Event()
     server.ready_event = ready
     result: dict = {}

@@ -43,9 +43,13 @@ def client(server, **kw) -> Client:
     return Client(server.settings.socket, **kw)
 
 
-def engine_stats(server) -> dict:
+def daemon_stats(server) -> dict:
     with client(server) as c:
-        return c.stats()["engine"]
+        return c.stats()
+
+
+def engine_stats(server) -> dict:
+    return daemon_stats(server)["engine"]
 
 
 def collect(stream):
@@ -335,7 +339,7 @@ def test_a_client_that_stops_reading_is_dropped(tiny_model_dir, tmp_path):
                            "params": {"max_tokens": 1000, "ignore_eos": True}}))
         try:
             assert wait_until(lambda: (lambda st: st["dropped_clients"] == 1 and st["engine"]["running"] == 0)(
-                client(server).stats()), 20.0)
-            assert client(server).stats()["finished"].get("length", 0) == 0
+                daemon_stats(server)), 20.0)
+            assert daemon_stats(server)["finished"].get("length", 0) == 0
         finally:
             s.close(linger=0)
