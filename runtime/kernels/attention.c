@@ -14,9 +14,11 @@ TARGET int llmd_attend(const float *q, const float *kpool, const float *vpool, c
     const int G = H / KVH;
     const float scale = 1.f / sqrtf((float)D);
     int failed = 0;
-    /* With rows enough to keep every thread busy, a thread takes whole rows: it reads a row's keys
-     * and values from memory once and the other kv heads' passes find them in its cache. With a
-     * few rows (one stream), the kv heads of a row are shared out instead. */
+    /* With rows enough to keep every thread busy, a thread takes whole rows; with a few rows (one
+     * stream), the kv heads of a row are shared out instead. Keys and values are prefetched a few
+     * positions ahead with the non-temporal hint: they are read once per step, and with many
+     * streams they outweigh the cache, where they would push out the weights the next product reads
+     * (16 streams of 160 positions, cold cache: 258 -> 198 us per layer here). */
     const int whole_rows = R >= 2 * nt;
     const int items = whole_rows ? R : R * KVH;
     #pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
@@ -42,6 +44,10 @@ TARGET int llmd_attend(const float *q, const float *kpool, const float *vpool, c
                 __m512 dots[16];
                 for (int j = 0; j < 16; j++) {
                     const float *k = kpool + (slot[l + j] * KVH + kvh) * D;
+                    if (l + 16 < Lp) {
+                        const char *nk = (const char *)(kpool + (slot[l + 16 + j] * KVH + kvh) * D);
+                        for (int c = 0; c < D * 4; c += 64) _mm_prefetch(nk + c, _MM_HINT_NTA);
+                    }
                     __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
                     for (int d = 1; d < D / 16; d++) a = _mm512_fmadd_ps(qv[d], _mm512_loadu_ps(k + 16 * d), a);
                     dots[j] = a;
@@ -64,6 +70,10 @@ TARGET int llmd_attend(const float *q, const float *kpool, const float *vpool, c
             for (int d = 0; d < D / 16; d++) acc[d] = _mm512_setzero_ps();
             for (int l = 0; l < L; l++) {
                 const float *v = vpool + (slot[l] * KVH + kvh) * D;
+                if (l + 8 < L) {
+                    const char *nv = (const char *)(vpool + (slot[l + 8] * KVH + kvh) * D);
+                    for (int c = 0; c < D * 4; c += 64) _mm_prefetch(nv + c, _MM_HINT_NTA);
+                }
                 const __m512 w = _mm512_set1_ps(p[l]);
                 for (int d = 0; d < D / 16; d++) acc[d] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 16 * d), acc[d]);
             }
