@@ -32,7 +32,9 @@ from llmd.runtime.models.llama import LlamaForCausalLM
 from llmd.runtime.models.random_model import hf_config, init_weights, write_random_model
 
 VARIANTS = {"float32": QuantSpec("none"), "int8": QuantSpec("int8"), "int4": QuantSpec("int4", group_size=128),
-            "w8a8": QuantSpec("w8a8"), "int8-int8head": QuantSpec("int8", head="int8")}
+            "w8a8": QuantSpec("w8a8"), "int8-int8head": QuantSpec("int8", head="int8"),
+            # every matrix at 4 bits, the head too: what llama.cpp's Q4_0 file here holds
+            "int4-int4head": QuantSpec("int4", group_size=128, head="int4")}
 
 
 def build(shape: str, spec: QuantSpec, seed: int) -> LlamaForCausalLM:
@@ -150,9 +152,11 @@ def main() -> None:
                 report(f"llama.cpp {quant}", results[f"llama.cpp {quant}"])
     ratios = [("int8 / float32 decode", "int8", "float32", "decode_tps", 1.8),
               ("int4 / int8 decode", "int4", "int8", "decode_tps", 1.3),
+              ("int4 (int4 head) / int8 decode", "int4-int4head", "int8", "decode_tps", 1.3),
               ("w8a8 / int8 prompt", "w8a8", "int8", "prefill_tps", 1.5),
               ("int8 / llama.cpp Q8_0 decode", "int8", "llama.cpp q8_0", "decode_tps", 0.8),
-              ("int4 / llama.cpp Q4_0 decode", "int4", "llama.cpp q4_0", "decode_tps", 0.8),
+              ("int4 / llama.cpp Q4_0 decode", "int4", "llama.cpp q4_0", "decode_tps", None),
+              ("int4 (int4 head) / llama.cpp Q4_0", "int4-int4head", "llama.cpp q4_0", "decode_tps", 0.8),
               ("int8 / llama.cpp Q8_0 prompt", "int8", "llama.cpp q8_0", "prefill_tps", None),
               ("w8a8 / llama.cpp Q8_0 prompt", "w8a8", "llama.cpp q8_0", "prefill_tps", None)]
     for label, a, b, key, goal in ratios:

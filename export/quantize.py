@@ -281,6 +281,15 @@ class Int4Linear(QuantLinear):
         return torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16).contiguous(), self._packed,
                                                  self.group_size, self._scales_zeros)
 
+    def large(self, x: torch.Tensor) -> torch.Tensor:
+        """Prompt rows through llmd's kernel too: the weights stay 4-bit (widening them to bf16 on
+        every prompt cost more than the product itself)."""
+        if self._kernel_form is not None and kernels.usable(x):
+            y = ops.int4_matvec(x, self._kernel_form, self.group_size, None)
+            if y is not None:
+                return y
+        return super().large(x)
+
     def dense_weight(self) -> torch.Tensor:
         return dequantize_int4(unpack_nibbles(self.qweight), self.scales, self.zeros)
 

@@ -40,7 +40,7 @@ def test_int8_kernel_matches_weight_only_reference(m, n, k):
     assert ((y.double() - ref).abs() <= bound).all()
 
 
-@pytest.mark.parametrize("m", [1, 4])
+@pytest.mark.parametrize("m", [1, 4, 7, 70])          # 70: a chunk of 64 prompt rows, then a tile of 4 and of 2
 @pytest.mark.parametrize("group", [64, 128, 256])
 @pytest.mark.parametrize("symmetric", [False, True])
 def test_int4_kernel_matches_reference(m, group, symmetric):
@@ -55,6 +55,21 @@ def test_int4_kernel_matches_reference(m, group, symmetric):
     step = (x.abs().view(m, k // 128, 128).amax(-1).double() / 127).repeat_interleave(128, dim=1)   # [m, k]
     bound = (step / 2) @ w.abs().t() + 1e-5 * (x.double().abs() @ w.abs().t())
     assert ((y.double() - ref).abs() <= bound).all()
+
+
+def test_int4_prompt_rows_get_the_numbers_each_row_gets_alone():
+    """A prompt's rows go through the same kernel as decode rows, and each row's x is quantized on
+    its own: a row's output does not depend on the rows beside it (prefill and decode agree)."""
+    layer = Int4Linear(896, 208, bias=True, group_size=128)
+    layer.load_weight(weight(208, 896, 5))
+    layer.bias = torch.randn(208)
+    layer.prepare()
+    x = rows(70, 896, 9)
+    together = layer(x)
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(70)])
+    assert torch.equal(together, alone)
+    ref = x.double() @ layer.dense_weight().double().t() + layer.bias.double()
+    assert (together.double() - ref).abs().max() < 0.05 * ref.abs().max()
 
 
 def test_int4_kernel_declines_group_32_and_odd_widths():

@@ -8,6 +8,7 @@ import torch
 from . import lib
 
 MAX_ROWS = 4              # rows of x the quantized kernels take
+INT4_MAX_ROWS = 8192      # ... except the int4 one, which takes prompts too
 F32_MAX_ROWS = 16         # rows of x the float32 kernel takes
 _SERIAL_BELOW = 1 << 18      # weights in a product below which one thread beats the parallel split
 
@@ -41,11 +42,11 @@ def f32_matvec(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None)
     return y if rc == 0 else None
 
 
-def _start(x: torch.Tensor):
+def _start(x: torch.Tensor, max_rows: int = MAX_ROWS):
     """(library, x as contiguous float32, M, K), or None when the quantized kernels cannot take x."""
     so = lib()
     m, k = x.shape
-    if so is None or not 1 <= m <= MAX_ROWS or k % 128:
+    if so is None or not 1 <= m <= max_rows or k % 128:
         return None
     return so, x.float().contiguous(), m, k
 
@@ -92,8 +93,8 @@ def int4_pack(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_
 
 
 def int4_matvec(x: torch.Tensor, form: tuple, group_size: int, bias: torch.Tensor | None):
-    """``form`` from ``int4_pack``."""
-    if (start := _start(x)) is None:
+    """``form`` from ``int4_pack``; any number of rows up to INT4_MAX_ROWS (a prompt's too)."""
+    if (start := _start(x, INT4_MAX_ROWS)) is None:
         return None
     so, x, m, k = start
     packed, scales, offsets = form

@@ -10,7 +10,8 @@
  *   int4:  y[m,n] = sum_g s[n,g] sum_{k in g} (q[n,k] - 8) x[m,k] + z[n,g] sum_{k in g} x[m,k]
  *          q in [0,15], x as 8-bit integers per block of 128; weights in the layout of llmd_int4_pack
  *   w8a8:  y[m,n] = sx[m] s[n] sum_k w[n,k] xq[m,k]            xq = round(x / sx), sx = max|x| / 127
- * The entry points (llmd_*_x) take M <= 4 rows and K a multiple of 128 and return 0, -1 for a CPU
+ * The entry points (llmd_*_x) take M <= 4 rows (int4: up to 8192, for prompts too) and K a multiple
+ * of 128 and return 0, -1 for a CPU
  * or shape they do not take (the caller then uses torch's kernels), -2 out of memory.
  */
 #include "kernels.h"
@@ -190,6 +191,34 @@ static TARGET void int4_rows(const int8_t *xq, const float *sx, const float *xs,
     BY_ROWS(INT4_CASE);
 }
 
+#define INT4_TILE(MM) int4_row(xq + (size_t)m * K, sx + (size_t)m * (K / 128), xs + (size_t)m * groups, MM, K, \
+                               gshift, w + (size_t)n * K / 2, s + (size_t)n * groups, off + (size_t)n * groups, \
+                               bias ? bias[n] : 0.f, y + (size_t)m * N + n, N);
+
+/* Many rows (a prompt): taken INT4_CHUNK rows of x at a time, and within a chunk each output row's
+ * weights (K/2 bytes) are unpacked for every tile of four rows while they sit in the first-level
+ * cache, so the weights are read from memory once per chunk and never widened to floats. */
+#define INT4_CHUNK 64
+
+static TARGET void int4_many_rows(const int8_t *xq, const float *sx, const float *xs, int M, int K, int gshift,
+                                  const uint8_t *w, const float *s, const float *off, const float *bias,
+                                  float *y, int N, int nt) {
+    const int groups = K >> gshift;
+    for (int c0 = 0; c0 < M; c0 += INT4_CHUNK) {
+        const int c1 = c0 + INT4_CHUNK < M ? c0 + INT4_CHUNK : M;
+        #pragma omp parallel for num_threads(nt) schedule(static)
+        for (int n = 0; n < N; n++)
+            for (int m = c0; m < c1; m += MAXM) {
+                switch (c1 - m) {
+                case 1: INT4_TILE(1) break;
+                case 2: INT4_TILE(2) break;
+                case 3: INT4_TILE(3) break;
+                default: INT4_TILE(4) break;
+                }
+            }
+    }
+}
+
 /* ---- int8 weights, int8 activations (w8a8) ---------------------------------------------- */
 /* vpdpbusd multiplies unsigned by signed bytes: x enters as |xq| (unsigned) and its sign moves
  * onto the weight (w negated where xq < 0), so the sum is exact in int32. */
@@ -261,7 +290,8 @@ static void *scratch_for(size_t bytes) {
     return scratch;
 }
 
-/* The shapes every product takes: 1..MAXM rows of x, K a multiple of 128. */
+/* The shapes every product takes: 1..MAXM rows of x (int4: up to INT4_MAX_ROWS), K a multiple of 128. */
+#define INT4_MAX_ROWS 8192
 static int takes(int M, int K) {
     return llmd_cpu_ok() && M >= 1 && M <= MAXM && K % 128 == 0;
 }
@@ -283,13 +313,16 @@ TARGET int llmd_int4_x(const float *x, int M, int K, int G, const uint8_t *w, co
                        const float *bias, float *y, int N, int nt) {
     int gshift = 6;
     while (gshift < 9 && (1 << gshift) != G) gshift++;
-    if (!takes(M, K) || gshift == 9 || K % G) return -1;        /* G is 64, 128 or 256 */
+    if (!llmd_cpu_ok() || M < 1 || M > INT4_MAX_ROWS || K % 128 || gshift == 9 || K % G) return -1;  /* G: 64, 128, 256 */
     float *sx = scratch_for((size_t)M * (K / 128) * 4 + (size_t)M * (K / G) * 4 + (size_t)M * K + 64);
     if (!sx) return -2;
     float *xs = sx + (size_t)M * (K / 128);
     int8_t *xq = (int8_t *)(xs + (size_t)M * (K / G));
     x8_blocks(x, M, K, G, xq, sx, xs);
-    int4_rows(xq, sx, xs, M, K, gshift, w, s, off, bias, y, N, nt);
+    if (M <= MAXM)
+        int4_rows(xq, sx, xs, M, K, gshift, w, s, off, bias, y, N, nt);
+    else
+        int4_many_rows(xq, sx, xs, M, K, gshift, w, s, off, bias, y, N, nt);
     return 0;
 }
 
