@@ -25,7 +25,7 @@ def weight(n, k, seed):
     return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 70])
 @pytest.mark.parametrize("n,k", [(40, 128), (1152, 896), (384, 1024)])
 def test_int8_kernel_matches_weight_only_reference(m, n, k):
     q, s = quantize_int8(weight(n, k, n + k))
@@ -57,10 +57,12 @@ def test_int4_kernel_matches_reference(m, group, symmetric):
     assert ((y.double() - ref).abs() <= bound).all()
 
 
-def test_int4_prompt_rows_get_the_numbers_each_row_gets_alone():
+@pytest.mark.parametrize("make", [lambda: Int4Linear(896, 208, bias=True, group_size=128),
+                                  lambda: Int8Linear(896, 208, bias=True)], ids=["int4", "int8"])
+def test_prompt_rows_get_the_numbers_each_row_gets_alone(make):
     """A prompt's rows go through the same kernel as decode rows, and each row's x is quantized on
     its own: a row's output does not depend on the rows beside it (prefill and decode agree)."""
-    layer = Int4Linear(896, 208, bias=True, group_size=128)
+    layer = make()
     layer.load_weight(weight(208, 896, 5))
     layer.bias = torch.randn(208)
     layer.prepare()
@@ -91,9 +93,10 @@ def test_w8a8_kernel_matches_integer_reference(m):
     assert torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
-def test_kernels_refuse_more_than_four_rows_and_unaligned_widths():
+def test_kernels_refuse_rows_and_widths_they_do_not_take():
     q, s = quantize_int8(weight(16, 128, 0))
-    assert ops.int8_matvec(rows(5, 128, 0), q, s, None) is None
+    assert ops.w8a8_matvec(rows(5, 128, 0), q, s, None) is None          # w8a8's prompts go to torch._int_mm
+    assert ops.int8_matvec(rows(ops.MANY_MAX_ROWS + 1, 128, 0), q, s, None) is None
     q, s = quantize_int8(weight(16, 96, 0))
     assert ops.int8_matvec(rows(1, 96, 0), q, s, None) is None
 

@@ -8,7 +8,7 @@ import torch
 from . import lib
 
 MAX_ROWS = 4              # rows of x the quantized kernels take
-INT4_MAX_ROWS = 8192      # ... except the int4 one, which takes prompts too
+MANY_MAX_ROWS = 8192      # ... except the weight-only int8 and int4 ones, which take prompts too
 F32_MAX_ROWS = 16         # rows of x the float32 kernel takes
 _SERIAL_BELOW = 1 << 18      # weights in a product below which one thread beats the parallel split
 
@@ -56,9 +56,9 @@ def _ptr(t: torch.Tensor | None):
 
 
 def _int8_weights(entry: str, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                  bias: torch.Tensor | None):
+                  bias: torch.Tensor | None, max_rows: int = MAX_ROWS):
     """x times an int8 weight [N, K] with per-row scales through the kernel ``entry``."""
-    if (start := _start(x)) is None:
+    if (start := _start(x, max_rows)) is None:
         return None
     so, x, m, k = start
     n = qweight.shape[0]
@@ -69,8 +69,8 @@ def _int8_weights(entry: str, x: torch.Tensor, qweight: torch.Tensor, scales: to
 
 
 def int8_matvec(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
-    """Weight-only int8: x carried at 16-bit precision per row."""
-    return _int8_weights("llmd_int8_x", x, qweight, scales, bias)
+    """Weight-only int8: x carried at 16-bit precision per row; up to MANY_MAX_ROWS rows."""
+    return _int8_weights("llmd_int8_x", x, qweight, scales, bias, MANY_MAX_ROWS)
 
 
 def w8a8_matvec(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
@@ -93,8 +93,8 @@ def int4_pack(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_
 
 
 def int4_matvec(x: torch.Tensor, form: tuple, group_size: int, bias: torch.Tensor | None):
-    """``form`` from ``int4_pack``; any number of rows up to INT4_MAX_ROWS (a prompt's too)."""
-    if (start := _start(x, INT4_MAX_ROWS)) is None:
+    """``form`` from ``int4_pack``; any number of rows up to MANY_MAX_ROWS (a prompt's too)."""
+    if (start := _start(x, MANY_MAX_ROWS)) is None:
         return None
     so, x, m, k = start
     packed, scales, offsets = form

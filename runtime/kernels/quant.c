@@ -10,7 +10,7 @@
  *   int4:  y[m,n] = sum_g s[n,g] sum_{k in g} (q[n,k] - 8) x[m,k] + z[n,g] sum_{k in g} x[m,k]
  *          q in [0,15], x as 8-bit integers per block of 128; weights in the layout of llmd_int4_pack
  *   w8a8:  y[m,n] = sx[m] s[n] sum_k w[n,k] xq[m,k]            xq = round(x / sx), sx = max|x| / 127
- * The entry points (llmd_*_x) take M <= 4 rows (int4: up to 8192, for prompts too) and K a multiple
+ * The entry points (llmd_*_x) take M <= 4 rows (int8, int4: up to 8192, prompts too) and K a multiple
  * of 128 and return 0, -1 for a CPU
  * or shape they do not take (the caller then uses torch's kernels), -2 out of memory.
  */
@@ -26,6 +26,26 @@ int llmd_cpu_ok(void) {
     }
     return ok;
 }
+
+/* Many rows (a prompt): taken CHUNK_ROWS rows of x at a time, and within a chunk each output
+ * row's weights are used by every tile of four rows while they sit in the first-level cache, so
+ * the weights are read from memory once per chunk and never widened to floats. TILE(MM) computes
+ * rows m..m+MM-1 of x against output row n. */
+#define CHUNK_ROWS 64
+#define MANY_ROWS(TILE) \
+    for (int c0 = 0; c0 < M; c0 += CHUNK_ROWS) { \
+        const int c1 = c0 + CHUNK_ROWS < M ? c0 + CHUNK_ROWS : M; \
+        _Pragma("omp parallel for num_threads(nt) schedule(static)") \
+        for (int n = 0; n < N; n++) \
+            for (int m = c0; m < c1; m += MAXM) { \
+                switch (c1 - m) { \
+                case 1: TILE(1) break; \
+                case 2: TILE(2) break; \
+                case 3: TILE(3) break; \
+                default: TILE(4) break; \
+                } \
+            } \
+    }
 
 /* ---- int8 weights, 16-bit integer activations ------------------------------------------- */
 /* x is carried per row as 16-bit integers, xi = round(x / sx) with sx = max|x| / 32767 (finer than
@@ -88,6 +108,14 @@ static TARGET void x16_quantize(const float *x, int M, int K, uint8_t *xh, uint8
 static TARGET void int8_rows(const uint8_t *xh, const uint8_t *xl, const uint64_t *neg, const float *sx, int M, int K,
                              const int8_t *w, const float *s, const float *bias, float *y, int N, int nt) {
     BY_ROWS(INT8_CASE);
+}
+
+#define INT8_TILE(MM) int8_row(xh + (size_t)m * K, xl + (size_t)m * K, neg + (size_t)m * (K / 64), MM, K, \
+                               w + (size_t)n * K, s[n], sx + m, bias ? bias[n] : 0.f, y + (size_t)m * N + n, N);
+
+static TARGET void int8_many_rows(const uint8_t *xh, const uint8_t *xl, const uint64_t *neg, const float *sx, int M,
+                                  int K, const int8_t *w, const float *s, const float *bias, float *y, int N, int nt) {
+    MANY_ROWS(INT8_TILE);
 }
 
 /* ---- int4 weights, 8-bit activations per block of 128 columns ---------------------------- */
@@ -195,28 +223,11 @@ static TARGET void int4_rows(const int8_t *xq, const float *sx, const float *xs,
                                gshift, w + (size_t)n * K / 2, s + (size_t)n * groups, off + (size_t)n * groups, \
                                bias ? bias[n] : 0.f, y + (size_t)m * N + n, N);
 
-/* Many rows (a prompt): taken INT4_CHUNK rows of x at a time, and within a chunk each output row's
- * weights (K/2 bytes) are unpacked for every tile of four rows while they sit in the first-level
- * cache, so the weights are read from memory once per chunk and never widened to floats. */
-#define INT4_CHUNK 64
-
 static TARGET void int4_many_rows(const int8_t *xq, const float *sx, const float *xs, int M, int K, int gshift,
                                   const uint8_t *w, const float *s, const float *off, const float *bias,
                                   float *y, int N, int nt) {
     const int groups = K >> gshift;
-    for (int c0 = 0; c0 < M; c0 += INT4_CHUNK) {
-        const int c1 = c0 + INT4_CHUNK < M ? c0 + INT4_CHUNK : M;
-        #pragma omp parallel for num_threads(nt) schedule(static)
-        for (int n = 0; n < N; n++)
-            for (int m = c0; m < c1; m += MAXM) {
-                switch (c1 - m) {
-                case 1: INT4_TILE(1) break;
-                case 2: INT4_TILE(2) break;
-                case 3: INT4_TILE(3) break;
-                default: INT4_TILE(4) break;
-                }
-            }
-    }
+    MANY_ROWS(INT4_TILE);
 }
 
 /* ---- int8 weights, int8 activations (w8a8) ---------------------------------------------- */
@@ -290,22 +301,26 @@ static void *scratch_for(size_t bytes) {
     return scratch;
 }
 
-/* The shapes every product takes: 1..MAXM rows of x (int4: up to INT4_MAX_ROWS), K a multiple of 128. */
-#define INT4_MAX_ROWS 8192
+/* The shapes every product takes: 1..MAXM rows of x (int8 and int4 weight-only: up to MANY_MAX_ROWS),
+ * K a multiple of 128. */
+#define MANY_MAX_ROWS 8192
 static int takes(int M, int K) {
     return llmd_cpu_ok() && M >= 1 && M <= MAXM && K % 128 == 0;
 }
 
 TARGET int llmd_int8_x(const float *x, int M, int K, const int8_t *w, const float *s, const float *bias, float *y,
                        int N, int nt) {
-    if (!takes(M, K) || K >= 65536) return -1;
+    if (!llmd_cpu_ok() || M < 1 || M > MANY_MAX_ROWS || K % 128 || K >= 65536) return -1;
     uint8_t *xh = scratch_for((size_t)M * K * 2 + (size_t)M * (K / 64) * 8 + (size_t)M * 4 + 64);
     if (!xh) return -2;
     uint8_t *xl = xh + (size_t)M * K;
     uint64_t *neg = (uint64_t *)(xl + (size_t)M * K);
     float *sx = (float *)(neg + (size_t)M * (K / 64));
     x16_quantize(x, M, K, xh, xl, neg, sx);
-    int8_rows(xh, xl, neg, sx, M, K, w, s, bias, y, N, nt);
+    if (M <= MAXM)
+        int8_rows(xh, xl, neg, sx, M, K, w, s, bias, y, N, nt);
+    else
+        int8_many_rows(xh, xl, neg, sx, M, K, w, s, bias, y, N, nt);
     return 0;
 }
 
@@ -313,7 +328,7 @@ TARGET int llmd_int4_x(const float *x, int M, int K, int G, const uint8_t *w, co
                        const float *bias, float *y, int N, int nt) {
     int gshift = 6;
     while (gshift < 9 && (1 << gshift) != G) gshift++;
-    if (!llmd_cpu_ok() || M < 1 || M > INT4_MAX_ROWS || K % 128 || gshift == 9 || K % G) return -1;  /* G: 64, 128, 256 */
+    if (!llmd_cpu_ok() || M < 1 || M > MANY_MAX_ROWS || K % 128 || gshift == 9 || K % G) return -1;  /* G: 64, 128, 256 */
     float *sx = scratch_for((size_t)M * (K / 128) * 4 + (size_t)M * (K / G) * 4 + (size_t)M * K + 64);
     if (!sx) return -2;
     float *xs = sx + (size_t)M * (K / 128);
