@@ -18,6 +18,7 @@ from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .errors import CapacityError, EngineDirError, InvalidRequest
+from .kernels.ops import argmax
 from .loading import LoadedModel, load_for_engine
 from .model_runner import ModelRunner
 from .request import FinishReason, Priority, Request, SamplingParams
@@ -264,11 +265,11 @@ class Engine:
         rows = [self._row(req, x[:j]) for j in range(len(x) + 1)]
         p = req.params
         if p.greedy and not p.needs_penalties:
-            tokens = verify_greedy(logits.argmax(-1).tolist(), x)
+            tokens = verify_greedy(argmax(logits).tolist(), x)
         else:
             probs = processed_probs(logits, rows)
             if p.greedy:
-                tokens = verify_greedy(probs.argmax(-1).tolist(), x)
+                tokens = verify_greedy(argmax(probs).tolist(), x)
             else:
                 q = prop.probs if prop is not None else None
                 tokens = verify_sampled(probs, q, x, self._live[req.request_id].generator)

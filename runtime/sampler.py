@@ -30,6 +30,7 @@ from typing import Optional
 
 import torch
 
+from .kernels.ops import argmax
 from .request import SamplingParams
 
 _TOP_P_HEAD = 1024   # candidates tried before a full sort for top-p
@@ -159,7 +160,7 @@ def sample_from_probs(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
     ``i`` with ``cdf[i-1] <= u * cdf[-1] < cdf[i]``, so a token of probability zero is never drawn.
     """
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
-    tokens = probs.argmax(dim=-1) if len(random_rows) < len(rows) else None
+    tokens = argmax(probs) if len(random_rows) < len(rows) else None
     if not random_rows:
         return tokens
     u = torch.empty(len(random_rows), 1, dtype=torch.float64)
@@ -188,10 +189,10 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], num_logprobs: Optional
     tops = [num_logprobs for _ in rows] if num_logprobs is not None else [r.params.logprobs for r in rows]
     want_logprobs = any(t is not None for t in tops)
     if not want_logprobs and all(r.params.greedy and not r.params.needs_penalties for r in rows):
-        return SampleResult(logits.argmax(dim=-1), None)
+        return SampleResult(argmax(logits), None)
     penalized = apply_penalties(logits, rows)
     if all(r.params.greedy for r in rows):
-        tokens = penalized.argmax(dim=-1)
+        tokens = argmax(penalized)
     else:
         tokens = sample_from_probs(_probs(penalized, rows), rows)
     return SampleResult(tokens, logprobs_for(penalized, tokens, tops) if want_logprobs else None)

@@ -178,3 +178,20 @@ def test_a_cache_directory_others_can_write_is_not_trusted(tmp_path, monkeypatch
     mine = tmp_path / "mine"
     monkeypatch.setenv("LLMD_CACHE", str(mine))
     assert kernels._cache_dir() == mine and mine.stat().st_mode & 0o077 == 0
+
+
+@pytest.mark.parametrize("m,v", [(1, 8192), (16, 8192), (3, 151936), (5, 37)])
+def test_argmax_kernel_is_torch_argmax(m, v):
+    g = torch.Generator().manual_seed(m * v)
+    x = torch.randn(m, v, generator=g)
+    x[0, v // 3] = x[0, v // 2] = x[0].max() + 1          # a tie: the first index wins, as in torch
+    if m > 1:
+        x[1] = float("-inf")                               # a row with nothing allowed: index 0
+    assert torch.equal(ops.argmax(x), x.argmax(-1))
+
+
+def test_argmax_kernel_leaves_nan_rows_to_torch():
+    x = torch.randn(4, 1000)
+    x[2, 500] = float("nan")
+    assert torch.equal(ops.argmax(x), x.argmax(-1))        # torch picks the NaN
+    assert ops.argmax(x)[2] == 500

@@ -43,6 +43,7 @@ _SIGNATURES = {
     "llmd_silu_mul": [_P, _I, _I, _P],
     "llmd_rope_qk": [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P],
     "llmd_w8a8_x": [_P, _I, _I, _P, _P, _P, _P, _I, _I],
+    "llmd_argmax": [_P, _I, _I, _P, _I],
 }
 
 

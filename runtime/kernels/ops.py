@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from . import lib
+from . import lib, usable
 
 MAX_ROWS = 4              # rows of x the quantized kernels take
 MANY_MAX_ROWS = 8192      # ... except the weight-only int8 and int4 ones, which take prompts too
@@ -164,3 +164,17 @@ def rope_qk(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, cos: to
                        positions.contiguous().data_ptr(), q.data_ptr(), k.data_ptr()):
         return None
     return q, k
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """Index of the first largest value of each row of float32 x [M, V] (int64 [M]), as
+    ``x.argmax(-1)`` gives it; torch's own argmax where the kernel cannot run or a row holds NaN."""
+    so = lib()
+    if so is None or x.dtype != torch.float32 or x.dim() != 2 or not usable(x):
+        return x.argmax(-1)
+    x = x.contiguous()
+    m, v = x.shape
+    out = torch.empty(m, dtype=torch.int64)
+    if so.llmd_argmax(x.data_ptr(), m, v, out.data_ptr(), torch.get_num_threads() if m * v >= 1 << 18 else 1):
+        return x.argmax(-1)
+    return out

@@ -56,3 +56,40 @@ TARGET int llmd_rope_qk(const float *qkv, int T, int H, int KVH, int D, const fl
     }
     return 0;
 }
+
+/* out[m] = the index of the first largest value of row m of x [M, V]: greedy decoding's choice.
+ * torch's argmax walked the row one element at a time (about 8 ns per float here: 0.1 ms for 16
+ * rows of 8k, 1.7 ms for 16 rows of 152k). Returns 1 when a row holds NaN (torch's argmax picks the
+ * NaN; the caller leaves that to torch). Rows are split across nt threads. */
+TARGET int llmd_argmax(const float *x, int M, int V, int64_t *out, int nt) {
+    if (!llmd_cpu_ok()) return -1;
+    int nan = 0;
+    #pragma omp parallel for num_threads(nt) schedule(static) reduction(|:nan)
+    for (int m = 0; m < M; m++) {
+        const float *r = x + (size_t)m * V;
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        __mmask16 unordered = 0;
+        int v = 0;
+        for (; v + 16 <= V; v += 16) {
+            const __m512 a = _mm512_loadu_ps(r + v);
+            unordered |= _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
+            mx = _mm512_max_ps(mx, a);
+        }
+        float best = _mm512_reduce_max_ps(mx);
+        for (int t = v; t < V; t++) {
+            if (r[t] != r[t]) unordered = 1;
+            else if (r[t] > best) best = r[t];
+        }
+        if (unordered) { nan = 1; continue; }
+        const __m512 b = _mm512_set1_ps(best);
+        int64_t at = -1;
+        for (v = 0; v + 16 <= V && at < 0; v += 16) {
+            const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(r + v), b, _CMP_EQ_OQ);
+            if (hit) at = v + __builtin_ctz(hit);
+        }
+        for (int t = v; t < V && at < 0; t++)
+            if (r[t] == best) at = t;
+        out[m] = at;
+    }
+    return nan;
+}

@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from ..kernels.ops import argmax
 from ..model_runner import Feed, ModelRunner
 from ..request import Request
 from ..sampler import processed_probs, sample_from_probs
@@ -48,7 +49,7 @@ class DraftProposer(Proposer):
             rows = [rows_for(items[i][0], tokens[i]) for i in active]
             greedy = all(r.params.greedy for r in rows)
             if greedy:
-                picks = logits.argmax(-1).tolist()
+                picks = argmax(logits).tolist()
             else:
                 q = processed_probs(logits, rows)
                 picks = sample_from_probs(q, rows).tolist()
