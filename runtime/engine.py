@@ -180,7 +180,7 @@ class Engine:
             self.scheduler.advance(s, num_rejected=k - (len(tokens) - 1) if k else 0)
             if k:
                 proposed, accepted = proposed + k, accepted + len(tokens) - 1
-                self._after_verify(s.request, k, len(tokens) - 1, old_len)
+                self._after_verify(s.request, k, len(tokens) - 1, old_len, proposals.get(id(s)))
             if tokens:
                 self._accept(s.request, tokens)
                 touched.append(s.request)
@@ -228,14 +228,15 @@ class Engine:
                 self.spec.observe_draft(len(items), per_forward)
         return out, seconds
 
-    def _after_verify(self, req: Request, proposed: int, accepted: int, old_len: int) -> None:
+    def _after_verify(self, req: Request, proposed: int, accepted: int, old_len: int,
+                      prop: Optional[Proposal]) -> None:
         req.spec_token_ids = []
         m = req.metrics
         m.spec_proposed += proposed
         m.spec_accepted += accepted
         m.spec_steps += 1
         self.proposer.on_verified(req, proposed, accepted, old_len)
-        if self.spec is not None:
+        if self.spec is not None and not (prop is not None and prop.guess):
             self.spec.observe_acceptance(req.request_id, proposed, accepted)
 
     def _sample(self, scheduled: list[ScheduledRequest], counts: list[int], logits: torch.Tensor,

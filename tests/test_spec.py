@@ -117,3 +117,17 @@ def test_ngram_keeps_copying_the_passage_it_was_copying():
     assert ng.propose([(req, 4)])[0].token_ids == [4, 8, 1, 2]       # not [5, 6, 7, 1] after "1 2 3"
     req.token_ids.extend([9])                                        # the output leaves the passage
     assert ng.propose([(req, 4)])[0].token_ids == []                 # "2 3 9" / "3 9" occur nowhere
+
+
+def test_ngram_guesses_from_the_last_token_alone_briefly():
+    """No 2- or 3-gram match: the latest earlier occurrence of the last token proposes at most
+    weak_k tokens (a short guess, cheap to verify); weak_k=0 proposes nothing."""
+    from llmd.runtime.request import Request
+    from llmd.runtime.spec.ngram import NgramProposer
+    req = Request("r", [5, 1, 2, 3, 4, 6, 7, 5, 9, 8, 9, 3], SamplingParams(max_tokens=20))
+    weak = NgramProposer(n=3, min_n=2, weak_k=3).propose([(req, 8)])[0]
+    assert weak.token_ids == [4, 6, 7] and weak.guess     # a guess: kept out of the controller's acceptance
+    assert NgramProposer(n=3, min_n=2, weak_k=0).propose([(req, 8)])[0].token_ids == []
+    req.token_ids.extend([4])                       # "3 4" occurs: a real match proposes the full k
+    strong = NgramProposer(n=3, min_n=2, weak_k=3).propose([(req, 8)])[0]
+    assert strong.token_ids == [6, 7, 5, 9, 8, 9, 3, 4] and not strong.guess

@@ -14,6 +14,9 @@ class Proposal:
     token_ids: list[int]
     probs: Optional[torch.Tensor] = None    # [k, V] draft distributions; None = concentrated on token_ids
     seconds: float = 0.0
+    # a short guess (n-gram: the last token alone matched) that the proposer capped itself; its
+    # outcome stays out of the acceptance estimate the controller plans depths with
+    guess: bool = False
 
 
 class Proposer:
