@@ -55,6 +55,28 @@ def test_compute_bound_batch_turns_speculation_off():
     assert all(r.spec_k == 0 for r in rs)
 
 
+def test_an_off_decision_stands_until_the_batch_changes_or_a_probe_is_due():
+    ctrl = SpecController(4, 2048)
+    rs = reqs(16)
+    for r in rs:
+        ctrl.alpha[r.request_id] = 0.6
+    feed(ctrl, lambda rows: 0.0005 * rows, 0.002, 16)
+    ctrl.plan(rs, 0)
+    assert all(r.spec_k == 0 for r in rs)
+
+    def replan(*_):
+        raise AssertionError("planned afresh")
+    compare, ctrl._best_depth = ctrl._best_depth, replan
+    for _ in range(ctrl.probe_every - 1):             # the same sixteen streams: the choice stands
+        ctrl.plan(rs, 0)
+        assert all(r.spec_k == 0 for r in rs)
+    calls = []
+    ctrl._best_depth = lambda *a: calls.append(a) or compare(*a)
+    ctrl.plan(rs, 0)                                   # a probe is due
+    ctrl.plan(rs[:15], 0)                              # a stream left
+    assert len(calls) == 2
+
+
 def test_low_acceptance_turns_speculation_off():
     ctrl = SpecController(4, 2048)
     rs = reqs(1)

@@ -43,6 +43,7 @@ class CostTable:
     def __init__(self, max_age: int = 512):
         self.samples: dict[int, collections.deque] = {}
         self.seen: dict[int, int] = {}
+        self.medians: dict[int, float] = {}     # per bucket, until its next sample (planning asks often)
         self.clock = 0
         self.max_age = max_age
 
@@ -51,12 +52,15 @@ class CostTable:
         b = _bucket(rows)
         self.samples.setdefault(b, collections.deque(maxlen=self.KEEP)).append(seconds)
         self.seen[b] = self.clock
+        self.medians.pop(b, None)
 
     def _median(self, b: int) -> float | None:
         got = self.samples.get(b)
         if not got or len(got) < self.MIN_SAMPLES or self.clock - self.seen[b] > self.max_age:
             return None
-        return statistics.median(got)
+        if (m := self.medians.get(b)) is None:
+            m = self.medians[b] = statistics.median(got)
+        return m
 
     def estimate(self, rows: int) -> float | None:
         """The bucket's median, capped by any larger bucket's: more rows never cost less, and a
@@ -86,6 +90,8 @@ class SpecController:
         self.steps_off = 0                    # consecutive steps without speculation
         self.probe_every = PROBE_EVERY        # steps off before the next probe (backs off, see plan)
         self._probed = False                  # the last speculating step was a probe
+        self._off_for = None                  # (batch size, other-token bucket) the last "off" plan was for
+        self._compared = False
         self.enabled_steps = 0
         self.disabled_steps = 0
         self.last_plan: dict = {}
@@ -93,6 +99,16 @@ class SpecController:
     def plan(self, decoding: list[Request], other_tokens: int) -> None:
         """Set ``spec_k`` on each decoding request (0 = no speculation this step)."""
         b = len(decoding)
+        shape = (b, _bucket(other_tokens))
+        if self.adaptive and b and self._off_for == shape and 0 < self.steps_off < self.probe_every:
+            # off, and nothing the choice rests on has moved: no acceptance is observed while off,
+            # and the verification costs it compared against are not re-measured; the next probe or a
+            # change in the batch plans afresh (planning sixteen streams cost ~80 us a step)
+            for r in decoding:
+                r.spec_k = 0
+            self.disabled_steps += 1
+            self.steps_off += 1
+            return
         ks = {r.request_id: self._cap(r, self.max_k) for r in decoding}
         if self.adaptive and b:
             k_star, probing = self._best_depth(decoding, other_tokens)
@@ -114,6 +130,7 @@ class SpecController:
             elif not any(ks.values()) and self._probed:
                 self.probe_every = min(2 * self.probe_every, PROBE_MAX)
             self._probed = probing
+            self._off_for = shape if self._compared and not any(ks.values()) else None
         for r in decoding:
             r.spec_k = ks[r.request_id]
         if b:
@@ -140,7 +157,9 @@ class SpecController:
         return t
 
     def _best_depth(self, decoding: list[Request], other_tokens: int) -> tuple[int, bool]:
-        """(depth for this step, whether it is a probe)."""
+        """(depth for this step, whether it is a probe). ``_compared`` says whether the depth came
+        from comparing known costs (not from a measurement still missing)."""
+        self._compared = False
         b = len(decoding)
         plain = self._step_cost(0, b, other_tokens)
         if plain is None:
@@ -163,6 +182,7 @@ class SpecController:
             if rate > best_rate * MARGIN:
                 best_k, best_rate = k, rate
         self.last_plan = {"k": best_k, "predicted_speedup": best_rate / (b / plain)}
+        self._compared = True
         return best_k, False
 
     def _worth_exploring(self, k: int, alphas: list[float], best_rate: float) -> bool:
