@@ -45,22 +45,24 @@ def test_memory_bound_single_stream_speculates():
     assert rs[0].spec_k >= 2
 
 
-def test_compute_bound_batch_turns_speculation_off():
-    ctrl = SpecController(4, 2048)
-    rs = reqs(16)
-    for r in rs:
-        ctrl.alpha[r.request_id] = 0.6
-    feed(ctrl, lambda rows: 0.0005 * rows, 0.002, 16)          # cost linear in rows: no free verification
-    ctrl.plan(rs, 0)
-    assert all(r.spec_k == 0 for r in rs)
-
-
-def test_an_off_decision_stands_until_the_batch_changes_or_a_probe_is_due():
+def compute_bound_batch():
+    """Sixteen streams whose step cost is linear in rows: verification is never free."""
     ctrl = SpecController(4, 2048)
     rs = reqs(16)
     for r in rs:
         ctrl.alpha[r.request_id] = 0.6
     feed(ctrl, lambda rows: 0.0005 * rows, 0.002, 16)
+    return ctrl, rs
+
+
+def test_compute_bound_batch_turns_speculation_off():
+    ctrl, rs = compute_bound_batch()
+    ctrl.plan(rs, 0)
+    assert all(r.spec_k == 0 for r in rs)
+
+
+def test_an_off_decision_stands_until_the_batch_changes_or_a_probe_is_due():
+    ctrl, rs = compute_bound_batch()
     ctrl.plan(rs, 0)
     assert all(r.spec_k == 0 for r in rs)
 
@@ -96,11 +98,7 @@ def test_depth_capped_by_max_tokens():
 
 def test_a_probe_after_a_long_pause_speculates_for_one_request_only():
     from llmd.runtime.spec.controller import PROBE_EVERY
-    ctrl = SpecController(4, 2048)
-    rs = reqs(16)
-    for r in rs:
-        ctrl.alpha[r.request_id] = 0.6
-    feed(ctrl, lambda rows: 0.0005 * rows, 0.002, 16)
+    ctrl, rs = compute_bound_batch()
     for _ in range(PROBE_EVERY):
         ctrl.plan(rs, 0)
         assert all(r.spec_k == 0 for r in rs)      # compute-bound: off
