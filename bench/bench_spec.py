@@ -3,7 +3,8 @@
     python -m llmd.bench.bench_spec --target models/code-target --draft models/code-draft
 
 1. Code completion, single stream, held-out stdlib files: plain decoding and the draft at a fixed depth
-   k, interleaved. Reports the acceptance rate a, the draft's cost c (one draft forward / one plain
+   k, interleaved. Reports the per-token acceptance a (from the mean accepted tokens per step; see
+   alpha_from_accepted), the draft's cost c (one draft forward / one plain
    target step), the verification cost v (a target step over k+1 tokens / a plain step), the predicted
    speedup E(a, k) / (k c + v) with E = (1 - a^(k+1)) / (1 - a), the measured speedup, and their ratio;
    then the same draft under the adaptive controller (depth up to k, per request and per step).
@@ -98,6 +99,21 @@ def mean_rates(llms: dict, prompts: list, max_tokens: int) -> dict[str, float]:
     return {name: statistics.mean(r) for name, r in rates.items()}
 
 
+def alpha_from_accepted(mean_accepted: float, k: int) -> float:
+    """The per-token acceptance a of the speedup model: the a whose expected accepted tokens per step,
+    a + a^2 + ... + a^k = E(a, k) - 1, equal the measured mean. (The fraction of proposed tokens
+    accepted is a different figure: it counts the tokens after a rejection, never verified, as
+    failures too, and put into E(a, k) it predicted speedups a third below the measured ones.)"""
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if expected_tokens(mid, k) - 1 < mean_accepted:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 def completion(target: str, draft: str, k: int, n: int, max_tokens: int) -> dict:
     prompts = completion_prompts(n)
     llms = {"plain": LLM(target, kv_memory="256MiB"),
@@ -105,13 +121,15 @@ def completion(target: str, draft: str, k: int, n: int, max_tokens: int) -> dict
             "adaptive": LLM(target, draft=draft, kv_memory="256MiB", num_speculative_tokens=k)}
     mean = mean_rates(llms, prompts, max_tokens)
     spec = llms["spec"]
-    alpha = spec.stats()["spec_acceptance_rate"]
+    stats = spec.stats()
+    alpha = alpha_from_accepted(stats["spec_mean_accepted_len"], k)
     t1 = forward_time(spec, 1)
     c = forward_time(spec, 1, draft=True) / t1
     v = forward_time(spec, k + 1) / t1
     predicted = expected_tokens(alpha, k) / (k * c + v)
     measured = mean["spec"] / mean["plain"]
-    return {"k": k, "prompts": len(prompts), "alpha": alpha, "draft_cost_c": c, "verify_cost_v": v,
+    return {"k": k, "prompts": len(prompts), "alpha": alpha, "accepted_fraction": stats["spec_acceptance_rate"],
+            "mean_accepted_per_step": stats["spec_mean_accepted_len"], "draft_cost_c": c, "verify_cost_v": v,
             "plain_tok_s": mean["plain"], "spec_tok_s": mean["spec"],
             "predicted_speedup": predicted, "measured_speedup": measured, "measured_over_predicted": measured / predicted,
             "adaptive_tok_s": mean["adaptive"], "adaptive_speedup": mean["adaptive"] / mean["plain"]}

@@ -145,3 +145,10 @@ def test_a_bucket_never_costs_more_than_a_larger_one():
         t.observe(40, 0.0100)
     assert t.estimate(1) == 0.0029 and t.estimate(3) == 0.0029 and t.estimate(40) == 0.0100
     assert t.estimate(200) is None    # nothing measured there yet
+
+
+def test_the_benchmark_reads_acceptance_back_from_accepted_tokens_per_step():
+    from llmd.bench.bench_spec import alpha_from_accepted
+    for a in (0.0, 0.3, 0.7, 0.95):
+        assert abs(alpha_from_accepted(expected_tokens(a, 4) - 1, 4) - a) < 1e-9
+    assert alpha_from_accepted(4.0, 4) > 0.999999          # every proposal accepted
