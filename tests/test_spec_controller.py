@@ -151,4 +151,4 @@ def test_the_benchmark_reads_acceptance_back_from_accepted_tokens_per_step():
     from llmd.bench.bench_spec import alpha_from_accepted
     for a in (0.0, 0.3, 0.7, 0.95):
         assert abs(alpha_from_accepted(expected_tokens(a, 4) - 1, 4) - a) < 1e-9
-    assert alpha_from_accepted(4.0, 4) > 0.999999          # every proposal accepted
+    assert alpha_from_accepted(4.0, 4) >= 0.998            # every proposal accepted (E saturates at 0.999)
