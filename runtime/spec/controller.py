@@ -90,7 +90,7 @@ class SpecController:
         self.steps_off = 0                    # consecutive steps without speculation
         self.probe_every = PROBE_EVERY        # steps off before the next probe (backs off, see plan)
         self._probed = False                  # the last speculating step was a probe
-        self._off_for = None                  # (batch size, other-token bucket) the last "off" plan was for
+        self._off_for = None                  # (other-token bucket, request ids) the last "off" plan was for
         self._compared = False
         self.enabled_steps = 0
         self.disabled_steps = 0
@@ -99,11 +99,11 @@ class SpecController:
     def plan(self, decoding: list[Request], other_tokens: int) -> None:
         """Set ``spec_k`` on each decoding request (0 = no speculation this step)."""
         b = len(decoding)
-        shape = (b, _bucket(other_tokens))
+        shape = (_bucket(other_tokens), *(r.request_id for r in decoding))
         if self.adaptive and b and self._off_for == shape and 0 < self.steps_off < self.probe_every:
-            # off, and nothing the choice rests on has moved: no acceptance is observed while off,
-            # and the verification costs it compared against are not re-measured; the next probe or a
-            # change in the batch plans afresh (planning sixteen streams cost ~80 us a step)
+            # off, and nothing the choice rests on has moved: the same requests (no acceptance is
+            # observed while off) and no verification cost re-measured; the next probe, or a request
+            # joining or leaving, plans afresh (planning sixteen streams cost ~80 us a step)
             for r in decoding:
                 r.spec_k = 0
             self.disabled_steps += 1
