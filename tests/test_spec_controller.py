@@ -75,8 +75,13 @@ def test_an_off_decision_stands_until_the_batch_changes_or_a_probe_is_due():
     calls = []
     ctrl._best_depth = lambda *a: calls.append(a) or compare(*a)
     ctrl.plan(rs, 0)                                   # a probe is due
-    ctrl.plan(rs[:15], 0)                              # a stream left
+    ctrl.plan(rs, 0)                                   # after it: compared afresh, off again
+    ctrl.plan(rs, 0)
     assert len(calls) == 2
+    other = [Request("new", [1, 2, 3], SamplingParams(max_tokens=100))]
+    ctrl.plan(rs[:15] + other, 0)                      # as many streams, one of them new
+    ctrl.plan(rs[:15], 0)                              # a stream left
+    assert len(calls) == 4
 
 
 def test_low_acceptance_turns_speculation_off():
