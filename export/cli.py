@@ -52,10 +52,10 @@ def add_export_parser(sub) -> None:
     a("--quant", default="int8", choices=("none", "int8", "int4", "w8a8"), help="weight quantization (default int8)")
     a("--group-size", type=int, default=128, choices=(32, 64, 128), help="int4 group size (default 128)")
     a("--symmetric", action="store_true", help="int4 without zero points")
-    a("--head", default="auto", choices=("auto", "float", "int8", "w8a8", "int4"),
-      help="output head (and tied embedding): float, int8 weight-only, int8 with per-token int8 input, "
-           "or int4 (group size as --group-size); "
-           "auto: float for --quant none, else w8a8 (default; the quality gate shows its cost)")
+    a("--head", default="auto", choices=("auto", "float", "int8", "int8g", "w8a8", "int4"),
+      help="output head (and tied embedding): float, int8 weight-only (one scale per row), int8g (int8 with "
+           "a scale per 64 input columns), int8 with per-token int8 input (w8a8), or int4 (group size as "
+           "--group-size); auto: float for --quant none, else int8g (default; the quality gate shows its cost)")
     a("--embed", default="float", choices=("float", "int8"), help="untied embedding storage (default float)")
     a("--kv-dtype", default="auto", choices=("auto", "int8"), help="KV cache dtype recorded for the runtime")
     a("--backend", default="torch", choices=("torch", "onnxruntime", "tensorrt"))

@@ -4,11 +4,11 @@ Every quantized module keeps the forward signature of ``llmd.runtime.models.laye
 (x [..., in] -> [..., out], output in x's dtype) and picks its kernel by the number of rows M:
 
     method  stored (safetensors)                       M <= small_m                 M > small_m
-    int8    qweight int8 [N,K], scales f32 [N]         llmd int8 kernel: x as       the same kernel up to 160 rows,
-                                                       16-bit integers per row      then bf16 matmul, weight
-                                                                                    dequantized once per call
+    int8    qweight int8 [N,K], scales f32 [N]         llmd int8 kernel: x as       x split the same way into two
+                                                       16-bit integers per row      int8 halves, two _int_mm
     int4    qweight u8 [N,K/2] (two nibbles, low       llmd int4 kernel: x as 8-bit the same kernel up to 640 rows,
-            first), scales/zeros f32 [N, K/G]          integers per 128 columns     then as int8, from nibbles
+            first), scales/zeros f32 [N, K/G]          integers per 128 columns     then bf16 matmul, weight
+                                                                                    dequantized once per call
     w8a8    qweight int8 [N,K], scales f32 [N]         llmd w8a8 kernel (M <= 4), else _int_mm: activations
                                                        quantized per token (dynamic, symmetric), int32 sums
 
@@ -23,17 +23,17 @@ Formulas (q is the stored integer, G the group size):
     w8a8:  y = (xq @ q^T) * sx[m] * s[n]             xq = round(x / sx), sx = max|x[m]| / 127
 
 Embedding and head: the output head holds int8 weights unless ``head="float"``. It is the largest
-matrix of a small model (896 x 151936 in Qwen2-0.5B) and is read for one row per sampled token;
-there the weight-only int8 kernel is compute-bound on two cores (9.8 ms against 11.5 ms for the
-float32 head split across both cores, so it saved almost nothing), while the integer product of
-w8a8 is faster. ``head="w8a8"`` quantizes its input row per token too; ``head="int8"`` keeps it
-weight-only. ``head="auto"`` (default) picks w8a8 for every quantized method: on the demo target's
-held-out text the int8 and w8a8 heads both raised perplexity by 0.03 % (top-1 agreement 98.97 % and
-99.24 %), and w8a8 decodes Qwen2-0.5B 1.1x faster. A model whose final hidden state has outlier
-channels may prefer ``--head int8``; the quality gate shows the difference. In a tied model the
-embedding *is* the head's table, so it follows the head: a quantized head's rows are looked up
-and dequantized (``rows()``). An untied embedding
-stays float unless ``embed="int8"``. The embedding is read one row per token, so quantizing it saves memory but no time.
+matrix of a small model (896 x 151936 in Qwen2-0.5B) and is read for one row per sampled token, and
+it is where quantization error first changes a greedy choice. ``head="auto"`` (default for every
+quantized method) is ``int8g``: int8 weights with a scale per 64 input columns, the input at 16 bits.
+On the demo target, the default int8 export keeps all 32 greedy tokens of 184 of 200 held-out
+prompts, against 177 with one scale per head row (``head="int8"``), 167 with ``head="w8a8"`` (input
+quantized per token to 8 bits; the default before) and 192 with a float head; on Qwen2-0.5B's head
+the three int8 forms take 5.0, 5.8 and 4.4 ms per token. ``head="int4"`` makes every matrix 4-bit,
+as llama.cpp's Q4_0 files here are. In a tied model the embedding *is* the head's table, so it
+follows the head: a quantized head's rows are looked up and dequantized (``rows()``). An untied
+embedding stays float unless ``embed="int8"``. The embedding is read one row per token, so
+quantizing it saves memory but no time.
 """
 from __future__ import annotations
 
@@ -49,6 +49,8 @@ from llmd.runtime.kernels import ops
 from llmd.runtime.models.layers import Linear
 
 METHODS = ("none", "int8", "int4", "w8a8")
+HEADS = ("auto", "float", "int8", "int8g", "w8a8", "int4")
+HEAD_GROUP = 64        # int8g: input columns per scale of the head
 SMALL_M = 4            # rows up to which the packed low-bit kernels beat dense bf16 here
 
 
@@ -61,7 +63,7 @@ class QuantSpec:
     method: str = "none"          # none | int8 | int4 | w8a8
     group_size: int = 128         # int4 only: input columns sharing one scale
     symmetric: bool = False       # int4 only: zero points (False) or none (True)
-    head: str = "auto"            # auto | float | int8 | w8a8 | int4: the output head (and a tied embedding)
+    head: str = "auto"            # auto | float | int8 | int8g | w8a8 | int4: the output head (and a tied embedding)
     embed: str = "float"          # float | int8: an untied embedding (a tied one follows the head)
     kv_dtype: str = "auto"        # auto | int8 (recorded; the runtime owns the pool)
     small_m: int = SMALL_M
@@ -71,10 +73,10 @@ class QuantSpec:
             raise QuantizationError(f"quantization must be one of {METHODS}, got {self.method!r}")
         if self.group_size not in (32, 64, 128, 256):
             raise QuantizationError(f"group size must be 32, 64, 128 or 256, got {self.group_size}")
-        if self.head not in ("auto", "float", "int8", "w8a8", "int4") or self.embed not in ("float", "int8"):
-            raise QuantizationError("head must be auto, float, int8, w8a8 or int4; embed float or int8")
+        if self.head not in HEADS or self.embed not in ("float", "int8"):
+            raise QuantizationError(f"head must be one of {HEADS}; embed float or int8")
         if self.head == "auto":     # resolved once, so manifests record the concrete choice
-            auto = "float" if self.method == "none" else "w8a8"
+            auto = "float" if self.method == "none" else "int8g"
             object.__setattr__(self, "head", auto)
         if self.kv_dtype not in ("auto", "int8"):
             raise QuantizationError(f"kv dtype must be auto or int8, got {self.kv_dtype!r}")
@@ -89,15 +91,21 @@ class QuantSpec:
 
 # ---- pure quantizers (also used by the round-trip tests) ---------------------------------------
 
-def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-output-channel symmetric: w [N,K] -> (q int8 [N,K], scale f32 [N]); |w - q*s| <= s/2."""
+def quantize_int8(w: torch.Tensor, group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel symmetric: w [N,K] -> (q int8 [N,K], scale f32 [N]); |w - q*s| <= s/2.
+    With ``group_size``, one scale per group of that many input columns: scale [N, K/G]."""
     w = w.float()
-    scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
-    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-    return q, scale
+    n, k = w.shape
+    g = w.view(n, k // group_size, group_size) if group_size else w.view(n, 1, k)
+    scale = (g.abs().amax(dim=-1) / 127).clamp(min=1e-12)
+    q = torch.round(g / scale[..., None]).clamp(-127, 127).to(torch.int8).view(n, k)
+    return q, scale if group_size else scale.view(n)
 
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    if scale.dim() == 2:
+        n, k = q.shape
+        return (q.float().view(n, scale.shape[1], -1) * scale[..., None]).view(n, k)
     return q.float() * scale[:, None]
 
 
@@ -126,6 +134,14 @@ def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) ->
     return g.view(n, k)
 
 
+def split16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float32 rows -> (hi, lo - 128, sx): xi = round(x / sx) in [-32767, 32767] with sx = max|x| / 32767
+    per row (rounded as llmd's int8 decode kernel rounds it), xi = 256 hi + lo, both as int8."""
+    sx = (x.abs().amax(1, keepdim=True) / 32767).clamp(min=1e-30)
+    xi = torch.round(x * (1 / sx)).clamp(-32767, 32767).to(torch.int32)
+    return (xi >> 8).to(torch.int8), ((xi & 255) - 128).to(torch.int8), sx
+
+
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
     """uint8 [N,K] values in [0,15] -> uint8 [N,K/2], column 2j in the low nibble."""
     return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
@@ -142,7 +158,6 @@ class QuantLinear(nn.Module):
     persistent buffers (what the engine directory saves) and build kernel forms in ``prepare()``."""
 
     method = ""
-    kernel_max_rows = 0     # rows up to which kernel_rows() beats widening the weights (measured per method)
 
     def __init__(self, in_features: int, out_features: int, bias: bool, small_m: int = SMALL_M):
         super().__init__()
@@ -159,12 +174,8 @@ class QuantLinear(nn.Module):
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
     def large(self, x: torch.Tensor) -> torch.Tensor:
-        """Many rows (a prompt): llmd's kernel where the method has one for them (the weights stay
-        low-bit; widening them to bf16 on every prompt cost more than the product: Qwen2-0.5B int4
-        prompts went from 64 to 313 tok/s). Else one dequantization amortized over all the rows,
-        then a dense bf16 product, which wins past ``kernel_max_rows``."""
-        if x.shape[0] <= self.kernel_max_rows and kernels.usable(x) and (y := self.kernel_rows(x)) is not None:
-            return y
+        """Many rows: one dequantization amortized over all of them, then a dense bf16 product
+        (methods with a faster form for prompts override this)."""
         return F.linear(x.to(torch.bfloat16), self.dense_weight().to(torch.bfloat16))
 
     def kernel_rows(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -194,14 +205,13 @@ class QuantLinear(nn.Module):
 
 class Int8Linear(QuantLinear):
     method = "int8"
-    # Qwen2-0.5B layer shapes, two threads: the kernel 7x faster at 16 rows, 1.8x at 128, 0.82x at 256
-    kernel_max_rows = 160
 
     def __init__(self, in_features, out_features, bias=False, small_m=SMALL_M):
         super().__init__(in_features, out_features, bias, small_m)
         self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8))
         self.register_buffer("scales", torch.ones(out_features))
         self._scales_bf16 = None
+        self._offset = None
 
     def load_weight(self, w: torch.Tensor) -> None:
         self.qweight, self.scales = quantize_int8(w)
@@ -209,6 +219,22 @@ class Int8Linear(QuantLinear):
     def prepare(self, use_kernels: bool = True) -> None:
         self.align()
         self._scales_bf16 = self.scales.to(torch.bfloat16)
+        self._offset = self.qweight.sum(1, dtype=torch.int32) * 128
+
+    def large(self, x: torch.Tensor) -> torch.Tensor:
+        """Prompt rows, eager: two integer products carry x at the decode kernel's 16-bit precision,
+        with its rounding, so a row gets the numbers it would get alone. On Qwen2-0.5B's layer shapes
+        (two threads) 1.5-1.7x the decode kernel at 64-128 rows and 3-6x dequantizing to bf16; at 512
+        rows within 10 % of it. Graphs being traced keep the dequantizing form."""
+        if not kernels.usable(x) or x.dtype != torch.float32:
+            return super().large(x)
+        if self._offset is None:
+            self.prepare()
+        hi, lo, sx = split16(x)
+        wt = self.qweight.t()
+        acc_hi = torch._int_mm(hi, wt).float()
+        acc_lo = (torch._int_mm(lo, wt) + self._offset).float()      # lo entered shifted by -128
+        return (acc_hi * 256 + acc_lo) * (sx * self.scales)
 
     def kernel_rows(self, x: torch.Tensor) -> torch.Tensor | None:
         return ops.int8_matvec(x, self.qweight, self.scales, None)
@@ -226,6 +252,51 @@ class Int8Linear(QuantLinear):
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Dequantized rows ``ids`` of the weight (an embedding lookup in a tied table)."""
         return self.qweight.index_select(0, ids).float() * self.scales.index_select(0, ids)[:, None]
+
+
+class Int8GroupLinear(Int8Linear):
+    """int8 weights with a scale per HEAD_GROUP input columns, x at 16-bit precision: the default
+    output head. A tied head is the embedding table, whose rows carry outliers that one scale per
+    row rounds coarsely; on the demo target, greedy tokens of 200 held-out prompts (float body)
+    matched float32 in 175 with a scale per row and 189 with one per 64 columns. llmd's kernel
+    serves any number of rows; without it the bf16 dequantized weight is built once and kept."""
+
+    method = "int8g"
+
+    def __init__(self, in_features, out_features, bias=False, small_m=SMALL_M, group_size=HEAD_GROUP):
+        super().__init__(in_features, out_features, bias, small_m)
+        if in_features % group_size:
+            raise QuantizationError(f"int8g needs input widths divisible by {group_size}, got {in_features}")
+        self.group_size = group_size
+        self.scales = torch.ones(out_features, in_features // group_size)
+        self._dense_bf16 = None
+
+    def load_weight(self, w: torch.Tensor) -> None:
+        self.qweight, self.scales = quantize_int8(w, self.group_size)
+
+    def prepare(self, use_kernels: bool = True) -> None:
+        self.align()
+
+    def kernel_rows(self, x: torch.Tensor) -> torch.Tensor | None:
+        return ops.int8g_matvec(x, self.qweight, self.scales, None)
+
+    def small(self, x: torch.Tensor) -> torch.Tensor:
+        return self.large(x)
+
+    def large(self, x: torch.Tensor) -> torch.Tensor:
+        if kernels.usable(x) and (y := self.kernel_rows(x)) is not None:
+            return y
+        if torch.compiler.is_compiling() or torch.jit.is_tracing():     # a graph records the dequantization
+            return F.linear(x.to(torch.bfloat16), self.dense_weight().to(torch.bfloat16))
+        if self._dense_bf16 is None:      # no kernel on this CPU: widen once, not per step
+            self._dense_bf16 = self.dense_weight().to(torch.bfloat16)
+        return F.linear(x.to(torch.bfloat16), self._dense_bf16)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return dequantize_int8(self.qweight.index_select(0, ids), self.scales.index_select(0, ids))
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", group_size={self.group_size}"
 
 
 class W8A8Linear(Int8Linear):
@@ -254,7 +325,6 @@ class W8A8Linear(Int8Linear):
 
 class Int4Linear(QuantLinear):
     method = "int4"
-    kernel_max_rows = 640     # as for int8: 4.5x at 128 rows, 1.4x at 512
 
     def __init__(self, in_features, out_features, bias=False, small_m=SMALL_M, group_size=128,
                  symmetric=False):
@@ -291,6 +361,14 @@ class Int4Linear(QuantLinear):
         if self._kernel_form is None:
             return None
         return ops.int4_matvec(x, self._kernel_form, self.group_size, None)
+
+    def large(self, x: torch.Tensor) -> torch.Tensor:
+        """Prompt rows through the decode kernel up to 640 rows: the weights stay 4-bit, read once
+        per 64 rows (Qwen2-0.5B layer shapes, two threads: 4.5x dequantizing to bf16 at 128 rows,
+        1.4x at 512; prompts 64 -> 313 tok/s), and a row gets the numbers it gets alone."""
+        if x.shape[0] <= 640 and kernels.usable(x) and (y := self.kernel_rows(x)) is not None:
+            return y
+        return super().large(x)
 
     def small(self, x: torch.Tensor) -> torch.Tensor:
         if kernels.usable(x) and (y := self.kernel_rows(x)) is not None:
@@ -380,7 +458,8 @@ def _swap(linear: Linear, q: QuantLinear, from_weights: bool) -> QuantLinear:
 def _quantize_head(model: nn.Module, spec: QuantSpec, from_weights: bool) -> None:
     cfg = model.config
     if spec.head != "float":        # a quantized head is built as a layer of that method would be
-        head = make_quant_linear(replace(spec, method=spec.head), cfg.hidden_size, cfg.vocab_size, False)
+        head = (Int8GroupLinear(cfg.hidden_size, cfg.vocab_size, False, spec.small_m) if spec.head == "int8g"
+                else make_quant_linear(replace(spec, method=spec.head), cfg.hidden_size, cfg.vocab_size, False))
         if model.lm_head is not None:
             model.lm_head = _swap(model.lm_head, head, from_weights)
         else:   # tied: one quantized table serves as head and embedding

@@ -63,13 +63,14 @@ def test_int8_engine_keeps_greedy_tokens_for_most_prompts(source, int8_engine):
 
 def test_default_int8_engine_keeps_greedy_tokens_of_held_out_prompts_on_the_demo_target(tmp_path):
     """The issue's criterion on real held-out data: the bundled target, prompts from held-out stdlib
-    functions, the default int8 export (w8a8 head), 32 greedy tokens identical for >= 90 %."""
+    functions, the default int8 export (int8g head), 32 greedy tokens identical for >= 90 % of 200
+    (measured: 184; with a w8a8 head 167, with one scale per head row 177, a float head 192)."""
     from llmd.bench.bench_spec import completion_prompts
     target = Path(__file__).resolve().parents[1] / "models" / "code-target"
     out = tmp_path / "demo-int8"
     export_engine(ExportOptions(str(target), str(out), quant="int8", **FAST))
-    assert read_manifest(out)["quantization"]["head"] == "w8a8"
-    ps = completion_prompts(40)
+    assert read_manifest(out)["quantization"]["head"] == "int8g"
+    ps = completion_prompts(200)
     same = sum(a == b for a, b in zip(greedy(out, ps), greedy(target, ps)))
     assert same >= 0.9 * len(ps)
 

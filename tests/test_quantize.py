@@ -82,13 +82,13 @@ def test_int4_rejects_a_group_size_that_does_not_divide_the_width():
 
 
 def test_auto_head_is_resolved_per_method():
-    assert [QuantSpec(m).head for m in ("none", "int8", "int4", "w8a8")] == ["float", "w8a8", "w8a8", "w8a8"]
+    assert [QuantSpec(m).head for m in ("none", "int8", "int4", "w8a8")] == ["float", "int8g", "int8g", "int8g"]
     assert QuantSpec("int8", head="w8a8").head == "w8a8"
 
 
 SPECS = {"int8": (QuantSpec("int8"), 0.01), "int4": (QuantSpec("int4", group_size=32), 0.02),
          "int4-sym": (QuantSpec("int4", group_size=32, symmetric=True), 0.03),
-         "w8a8": (QuantSpec("w8a8"), 0.01), "int8-float-head": (QuantSpec("int8", head="float"), 0.003),
+         "w8a8": (QuantSpec("w8a8"), 0.01), "int8-int8g-head": (QuantSpec("int8", head="int8g"), 0.01), "int8-float-head": (QuantSpec("int8", head="float"), 0.003),
          "int8-int8-head": (QuantSpec("int8", head="int8"), 0.01)}
 
 

@@ -44,6 +44,7 @@ _SIGNATURES = {
     "llmd_rope_qk": [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P],
     "llmd_w8a8_x": [_P, _I, _I, _P, _P, _P, _P, _I, _I],
     "llmd_argmax": [_P, _I, _I, _P, _I],
+    "llmd_int8g_x": [_P, _I, _I, _I, _P, _P, _P, _P, _I, _I],
 }
 
 

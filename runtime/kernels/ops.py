@@ -8,7 +8,7 @@ import torch
 from . import lib, usable
 
 MAX_ROWS = 4              # rows of x the quantized kernels take
-MANY_MAX_ROWS = 8192      # ... except the weight-only int8 and int4 ones, which take prompts too
+MANY_MAX_ROWS = 8192      # ... except the int4 one, which takes prompts too
 F32_MAX_ROWS = 16         # rows of x the float32 kernel takes
 _SERIAL_BELOW = 1 << 18      # weights in a product below which one thread beats the parallel split
 
@@ -56,9 +56,9 @@ def _ptr(t: torch.Tensor | None):
 
 
 def _int8_weights(entry: str, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                  bias: torch.Tensor | None, max_rows: int = MAX_ROWS):
+                  bias: torch.Tensor | None):
     """x times an int8 weight [N, K] with per-row scales through the kernel ``entry``."""
-    if (start := _start(x, max_rows)) is None:
+    if (start := _start(x)) is None:
         return None
     so, x, m, k = start
     n = qweight.shape[0]
@@ -69,13 +69,26 @@ def _int8_weights(entry: str, x: torch.Tensor, qweight: torch.Tensor, scales: to
 
 
 def int8_matvec(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
-    """Weight-only int8: x carried at 16-bit precision per row; up to MANY_MAX_ROWS rows."""
-    return _int8_weights("llmd_int8_x", x, qweight, scales, bias, MANY_MAX_ROWS)
+    """Weight-only int8: x carried at 16-bit precision per row."""
+    return _int8_weights("llmd_int8_x", x, qweight, scales, bias)
 
 
 def w8a8_matvec(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
     """w8a8: x quantized to int8 per row (token), as the many-row path does."""
     return _int8_weights("llmd_w8a8_x", x, qweight, scales, bias)
+
+
+def int8g_matvec(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
+    """int8 weight [N, K] with a scale per group of G = K / scales.shape[1] columns (64, 128 or 256),
+    x at 16-bit precision per row; any number of rows up to MANY_MAX_ROWS."""
+    if (start := _start(x, MANY_MAX_ROWS)) is None:
+        return None
+    so, x, m, k = start
+    n, groups = scales.shape
+    y = torch.empty(m, n)
+    rc = so.llmd_int8g_x(x.data_ptr(), m, k, k // groups, qweight.data_ptr(), scales.data_ptr(), _ptr(bias),
+                         y.data_ptr(), n, _threads(n, k))
+    return y if rc == 0 else None
 
 
 def int4_pack(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int):

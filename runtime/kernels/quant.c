@@ -10,7 +10,7 @@
  *   int4:  y[m,n] = sum_g s[n,g] sum_{k in g} (q[n,k] - 8) x[m,k] + z[n,g] sum_{k in g} x[m,k]
  *          q in [0,15], x as 8-bit integers per block of 128; weights in the layout of llmd_int4_pack
  *   w8a8:  y[m,n] = sx[m] s[n] sum_k w[n,k] xq[m,k]            xq = round(x / sx), sx = max|x| / 127
- * The entry points (llmd_*_x) take M <= 4 rows (int8, int4: up to 8192, prompts too) and K a multiple
+ * The entry points (llmd_*_x) take M <= 4 rows (int4: up to 8192, prompts too) and K a multiple
  * of 128 and return 0, -1 for a CPU
  * or shape they do not take (the caller then uses torch's kernels), -2 out of memory.
  */
@@ -110,12 +110,46 @@ static TARGET void int8_rows(const uint8_t *xh, const uint8_t *xl, const uint64_
     BY_ROWS(INT8_CASE);
 }
 
-#define INT8_TILE(MM) int8_row(xh + (size_t)m * K, xl + (size_t)m * K, neg + (size_t)m * (K / 64), MM, K, \
-                               w + (size_t)n * K, s[n], sx + m, bias ? bias[n] : 0.f, y + (size_t)m * N + n, N);
+/* ---- int8 weights with a scale per group of G columns, 16-bit integer activations --------- */
+/* As the int8 product above, with w = q * s[n, g]: the output head, whose rows (a tied embedding's
+ * token vectors) carry outliers that a single scale per row rounds coarsely. Per group the hi and
+ * lo sums are combined exactly in int32 (|256 hi + lo| < 2^31 for G <= 256) and scaled once.
+ * Any number of rows: tiles of four over each output row, as for int4. G is 64, 128 or 256. */
 
-static TARGET void int8_many_rows(const uint8_t *xh, const uint8_t *xl, const uint64_t *neg, const float *sx, int M,
-                                  int K, const int8_t *w, const float *s, const float *bias, float *y, int N, int nt) {
-    MANY_ROWS(INT8_TILE);
+static inline TARGET __attribute__((always_inline))
+void int8g_row(const uint8_t *xh, const uint8_t *xl, const uint64_t *neg, const float *sx, const int MM, int K,
+               int G, const int8_t *w, const float *s, float b, float *y, int N) {
+    const __m512i zero = _mm512_setzero_si512();
+    __m512 acc[MAXM];
+    for (int m = 0; m < MAXM; m++) acc[m] = _mm512_setzero_ps();
+    for (int g0 = 0; g0 < K; g0 += G) {
+        __m512i d[MAXM];
+        for (int m = 0; m < MAXM; m++) d[m] = zero;
+        for (int c = g0; c < g0 + G; c += 64) {
+            const __m512i wv = _mm512_loadu_si512((const void *)(w + c));
+            for (int m = 0; m < MM; m++) {
+                const size_t at = (size_t)m * K + c;
+                const __m512i ws = _mm512_mask_sub_epi8(wv, neg[at / 64], zero, wv);
+                const __m512i dh = _mm512_dpbusd_epi32(zero, _mm512_loadu_si512((const void *)(xh + at)), ws);
+                const __m512i dl = _mm512_dpbusd_epi32(zero, _mm512_loadu_si512((const void *)(xl + at)), wv);
+                d[m] = _mm512_add_epi32(d[m], _mm512_add_epi32(_mm512_slli_epi32(dh, 8), dl));
+            }
+        }
+        const float sg = s[g0 / G];
+        for (int m = 0; m < MM; m++)
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[m]), _mm512_set1_ps(sg * sx[m]), acc[m]);
+    }
+    for (int m = 0; m < MM; m++) y[(size_t)m * N] = _mm512_reduce_add_ps(acc[m]) + b;
+}
+
+#define INT8G_TILE(MM) int8g_row(xh + (size_t)m * K, xl + (size_t)m * K, neg + (size_t)m * (K / 64), sx + m, MM, \
+                                 K, G, w + (size_t)n * K, s + (size_t)n * (K / G), bias ? bias[n] : 0.f, \
+                                 y + (size_t)m * N + n, N);
+
+static TARGET void int8g_rows(const uint8_t *xh, const uint8_t *xl, const uint64_t *neg, const float *sx, int M,
+                              int K, int G, const int8_t *w, const float *s, const float *bias, float *y, int N,
+                              int nt) {
+    MANY_ROWS(INT8G_TILE);
 }
 
 /* ---- int4 weights, 8-bit activations per block of 128 columns ---------------------------- */
@@ -301,26 +335,45 @@ static void *scratch_for(size_t bytes) {
     return scratch;
 }
 
-/* The shapes every product takes: 1..MAXM rows of x (int8 and int4 weight-only: up to MANY_MAX_ROWS),
- * K a multiple of 128. */
+/* The shapes every product takes: 1..MAXM rows of x (int4: up to MANY_MAX_ROWS), K a multiple of 128. */
 #define MANY_MAX_ROWS 8192
 static int takes(int M, int K) {
     return llmd_cpu_ok() && M >= 1 && M <= MAXM && K % 128 == 0;
 }
 
+/* x16_quantize into the thread's scratch; 0, or -2 out of memory. */
+static TARGET int x16_in_scratch(const float *x, int M, int K, uint8_t **xh, uint8_t **xl, uint64_t **neg,
+                                 float **sx) {
+    uint8_t *p = scratch_for((size_t)M * K * 2 + (size_t)M * (K / 64) * 8 + (size_t)M * 4 + 64);
+    if (!p) return -2;
+    *xh = p;
+    *xl = p + (size_t)M * K;
+    *neg = (uint64_t *)(*xl + (size_t)M * K);
+    *sx = (float *)(*neg + (size_t)M * (K / 64));
+    x16_quantize(x, M, K, *xh, *xl, *neg, *sx);
+    return 0;
+}
+
 TARGET int llmd_int8_x(const float *x, int M, int K, const int8_t *w, const float *s, const float *bias, float *y,
                        int N, int nt) {
-    if (!llmd_cpu_ok() || M < 1 || M > MANY_MAX_ROWS || K % 128 || K >= 65536) return -1;
-    uint8_t *xh = scratch_for((size_t)M * K * 2 + (size_t)M * (K / 64) * 8 + (size_t)M * 4 + 64);
-    if (!xh) return -2;
-    uint8_t *xl = xh + (size_t)M * K;
-    uint64_t *neg = (uint64_t *)(xl + (size_t)M * K);
-    float *sx = (float *)(neg + (size_t)M * (K / 64));
-    x16_quantize(x, M, K, xh, xl, neg, sx);
-    if (M <= MAXM)
-        int8_rows(xh, xl, neg, sx, M, K, w, s, bias, y, N, nt);
-    else
-        int8_many_rows(xh, xl, neg, sx, M, K, w, s, bias, y, N, nt);
+    if (!takes(M, K) || K >= 65536) return -1;
+    uint8_t *xh, *xl;
+    uint64_t *neg;
+    float *sx;
+    if (x16_in_scratch(x, M, K, &xh, &xl, &neg, &sx)) return -2;
+    int8_rows(xh, xl, neg, sx, M, K, w, s, bias, y, N, nt);
+    return 0;
+}
+
+TARGET int llmd_int8g_x(const float *x, int M, int K, int G, const int8_t *w, const float *s, const float *bias,
+                        float *y, int N, int nt) {
+    if (!llmd_cpu_ok() || M < 1 || M > MANY_MAX_ROWS || K % 128 || (G != 64 && G != 128 && G != 256) || K % G)
+        return -1;
+    uint8_t *xh, *xl;
+    uint64_t *neg;
+    float *sx;
+    if (x16_in_scratch(x, M, K, &xh, &xl, &neg, &sx)) return -2;
+    int8g_rows(xh, xl, neg, sx, M, K, G, w, s, bias, y, N, nt);
     return 0;
 }
 
