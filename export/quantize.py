@@ -286,8 +286,8 @@ class Int8GroupLinear(Int8Linear):
     def large(self, x: torch.Tensor) -> torch.Tensor:
         if kernels.usable(x) and (y := self.kernel_rows(x)) is not None:
             return y
-        if torch.compiler.is_compiling() or torch.jit.is_tracing():     # a graph records the dequantization
-            return F.linear(x.to(torch.bfloat16), self.dense_weight().to(torch.bfloat16))
+        if type(x) is not torch.Tensor or torch.compiler.is_compiling() or torch.jit.is_tracing():
+            return F.linear(x.to(torch.bfloat16), self.dense_weight().to(torch.bfloat16))   # a graph records it
         if self._dense_bf16 is None:      # no kernel on this CPU: widen once, not per step
             self._dense_bf16 = self.dense_weight().to(torch.bfloat16)
         return F.linear(x.to(torch.bfloat16), self._dense_bf16)
