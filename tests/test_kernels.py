@@ -162,6 +162,10 @@ def test_silu_mul_and_rmsnorm_kernels_match_torch():
     x, w = torch.randn(2, 896, generator=g), torch.randn(896, generator=g)
     torch.testing.assert_close(ops.rmsnorm(x, w, 1e-6), torch.nn.functional.rms_norm(x, (896,), w, 1e-6),
                                rtol=2e-6, atol=1e-6)
+    h = torch.randn(2, 896, generator=g)
+    total, normed = ops.add_rmsnorm(x, h, w, 1e-6)
+    assert torch.equal(total, x + h)                                  # the residual sum is exact
+    assert torch.equal(normed, ops.rmsnorm(x + h, w, 1e-6))           # and normed as the norm kernel does
 
 
 def test_a_cache_directory_others_can_write_is_not_trusted(tmp_path, monkeypatch):

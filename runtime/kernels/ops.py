@@ -149,6 +149,21 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float):
     return out
 
 
+def add_rmsnorm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(x + h, RMSNorm(x + h)) of float32 rows [..., K] (K a multiple of 16); None when the kernel
+    cannot run."""
+    so = lib()
+    k = x.shape[-1]
+    if so is None or x.dtype != torch.float32 or h.dtype != torch.float32 or k % 16 or x.shape != h.shape:
+        return None
+    x, h = x.contiguous(), h.contiguous()
+    total, out = torch.empty_like(x), torch.empty_like(x)
+    if so.llmd_add_rmsnorm(x.data_ptr(), h.data_ptr(), x.numel() // k, k, weight.data_ptr(), eps, total.data_ptr(),
+                           out.data_ptr()):
+        return None
+    return total, out
+
+
 def silu_mul(gate_up: torch.Tensor):
     """silu(gate) * up of float32 rows [..., 2I] -> [..., I]; None when the kernel cannot run."""
     so = lib()

@@ -4,16 +4,31 @@
 /* Each costs one call instead of the four to six torch operations it replaces; rows are short
  * (a few thousand floats), so they run on the calling thread. */
 
+static inline TARGET void rmsnorm_row(const float *r, int K, const float *w, float eps, float *o) {
+    __m512 ss = _mm512_setzero_ps();
+    for (int k = 0; k < K; k += 16) { __m512 v = _mm512_loadu_ps(r + k); ss = _mm512_fmadd_ps(v, v, ss); }
+    const __m512 inv = _mm512_set1_ps(1.f / sqrtf(_mm512_reduce_add_ps(ss) / K + eps));
+    for (int k = 0; k < K; k += 16)
+        _mm512_storeu_ps(o + k, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(r + k), inv), _mm512_loadu_ps(w + k)));
+}
+
 /* out[m] = x[m] / sqrt(mean(x[m]^2) + eps) * w, for M rows of K floats (K a multiple of 16). */
 TARGET int llmd_rmsnorm(const float *x, int M, int K, const float *w, float eps, float *out) {
     if (!llmd_cpu_ok() || K % 16) return -1;
+    for (int m = 0; m < M; m++) rmsnorm_row(x + (size_t)m * K, K, w, eps, out + (size_t)m * K);
+    return 0;
+}
+
+/* The residual step of a decoder layer: sum[m] = x[m] + h[m], out[m] = rmsnorm(sum[m]) (as above):
+ * one call instead of an add and a norm. */
+TARGET int llmd_add_rmsnorm(const float *x, const float *h, int M, int K, const float *w, float eps, float *sum,
+                            float *out) {
+    if (!llmd_cpu_ok() || K % 16) return -1;
     for (int m = 0; m < M; m++) {
-        const float *r = x + (size_t)m * K;
-        __m512 ss = _mm512_setzero_ps();
-        for (int k = 0; k < K; k += 16) { __m512 v = _mm512_loadu_ps(r + k); ss = _mm512_fmadd_ps(v, v, ss); }
-        const __m512 inv = _mm512_set1_ps(1.f / sqrtf(_mm512_reduce_add_ps(ss) / K + eps));
+        const size_t at = (size_t)m * K;
         for (int k = 0; k < K; k += 16)
-            _mm512_storeu_ps(out + (size_t)m * K + k, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(r + k), inv), _mm512_loadu_ps(w + k)));
+            _mm512_storeu_ps(sum + at + k, _mm512_add_ps(_mm512_loadu_ps(x + at + k), _mm512_loadu_ps(h + at + k)));
+        rmsnorm_row(sum + at, K, w, eps, out + at);
     }
     return 0;
 }

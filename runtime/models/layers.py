@@ -238,6 +238,18 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+def add_norm(x: torch.Tensor, h: torch.Tensor | None, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual step: (x + h, norm(x + h)); h None adds nothing. Decode rows take one kernel
+    call instead of an add and a norm."""
+    if h is None:
+        return x, norm(x)
+    if (x.dtype == norm.weight.dtype == torch.float32 and kernels.usable(x) and x.dim() == 2
+            and x.shape[0] <= ops.F32_MAX_ROWS and (both := ops.add_rmsnorm(x, h, norm.weight, norm.eps)) is not None):
+        return both
+    x = x + h
+    return x, norm(x)
+
+
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if scaling.rope_type == "linear":

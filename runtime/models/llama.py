@@ -20,7 +20,7 @@ from llmd.runtime import kernels
 from llmd.runtime.kernels import ops
 
 from .config import ModelConfig
-from .layers import Linear, RMSNorm, Rotary, apply_rotary
+from .layers import Linear, RMSNorm, Rotary, add_norm, apply_rotary
 
 
 @dataclass
@@ -137,11 +137,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, attn=None, cis=None) -> torch.Tensor:
-        h = self.input_layernorm(x)
+    def forward(self, x, cos, sin, attn=None, cis=None, pending=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (residual stream, this layer's MLP output): the caller adds the latter with the next
+        norm (``add_norm``), so that decode rows take one call for each add and norm."""
+        x, h = add_norm(x, pending, self.input_layernorm)
         h = self.self_attn(h, cos, sin, attn, cis) if attn is not None else self.self_attn.forward_dense(h, cos, sin, cis)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, h = add_norm(x, h, self.post_attention_layernorm)
+        return x, self.mlp(h)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -159,14 +161,16 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
         """Packed tokens [T] -> final hidden states [T, hidden]."""
         x = self.embed(input_ids)
-        cos, sin = self.rotary.lookup(positions, x.dtype)
-        cis = None
-        if self._interleaved:
+        cos = sin = cis = None
+        if self._interleaved:           # prepared weights rotate adjacent pairs: cis only
             fast = x.dtype == torch.float32 and kernels.usable(x)
             cis = RopeRows(positions, self.rotary) if fast else self.rotary.lookup_cis(positions)
+        else:
+            cos, sin = self.rotary.lookup(positions, x.dtype)
+        pending = None
         for layer in self.layers:
-            x = layer(x, cos, sin, attn, cis)
-        return self.norm(x)
+            x, pending = layer(x, cos, sin, attn, cis, pending)
+        return add_norm(x, pending, self.norm)[1]
 
     def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[B, T] -> logits [B, T, vocab], plain causal attention from position 0."""
@@ -174,9 +178,10 @@ class LlamaForCausalLM(nn.Module):
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         cos, sin = self.rotary.lookup(positions, x.dtype)
         cis = self.rotary.lookup_cis(positions) if self._interleaved else None   # prepared weights are interleaved
+        pending = None
         for layer in self.layers:
-            x = layer(x, cos, sin, None, cis)
-        return self.compute_logits(self.norm(x))
+            x, pending = layer(x, cos, sin, None, cis, pending)
+        return self.compute_logits(add_norm(x, pending, self.norm)[1])
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self._tied_head is not None:       # tied and prepared: rows live in the head's storage
