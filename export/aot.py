@@ -21,7 +21,13 @@ def build_aot_package(source: Path, out: Path, spec, max_tokens: int = 8192) -> 
     from llmd.runtime.models.loader import load_model
 
     from .onnx import OnnxStep, example_inputs
+    from dataclasses import replace
+
     from .quantize import prepare_quantized, quantize_model
+    if spec.head == "int8g":
+        # the int8g head has no form torch can trace but its dequantization, which a compiled graph
+        # would redo every step: the packages (weights inside) carry a head with one scale per row
+        spec = replace(spec, head="int8")
     model = quantize_model(load_model(source, "float32"), spec)
     model.requires_grad_(False)
     prepare_quantized(model, use_kernels=False)
@@ -35,4 +41,4 @@ def build_aot_package(source: Path, out: Path, spec, max_tokens: int = 8192) -> 
         with torch.no_grad():
             program = torch.export.export(step, example_inputs(model, t=max(lo, 2) if hi > 1 else 1), dynamic_shapes=dynamic)
             torch._inductor.aoti_compile_and_package(program, package_path=str(out / PACKAGES[name]))
-    return dict(PACKAGES, small_m=spec.small_m)
+    return dict(PACKAGES, small_m=spec.small_m, head=spec.head)

@@ -96,7 +96,7 @@ def quantize_int8(w: torch.Tensor, group_size: int | None = None) -> tuple[torch
     With ``group_size``, one scale per group of that many input columns: scale [N, K/G]."""
     w = w.float()
     n, k = w.shape
-    g = w.view(n, k // group_size, group_size) if group_size else w.view(n, 1, k)
+    g = w.reshape(n, k // group_size, group_size) if group_size else w.reshape(n, 1, k)
     scale = (g.abs().amax(dim=-1) / 127).clamp(min=1e-12)
     q = torch.round(g / scale[..., None]).clamp(-127, 127).to(torch.int8).view(n, k)
     return q, scale if group_size else scale.view(n)
@@ -186,11 +186,15 @@ class QuantLinear(nn.Module):
         """Build the kernel forms; ``use_kernels=False`` keeps to torch's ops (graphs to be compiled)."""
         self.align()
 
+    derived: tuple[str, ...] = ()     # attributes built from the buffers, rebuilt after a reorder
+
     def permute_outputs(self, rows: torch.Tensor) -> None:
         """Reorder the output features with their scales (before ``prepare()``)."""
         for name, t in list(self.named_buffers(recurse=False)):
             if t is not None and t.shape[0] == self.out_features:
                 setattr(self, name, t[rows].contiguous())
+        for name in self.derived:
+            setattr(self, name, None)
 
     def align(self) -> None:
         """Tensors read from a file may sit at any address; the packed kernels need 64-byte aligned
@@ -205,6 +209,7 @@ class QuantLinear(nn.Module):
 
 class Int8Linear(QuantLinear):
     method = "int8"
+    derived = ("_scales_bf16", "_offset")
 
     def __init__(self, in_features, out_features, bias=False, small_m=SMALL_M):
         super().__init__(in_features, out_features, bias, small_m)
@@ -262,6 +267,7 @@ class Int8GroupLinear(Int8Linear):
     serves any number of rows; without it the bf16 dequantized weight is built once and kept."""
 
     method = "int8g"
+    derived = ("_scales_bf16", "_offset", "_dense_bf16")
 
     def __init__(self, in_features, out_features, bias=False, small_m=SMALL_M, group_size=HEAD_GROUP):
         super().__init__(in_features, out_features, bias, small_m)
@@ -458,8 +464,11 @@ def _swap(linear: Linear, q: QuantLinear, from_weights: bool) -> QuantLinear:
 def _quantize_head(model: nn.Module, spec: QuantSpec, from_weights: bool) -> None:
     cfg = model.config
     if spec.head != "float":        # a quantized head is built as a layer of that method would be
-        head = (Int8GroupLinear(cfg.hidden_size, cfg.vocab_size, False, spec.small_m) if spec.head == "int8g"
-                else make_quant_linear(replace(spec, method=spec.head), cfg.hidden_size, cfg.vocab_size, False))
+        if spec.head == "int8g":      # a hidden size that is no multiple of 64 keeps one scale per row
+            group = HEAD_GROUP if cfg.hidden_size % HEAD_GROUP == 0 else cfg.hidden_size
+            head = Int8GroupLinear(cfg.hidden_size, cfg.vocab_size, False, spec.small_m, group)
+        else:
+            head = make_quant_linear(replace(spec, method=spec.head), cfg.hidden_size, cfg.vocab_size, False)
         if model.lm_head is not None:
             model.lm_head = _swap(model.lm_head, head, from_weights)
         else:   # tied: one quantized table serves as head and embedding

@@ -230,3 +230,19 @@ def test_int8_group_head_rows_and_fallback_agree_with_the_kernel(monkeypatch):
     assert torch.equal(layer.rows(ids), layer.dense_weight()[ids])
     monkeypatch.setattr(kernels, "usable", lambda t: False)
     assert (layer(x) - y).abs().max() < 0.02 * y.abs().max()                  # bf16 fallback, same layer
+
+
+def test_rope_kernel_rotates_pairs_and_declines_positions_past_its_tables():
+    g = torch.Generator().manual_seed(3)
+    heads, kv_heads, d, p = 2, 1, 16, 10
+    qkv = torch.randn(3, (heads + 2 * kv_heads) * d, generator=g)
+    angles = torch.rand(p, d // 2, generator=g) * 6
+    cos, sin = angles.cos(), angles.sin()
+    positions = torch.tensor([0, 4, 9])
+    q, k = ops.rope_qk(qkv, heads, kv_heads, d, cos, sin, positions)
+    pairs = qkv[:, :(heads + kv_heads) * d].view(3, heads + kv_heads, d // 2, 2)
+    c, s = cos[positions][:, None], sin[positions][:, None]
+    ref = torch.stack((pairs[..., 0] * c - pairs[..., 1] * s, pairs[..., 0] * s + pairs[..., 1] * c), -1).flatten(-2)
+    torch.testing.assert_close(torch.cat([q, k], 1), ref)
+    assert ops.rope_qk(qkv, heads, kv_heads, d, cos, sin, torch.tensor([0, 4, p])) is None    # never read past
+    assert ops.rope_qk(qkv, heads, kv_heads, d, cos, sin, torch.tensor([0, -1, 2])) is None

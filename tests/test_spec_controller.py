@@ -157,3 +157,20 @@ def test_the_benchmark_reads_acceptance_back_from_accepted_tokens_per_step():
     for a in (0.0, 0.3, 0.7, 0.95):
         assert abs(alpha_from_accepted(expected_tokens(a, 4) - 1, 4) - a) < 1e-9
     assert alpha_from_accepted(4.0, 4) >= 0.998            # every proposal accepted (E saturates at 0.999)
+
+
+def test_an_off_decision_is_replanned_when_a_step_cost_bucket_or_a_request_changes():
+    ctrl, rs = compute_bound_batch()
+    ctrl.plan(rs, 0)
+    assert all(r.spec_k == 0 for r in rs)
+    calls = []
+    compare = ctrl._best_depth
+    ctrl._best_depth = lambda *a: calls.append(a) or compare(*a)
+    ctrl.plan(rs, 0)
+    assert calls == []                          # unchanged: the choice stands
+    ctrl.plan(rs, 40)                           # 16 + 40 rows: the plain step moved from bucket 16-31 to 32-63
+    assert len(calls) == 1
+    ctrl.plan(rs, 40)
+    ctrl.forget(rs[0].request_id)               # a finished request's id may return: plan afresh
+    ctrl.plan(rs, 40)
+    assert len(calls) == 2

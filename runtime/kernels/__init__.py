@@ -42,7 +42,7 @@ _SIGNATURES = {
     "llmd_rmsnorm": [_P, _I, _I, _P, ctypes.c_float, _P],
     "llmd_add_rmsnorm": [_P, _P, _I, _I, _P, ctypes.c_float, _P, _P],
     "llmd_silu_mul": [_P, _I, _I, _P],
-    "llmd_rope_qk": [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P],
+    "llmd_rope_qk": [_P, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P],
     "llmd_w8a8_x": [_P, _I, _I, _P, _P, _P, _P, _I, _I],
     "llmd_argmax": [_P, _I, _I, _P, _I],
     "llmd_int8g_x": [_P, _I, _I, _I, _P, _P, _P, _P, _I, _I],

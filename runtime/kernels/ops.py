@@ -80,11 +80,13 @@ def w8a8_matvec(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bi
 
 def int8g_matvec(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
     """int8 weight [N, K] with a scale per group of G = K / scales.shape[1] columns (64, 128 or 256),
-    x at 16-bit precision per row; any number of rows up to MANY_MAX_ROWS."""
-    if (start := _start(x, MANY_MAX_ROWS)) is None:
-        return None
-    so, x, m, k = start
+    x at 16-bit precision per row; any number of rows up to MANY_MAX_ROWS, K a multiple of 64."""
+    so = lib()
+    m, k = x.shape
     n, groups = scales.shape
+    if so is None or not 1 <= m <= MANY_MAX_ROWS or k % groups or (k // groups) % 64:
+        return None
+    x = x.float().contiguous()
     y = torch.empty(m, n)
     rc = so.llmd_int8g_x(x.data_ptr(), m, k, k // groups, qweight.data_ptr(), scales.data_ptr(), _ptr(bias),
                          y.data_ptr(), n, _threads(n, k))
@@ -180,15 +182,17 @@ def silu_mul(gate_up: torch.Tensor):
 def rope_qk(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
             positions: torch.Tensor):
     """Rotary embedding (adjacent pairs) of the q and k heads of float32 qkv rows [T, (H + 2 KVH) D]
-    -> (q [T, H, D], k [T, KVH, D]), contiguous; None when the kernel cannot run."""
+    -> (q [T, H, D], k [T, KVH, D]), contiguous; None when the kernel cannot run or a position lies
+    past the tables (the caller's own lookup then raises)."""
     so = lib()
-    if so is None or qkv.dtype != torch.float32 or positions.dtype != torch.int64:
+    if (so is None or qkv.dtype != torch.float32 or positions.dtype != torch.int64
+            or not cos.is_contiguous() or not sin.is_contiguous()):
         return None
     qkv = qkv.contiguous()
     t = qkv.shape[0]
     q = qkv.new_empty(t, heads, head_dim)
     k = qkv.new_empty(t, kv_heads, head_dim)
-    if so.llmd_rope_qk(qkv.data_ptr(), t, heads, kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
+    if so.llmd_rope_qk(qkv.data_ptr(), t, heads, kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(), cos.shape[0],
                        positions.contiguous().data_ptr(), q.data_ptr(), k.data_ptr()):
         return None
     return q, k

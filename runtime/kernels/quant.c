@@ -367,8 +367,8 @@ TARGET int llmd_int8_x(const float *x, int M, int K, const int8_t *w, const floa
 
 TARGET int llmd_int8g_x(const float *x, int M, int K, int G, const int8_t *w, const float *s, const float *bias,
                         float *y, int N, int nt) {
-    if (!llmd_cpu_ok() || M < 1 || M > MANY_MAX_ROWS || K % 128 || (G != 64 && G != 128 && G != 256) || K % G)
-        return -1;
+    if (!llmd_cpu_ok() || M < 1 || M > MANY_MAX_ROWS || K >= 65536 || (G != 64 && G != 128 && G != 256) || K % G)
+        return -1;                                /* K a multiple of G: of 64 at least (x16_quantize's step) */
     uint8_t *xh, *xl;
     uint64_t *neg;
     float *sx;

@@ -54,8 +54,10 @@ TARGET int llmd_silu_mul(const float *gu, int M, int I, float *out) {
 /* Rotary embedding on adjacent pairs (2i, 2i+1) of each q and k head, from packed qkv rows
  * [T, (H + 2 KVH) D], into contiguous q [T, H, D] and k [T, KVH, D]; cos/sin tables [P, D/2]. */
 TARGET int llmd_rope_qk(const float *qkv, int T, int H, int KVH, int D, const float *cos_t, const float *sin_t,
-                        const int64_t *pos, float *q, float *k) {
+                        int P, const int64_t *pos, float *q, float *k) {
     if (!llmd_cpu_ok() || D % 2) return -1;
+    for (int t = 0; t < T; t++)             /* a position past the P-row tables: the caller's lookup raises */
+        if (pos[t] < 0 || pos[t] >= P) return -1;
     const int width = (H + 2 * KVH) * D;
     for (int t = 0; t < T; t++) {
         const float *c = cos_t + (size_t)pos[t] * (D / 2), *s = sin_t + (size_t)pos[t] * (D / 2);

@@ -99,11 +99,14 @@ class SpecController:
     def plan(self, decoding: list[Request], other_tokens: int) -> None:
         """Set ``spec_k`` on each decoding request (0 = no speculation this step)."""
         b = len(decoding)
-        shape = (_bucket(other_tokens), *(r.request_id for r in decoding))
-        if self.adaptive and b and self._off_for == shape and 0 < self.steps_off < self.probe_every:
-            # off, and nothing the choice rests on has moved: the same requests (no acceptance is
-            # observed while off) and no verification cost re-measured; the next probe, or a request
-            # joining or leaving, plans afresh (planning sixteen streams cost ~80 us a step)
+        # what an "off" choice rests on: the requests (no acceptance is observed while off) and the
+        # cost buckets each depth's step falls in
+        shape = (*(_bucket(b * (1 + k) + other_tokens) for k in range(self.max_k + 1)),
+                 *(r.request_id for r in decoding))
+        if (self.adaptive and b and self._off_for == shape
+                and 0 < self.steps_off < min(self.probe_every, self.target.max_age)):
+            # nothing it rests on has moved: keep it until the next probe, or until a verification cost
+            # could have aged out (planning sixteen streams cost ~80 us a step)
             for r in decoding:
                 r.spec_k = 0
             self.disabled_steps += 1
@@ -124,10 +127,11 @@ class SpecController:
                 for r in decoding:
                     ks[r.request_id] = min(ks[r.request_id], self._own_depth(self.alpha.get(r.request_id, self.global_alpha), b))
             # a probe that leaves speculation off doubles the wait for the next one: each probe costs
-            # a draft catch-up on one request's context, which a steady large batch never repays
+            # a draft catch-up on one request's context, which a steady large batch never repays (an
+            # n-gram probe costs no catch-up, and one answered by a guess observes nothing: no back-off)
             if any(ks.values()) and not probing:
                 self.probe_every = PROBE_EVERY
-            elif not any(ks.values()) and self._probed:
+            elif not any(ks.values()) and self._probed and not self.proposer_is_free:
                 self.probe_every = min(2 * self.probe_every, PROBE_MAX)
             self._probed = probing
             self._off_for = shape if self._compared and not any(ks.values()) else None
@@ -225,3 +229,4 @@ class SpecController:
 
     def forget(self, request_id: str) -> None:
         self.alpha.pop(request_id, None)
+        self._off_for = None        # an id may come back (callers choose them): plan it afresh
