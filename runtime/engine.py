@@ -87,7 +87,10 @@ class Engine:
         elif config.draft == "ngram":
             self.proposer = NgramProposer(config.ngram_n)
         if self.proposer is not None and config.num_speculative_tokens > 0:
-            self.spec = SpecController(config.num_speculative_tokens, self.max_model_len,
+            # a draft with a shorter context than the target's stops proposing where its context ends
+            spec_len = self.max_model_len if loaded.draft is None else min(
+                self.max_model_len, loaded.draft.config.max_position_embeddings)
+            self.spec = SpecController(config.num_speculative_tokens, spec_len,
                                        config.adaptive_speculation, proposer_is_free=self.proposer.name == "ngram")
         self.stats_ = EngineStats()
         self._live: dict[str, _Live] = {}

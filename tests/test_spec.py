@@ -131,3 +131,15 @@ def test_ngram_guesses_from_the_last_token_alone_briefly():
     req.token_ids.extend([4])                       # "3 4" occurs: a real match proposes the full k
     strong = NgramProposer(n=3, min_n=2, weak_k=3).propose([(req, 8)])[0]
     assert strong.token_ids == [6, 7, 5, 9, 8, 9, 3, 4] and not strong.guess
+
+
+def test_a_draft_with_a_shorter_context_stops_proposing_where_it_ends(tiny_model_dir, model_factory):
+    """The draft's rotary tables end at 48 positions; requests run past them with the same greedy
+    output (speculation stops for them instead of failing the batch)."""
+    short = model_factory("draft-short", seed=7, hidden=32, layers=1, heads=2, kv_heads=1, intermediate=64, max_pos=48)
+    ps = [p for p in prompts(12, seed=3) if len(p) >= 30][:3]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    want = run(tiny_model_dir, ps, params)[0]
+    got, st = run(tiny_model_dir, ps, params, draft=str(short), num_speculative_tokens=4, adaptive_speculation=False)
+    assert got == want
+    assert st["spec_proposed"] > 0
