@@ -127,6 +127,9 @@ def test_ngram_guesses_from_the_last_token_alone_briefly():
     req = Request("r", [5, 1, 2, 3, 4, 6, 7, 5, 9, 8, 9, 3], SamplingParams(max_tokens=20))
     weak = NgramProposer(n=3, min_n=2, weak_k=3).propose([(req, 8)])[0]
     assert weak.token_ids == [4, 6, 7] and weak.guess     # a guess: kept out of the controller's acceptance
+    other = Request("o", [1, 2, 3], SamplingParams(max_tokens=20))
+    beside = NgramProposer(n=3, min_n=2, weak_k=3).propose([(req, 8), (other, 8)])[0]
+    assert beside.token_ids == []                         # with another stream its rows are not free
     assert NgramProposer(n=3, min_n=2, weak_k=0).propose([(req, 8)])[0].token_ids == []
     req.token_ids.extend([4])                       # "3 4" occurs: a real match proposes the full k
     strong = NgramProposer(n=3, min_n=2, weak_k=3).propose([(req, 8)])[0]
