@@ -193,7 +193,10 @@ class Engine:
         if proposed:
             self.stats_.record_spec(proposed, accepted, draft_s, verify_s)
         outputs.extend(self._collect(touched))
-        self.stats_.record_step(sched.num_tokens, len(sched.scheduled), time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        if self.spec is not None:
+            self.spec.observe_step(sum(len(t) for t in sampled), seconds, proposed > 0)
+        self.stats_.record_step(sched.num_tokens, len(sched.scheduled), seconds)
         return outputs
 
     # ---- speculation -----------------------------------------------------------------------

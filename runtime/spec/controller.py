@@ -5,6 +5,9 @@ average. It costs k draft forwards plus one target forward over (1 + k) tokens p
 Both costs are measured at run time (moving averages bucketed by rows), so the same rule switches
 speculation off where verification is compute-bound (large batches) and on where it is memory-bound.
 Each request's own acceptance (a moving average, starting from a prior) sets its own depth.
+The model is then held to what whole decode steps measured (StepRates): where speculating steps
+produced tokens more slowly than plain ones at this batch size, speculation stays off, and one step in
+CHECK_EVERY takes the other side so that both figures stay current.
 """
 from __future__ import annotations
 
@@ -18,6 +21,8 @@ EMA = 0.2
 MARGIN = 1.05          # speculate only when predicted at least 5% better than plain decoding
 PROBE_EVERY = 64       # with speculation off this many steps, probe once to refresh the acceptance
 PROBE_MAX = 1024       # ... doubling after each probe that leaves it off, up to this many
+CHECK_EVERY = 16       # decode steps of a batch size between steps that take the measured-worse side
+SLOWER = 1.02          # speculating steps this much slower per token than plain ones: speculation off
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -77,6 +82,35 @@ class CostTable:
         return {f"<{2 ** b}": statistics.median(v) for b, v in sorted(self.samples.items())}
 
 
+class StepRates:
+    """Seconds per generated token of whole decode steps (no prompt rows), by the power-of-two bucket
+    of the batch size, for steps that speculated and steps that did not: what the cost model
+    predicts, measured after the fact, Python around the forward included. Each side is the sum of
+    seconds over the sum of tokens of its last WINDOW steps (a step's own ratio swings 5x with how
+    many proposals it accepted, so a median of ratios flickered)."""
+
+    WINDOW, MIN_STEPS = 32, 8
+
+    def __init__(self):
+        self.steps: dict[tuple[int, bool], collections.deque] = {}
+
+    def observe(self, batch: int, tokens: int, seconds: float, speculated: bool) -> None:
+        key = (_bucket(batch), speculated)
+        self.steps.setdefault(key, collections.deque(maxlen=self.WINDOW)).append((tokens, seconds))
+
+    def per_token(self, batch: int, speculated: bool) -> float | None:
+        got = self.steps.get((_bucket(batch), speculated))
+        if not got or len(got) < self.MIN_STEPS:
+            return None
+        tokens = sum(t for t, _ in got)
+        return sum(s for _, s in got) / tokens if tokens else None
+
+    def speculation_pays(self, batch: int) -> bool | None:
+        """None until both sides are measured at this batch size."""
+        on, off = self.per_token(batch, True), self.per_token(batch, False)
+        return None if on is None or off is None else on <= off * SLOWER
+
+
 class SpecController:
     def __init__(self, max_k: int, max_model_len: int, adaptive: bool = True, proposer_is_free: bool = False):
         self.max_k = max_k
@@ -92,6 +126,9 @@ class SpecController:
         self._probed = False                  # the last speculating step was a probe
         self._off_for = None                  # (other-token bucket, request ids) the last "off" plan was for
         self._compared = False
+        self.rates = StepRates()
+        self._checks = 0
+        self._step = (0, 1)                   # (decoding requests, other tokens) of the step planned last
         self.enabled_steps = 0
         self.disabled_steps = 0
         self.last_plan: dict = {}
@@ -113,8 +150,11 @@ class SpecController:
             self.steps_off += 1
             return
         ks = {r.request_id: self._cap(r, self.max_k) for r in decoding}
+        self._step = (b, other_tokens)
         if self.adaptive and b:
             k_star, probing = self._best_depth(decoding, other_tokens)
+            if k_star and not probing and not other_tokens:
+                k_star = self._held_to_measure(b, k_star)
             ks = {rid: min(k, k_star) for rid, k in ks.items()}
             if probing:
                 # one request refreshes the acceptance estimate; probing all of them would make the
@@ -144,6 +184,25 @@ class SpecController:
             else:
                 self.disabled_steps += 1
                 self.steps_off += 1
+
+    def _held_to_measure(self, b: int, k: int) -> int:
+        """The model's depth, held to what whole decode steps measured at this batch size. Every
+        CHECK_EVERY-th such step takes the other side (plain while speculating, speculating while
+        plain wins), so both stay measured; where speculating steps produced tokens more slowly than
+        plain ones, speculation stays off (n-gram lookup over 16 streams: 7-8 % slower than off
+        while the model predicted a gain)."""
+        self._checks += 1
+        flip = self._checks % CHECK_EVERY == 0
+        k = (k if flip else 0) if self.rates.speculation_pays(b) is False else (0 if flip else k)
+        if not k:
+            self._compared = False            # an off from the measure or its schedule: planned each step
+        return k
+
+    def observe_step(self, tokens: int, seconds: float, speculated: bool) -> None:
+        """The whole step just planned: its generated tokens and wall time."""
+        b, other = self._step
+        if b and not other:
+            self.rates.observe(b, tokens, seconds, speculated)
 
     def _cap(self, r: Request, k: int) -> int:
         room = min(r.params.max_tokens - r.num_output_tokens - 1, self.max_model_len - r.num_tokens - 1)
