@@ -178,8 +178,9 @@ def test_an_off_decision_is_replanned_when_a_step_cost_bucket_or_a_request_chang
 
 def test_measured_whole_steps_overrule_a_model_that_predicts_a_gain():
     """The cost model says speculating pays (memory-bound verification), but whole decode steps
-    measured otherwise: speculation goes off, with one step in CHECK_EVERY still speculating so that
-    the measure stays current; and where speculating steps are faster, one in CHECK_EVERY is plain."""
+    measured otherwise: speculation goes off, with a speculating step now and then (CHECK_EVERY steps,
+    then twice as many each time) so that the measure stays current; and where speculating steps are
+    faster, one in CHECK_EVERY is plain."""
     from llmd.runtime.spec.controller import CHECK_EVERY
     ctrl = SpecController(4, 2048, proposer_is_free=True)
     rs = reqs(1)
@@ -189,10 +190,11 @@ def test_measured_whole_steps_overrule_a_model_that_predicts_a_gain():
         ctrl.rates.observe(1, 1, 0.010, speculated=False)        # 10 ms a token plain
         ctrl.rates.observe(1, 2, 0.030, speculated=True)         # 15 ms a token speculating
     ks = []
-    for _ in range(2 * CHECK_EVERY):
+    for _ in range(7 * CHECK_EVERY):
         ctrl.plan(rs, 0)
         ks.append(rs[0].spec_k)
-    assert sum(k > 0 for k in ks) == 2                           # the measuring steps only
+    # the measuring steps only, each wait twice the last while it keeps measuring slower
+    assert [i for i, k in enumerate(ks) if k] == [CHECK_EVERY - 1, 3 * CHECK_EVERY - 1, 7 * CHECK_EVERY - 1]
     for _ in range(32):
         ctrl.rates.observe(1, 3, 0.012, speculated=True)         # now 4 ms a token: it pays
     ks = []

@@ -22,6 +22,8 @@ MARGIN = 1.05          # speculate only when predicted at least 5% better than p
 PROBE_EVERY = 64       # with speculation off this many steps, probe once to refresh the acceptance
 PROBE_MAX = 1024       # ... doubling after each probe that leaves it off, up to this many
 CHECK_EVERY = 16       # decode steps of a batch size between steps that take the measured-worse side
+LEARN_EVERY = 4        # ... while one side is not yet measured there
+CHECK_MAX = 1024       # ... and at most this many while speculating keeps measuring slower
 SLOWER = 1.02          # speculating steps this much slower per token than plain ones: speculation off
 
 
@@ -89,7 +91,7 @@ class StepRates:
     seconds over the sum of tokens of its last WINDOW steps (a step's own ratio swings 5x with how
     many proposals it accepted, so a median of ratios flickered)."""
 
-    WINDOW, MIN_STEPS = 32, 8
+    WINDOW, MIN_STEPS = 32, 4
 
     def __init__(self):
         self.steps: dict[tuple[int, bool], collections.deque] = {}
@@ -127,7 +129,8 @@ class SpecController:
         self._off_for = None                  # (other-token bucket, request ids) the last "off" plan was for
         self._compared = False
         self.rates = StepRates()
-        self._checks = 0
+        self._since: dict[int, int] = {}      # decode steps since the last check, by batch-size bucket
+        self._check_every: dict[int, int] = {}
         self._step = (0, 1)                   # (decoding requests, other tokens) of the step planned last
         self.enabled_steps = 0
         self.disabled_steps = 0
@@ -191,9 +194,23 @@ class SpecController:
         plain wins), so both stay measured; where speculating steps produced tokens more slowly than
         plain ones, speculation stays off (n-gram lookup over 16 streams: 7-8 % slower than off
         while the model predicted a gain)."""
-        self._checks += 1
-        flip = self._checks % CHECK_EVERY == 0
-        k = (k if flip else 0) if self.rates.speculation_pays(b) is False else (0 if flip else k)
+        pays = self.rates.speculation_pays(b)
+        key = _bucket(b)
+        every = LEARN_EVERY if pays is None else self._check_every.get(key, CHECK_EVERY)
+        self._since[key] = self._since.get(key, 0) + 1
+        flip = self._since[key] >= every
+        if flip:
+            self._since[key] = 0
+        if pays is False:
+            # each check that finds it still slower doubles the wait for the next: a speculating step
+            # of 16 streams can cost several plain ones
+            if flip:
+                self._check_every[key] = min(2 * every, CHECK_MAX)
+            k = k if flip else 0
+        else:
+            if pays:
+                self._check_every[key] = CHECK_EVERY
+            k = 0 if flip else k
         if not k:
             self._compared = False            # an off from the measure or its schedule: planned each step
         return k
