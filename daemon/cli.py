@@ -32,7 +32,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     a("--no-prefix-cache", dest="prefix_cache", action="store_const", const=False,
       help="disable reuse of cached prompt prefixes")
     a("--kv-dtype", choices=("auto", "int8"), help="KV cache storage: model dtype (auto) or int8 with per-block scales")
-    a("--draft", help="speculative decoding: a draft model directory (same tokenizer), or 'ngram' for prompt lookup")
+    a("--draft", help="speculative decoding: a draft model directory (same tokenizer), 'ngram' (prompt lookup for "
+                      "every request), 'none', or 'auto' (default: an engine directory's own draft, else prompt "
+                      "lookup for greedy requests only, whose output it cannot change)")
     a("--num-speculative-tokens", type=int,
       help="most tokens proposed per step when speculating (default: 8 for ngram, 4 for a draft model)")
     a("--no-adaptive-speculation", dest="adaptive_speculation", action="store_const", const=False,

@@ -37,7 +37,9 @@ class Settings:
     max_batch_tokens: int = 512
     prefix_cache: bool = True
     kv_dtype: str = "auto"                # auto (model dtype) | int8 KV cache
-    draft: Optional[str] = None           # speculative decoding: a draft model directory or "ngram"
+    # speculative decoding: "auto" (an engine directory's own draft, else n-gram lookup for greedy
+    # requests), "ngram" (for every request), "none", or a draft model directory
+    draft: Optional[str] = "auto"
     num_speculative_tokens: Optional[int] = None   # most proposals per step; None: 8 for ngram, 4 for a draft
     adaptive_speculation: bool = True     # let measured costs and acceptance pick the depth
     max_queue: int = 64                   # requests in flight (queued + running) before `busy`

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from .block_manager import BlockManager
-from .config import EngineConfig
+from .config import DRAFT_K, NGRAM_K, EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .errors import CapacityError, EngineDirError, InvalidRequest
 from .kernels.ops import argmax
@@ -84,14 +84,18 @@ class Engine:
             self.draft_runner = ModelRunner(loaded.draft, loaded.num_blocks, config.block_size, config.dtype,
                                             kv_dtype=loaded.kv_dtype)
             self.proposer = DraftProposer(self.draft_runner)
-        elif config.draft == "ngram":
+        elif config.draft in ("ngram", "auto"):
             self.proposer = NgramProposer(config.ngram_n)
-        if self.proposer is not None and config.num_speculative_tokens > 0:
+        k = config.num_speculative_tokens
+        if k is None:                    # draft="auto": the depth of whichever proposer it became
+            k = NGRAM_K if isinstance(self.proposer, NgramProposer) else DRAFT_K
+        if self.proposer is not None and k > 0:
             # a draft with a shorter context than the target's stops proposing where its context ends
             spec_len = self.max_model_len if loaded.draft is None else min(
                 self.max_model_len, loaded.draft.config.max_position_embeddings)
-            self.spec = SpecController(config.num_speculative_tokens, spec_len,
-                                       config.adaptive_speculation, proposer_is_free=self.proposer.name == "ngram")
+            self.spec = SpecController(k, spec_len, config.adaptive_speculation,
+                                       proposer_is_free=self.proposer.name == "ngram",
+                                       greedy_only=config.draft == "auto" and loaded.draft is None)
         self.stats_ = EngineStats()
         self._live: dict[str, _Live] = {}
         self._pending: list[StepOutput] = []     # aborts and failures reported at the next step

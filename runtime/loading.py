@@ -34,7 +34,7 @@ def load_for_engine(config: EngineConfig, progress=None) -> LoadedModel:
                              "(config.json, *.safetensors, tokenizer.json) or an llmd engine directory")
     kv_dtype = config.kv_dtype
     backend = None
-    draft_path = Path(config.draft) if config.draft and config.draft != "ngram" else None
+    draft_path = Path(config.draft) if config.draft and config.draft not in ("ngram", "auto", "none") else None
     if (path / "manifest.json").is_file():
         from llmd.export.engine_dir import engine_draft_dir, load_engine_model     # quantized / compiled engines
         from llmd.export.manifest import read_manifest
@@ -43,7 +43,7 @@ def load_for_engine(config: EngineConfig, progress=None) -> LoadedModel:
         if kv_dtype == "auto":
             kv_dtype = (manifest.get("quantization") or {}).get("kv_dtype", "auto")
         backend = engine_backend(path, manifest)
-        if config.draft is None and engine_draft_dir(path) is not None:
+        if config.draft in (None, "auto") and engine_draft_dir(path) is not None:
             draft_path = path                                   # an engine's own draft speculates by default
     elif (path / "target" / "weights.safetensors").is_file():
         raise EngineDirError(f"{path}: an engine directory without manifest.json: the export did not finish; "

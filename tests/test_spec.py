@@ -146,3 +146,18 @@ def test_a_draft_with_a_shorter_context_stops_proposing_where_it_ends(tiny_model
     got, st = run(tiny_model_dir, ps, params, draft=str(short), num_speculative_tokens=4, adaptive_speculation=False)
     assert got == want
     assert st["spec_proposed"] > 0
+
+
+def test_auto_speculates_greedy_requests_only_and_leaves_seeded_samples_as_they_were(tiny_model_dir):
+    """draft="auto" (the daemon's default) with no draft model: n-gram lookup for greedy requests;
+    a seeded sampled request beside them gives the text it gives with no speculation at all."""
+    ps = prompts(6, seed=5)
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=24, ignore_eos=True, temperature=1.0, seed=11)
+    mixed = [greedy, sampled] * 3
+    want, _ = run(tiny_model_dir, ps, mixed)
+    got, st = run(tiny_model_dir, ps, mixed, draft="auto")
+    assert got == want
+    assert st["spec_proposed"] > 0                             # the greedy ones speculated
+    alone, st = run(tiny_model_dir, ps[1:2], sampled, draft="auto")
+    assert alone == [want[1]] and st["spec_proposed"] == 0     # a sampled request alone never does

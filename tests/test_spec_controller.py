@@ -202,3 +202,17 @@ def test_measured_whole_steps_overrule_a_model_that_predicts_a_gain():
         ctrl.plan(rs, 0)
         ks.append(rs[0].spec_k)
     assert sum(k == 0 for k in ks) == 2
+
+
+def test_greedy_only_leaves_sampled_requests_out_and_plans_them_as_plain_rows():
+    ctrl = SpecController(4, 2048, greedy_only=True)
+    rs = reqs(2)
+    rs[1].params = SamplingParams(max_tokens=100, temperature=0.8, seed=1)
+    for r in rs:
+        ctrl.alpha[r.request_id] = 0.8
+    cost = lambda rows: 0.010 + 0.0002 * rows          # noqa: E731
+    feed(ctrl, cost, 0.001, 1)
+    for _ in range(3):                                 # steps of the greedy one beside the sampled one
+        ctrl.observe_target(2, cost(2))
+    ctrl.plan(rs, 0)
+    assert rs[0].spec_k >= 2 and rs[1].spec_k == 0

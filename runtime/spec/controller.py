@@ -114,8 +114,10 @@ class StepRates:
 
 
 class SpecController:
-    def __init__(self, max_k: int, max_model_len: int, adaptive: bool = True, proposer_is_free: bool = False):
+    def __init__(self, max_k: int, max_model_len: int, adaptive: bool = True, proposer_is_free: bool = False,
+                 greedy_only: bool = False):
         self.max_k = max_k
+        self.greedy_only = greedy_only            # sampled requests never speculate (their seeds' texts stay)
         self.max_model_len = max_model_len
         self.adaptive = adaptive
         self.proposer_is_free = proposer_is_free      # n-gram lookup costs no forward
@@ -138,6 +140,13 @@ class SpecController:
 
     def plan(self, decoding: list[Request], other_tokens: int) -> None:
         """Set ``spec_k`` on each decoding request (0 = no speculation this step)."""
+        if self.greedy_only:
+            sampled = [r for r in decoding if not r.params.greedy]
+            for r in sampled:
+                r.spec_k = 0
+            if sampled:     # they decode one row each, as prompt chunks add rows: planned as other tokens
+                decoding = [r for r in decoding if r.params.greedy]
+                other_tokens += len(sampled)
         b = len(decoding)
         # what an "off" choice rests on: the requests (no acceptance is observed while off) and the
         # cost buckets each depth's step falls in
