@@ -134,6 +134,8 @@ def test_ngram_guesses_from_the_last_token_alone_briefly():
     req.token_ids.extend([4])                       # "3 4" occurs: a real match proposes the full k
     strong = NgramProposer(n=3, min_n=2, weak_k=3).propose([(req, 8)])[0]
     assert strong.token_ids == [6, 7, 5, 9, 8, 9, 3, 4] and not strong.guess
+    short = Request("s", [5, 5], SamplingParams(max_tokens=20))    # fewer tokens than n: shorter n-grams still tried
+    assert NgramProposer(n=3, min_n=2, weak_k=3).propose([(short, 4)])[0].token_ids == [5]
 
 
 def test_a_draft_with_a_shorter_context_stops_proposing_where_it_ends(tiny_model_dir, model_factory):

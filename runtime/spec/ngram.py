@@ -27,12 +27,11 @@ class _Index:
 class NgramProposer(Proposer):
     """Matches of ``min_n`` to ``n`` tokens propose up to k tokens. When none is found and one stream
     is speculating, the latest earlier occurrence of the last token alone proposes up to ``weak_k``
-    (0: never): a weak guess,
-    kept short because verifying up to four rows costs about what one row costs (the float32
-    product streams the weights once either way), so a short guess that fails costs little. On the
-    code-edit benchmark it raised n-gram speculation from 1.87-2.02x to 2.07-2.23x over plain
-    decoding (same runs, bundled target, one thread); with guesses kept out of the controller's
-    acceptance estimate, the adaptive figure rose to 2.17-2.47x over four runs."""
+    (0: never): a weak guess, kept short because verifying up to four rows costs about what one row
+    costs (the float32 product streams the weights once either way), so a short guess that fails
+    costs little. On the code-edit benchmark it raised n-gram speculation from 1.87-2.02x to
+    2.07-2.23x over plain decoding (same runs, bundled target, one thread); with guesses kept out of
+    the controller's acceptance estimate, the adaptive figure rose to 2.17-2.47x over four runs."""
     name = "ngram"
 
     def __init__(self, n: int = 3, min_n: int = 2, weak_k: int = 3):
@@ -66,10 +65,10 @@ class NgramProposer(Proposer):
         start = self._continued(idx, toks)
         guess = False
         for n in range(self.n, smallest - 1, -1):
-            if start is not None or last - n + 1 < 0:
+            if start is not None or (n < self.min_n and not guesses):
                 break
-            if n < self.min_n and not guesses:
-                break
+            if last - n + 1 < 0:          # fewer tokens than n so far: try a shorter n-gram
+                continue
             start = idx.after.get((n, *toks[last - n + 1:last + 1]))
             guess = start is not None and n < self.min_n
         if start is None:
