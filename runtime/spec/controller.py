@@ -6,8 +6,8 @@ Both costs are measured at run time (moving averages bucketed by rows), so the s
 speculation off where verification is compute-bound (large batches) and on where it is memory-bound.
 Each request's own acceptance (a moving average, starting from a prior) sets its own depth.
 The model is then held to what whole decode steps measured (StepRates): where speculating steps
-produced tokens more slowly than plain ones at this batch size, speculation stays off, and one step in
-CHECK_EVERY takes the other side so that both figures stay current.
+produced tokens more slowly than plain ones at this batch size, speculation stays off, and now and
+then a step takes the other side so that both figures stay current.
 """
 from __future__ import annotations
 
@@ -148,6 +148,7 @@ class SpecController:
                 decoding = [r for r in decoding if r.params.greedy]
                 other_tokens += len(sampled)
         b = len(decoding)
+        self._step = (b, other_tokens)
         # what an "off" choice rests on: the requests (no acceptance is observed while off) and the
         # cost buckets each depth's step falls in
         shape = (*(_bucket(b * (1 + k) + other_tokens) for k in range(self.max_k + 1)),
@@ -162,7 +163,6 @@ class SpecController:
             self.steps_off += 1
             return
         ks = {r.request_id: self._cap(r, self.max_k) for r in decoding}
-        self._step = (b, other_tokens)
         if self.adaptive and b:
             k_star, probing = self._best_depth(decoding, other_tokens)
             if k_star and not probing and not other_tokens:
