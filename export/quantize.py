@@ -267,7 +267,7 @@ class Int8GroupLinear(Int8Linear):
     serves any number of rows; without it the bf16 dequantized weight is built once and kept."""
 
     method = "int8g"
-    derived = ("_scales_bf16", "_offset", "_dense_bf16")
+    derived = ("_dense_bf16",)
 
     def __init__(self, in_features, out_features, bias=False, small_m=SMALL_M, group_size=HEAD_GROUP):
         super().__init__(in_features, out_features, bias, small_m)
@@ -292,7 +292,7 @@ class Int8GroupLinear(Int8Linear):
     def large(self, x: torch.Tensor) -> torch.Tensor:
         if kernels.usable(x) and (y := self.kernel_rows(x)) is not None:
             return y
-        if type(x) is not torch.Tensor or torch.compiler.is_compiling() or torch.jit.is_tracing():
+        if kernels.traced(x):
             return F.linear(x.to(torch.bfloat16), self.dense_weight().to(torch.bfloat16))   # a graph records it
         if self._dense_bf16 is None:      # no kernel on this CPU: widen once, not per step
             self._dense_bf16 = self.dense_weight().to(torch.bfloat16)

@@ -46,7 +46,8 @@ class EngineConfig:
     # requests only (their output cannot change; sampled ones keep their seeds' texts); "ngram" (every
     # request); "none"; or the path of a draft model directory
     draft: Optional[str] = None
-    num_speculative_tokens: Optional[int] = None  # maximum k; None: 8 for n-gram, 4 for a draft model
+    num_speculative_tokens: Optional[int] = None  # maximum k; None: NGRAM_K for n-gram, DRAFT_K for a draft
+                                                   # model (the engine resolves it once it knows which)
     adaptive_speculation: bool = True
     ngram_n: int = 3                         # n-gram match length for prompt lookup
     seed: int = 0                            # seeds requests that set no seed
@@ -62,10 +63,6 @@ class EngineConfig:
         check(1 <= self.max_queue <= 1 << 20, "max_queue must be positive")
         check(self.kv_dtype in ("auto", "int8"), f"kv_dtype must be auto or int8, got {self.kv_dtype!r}")
         check(self.attention in ("fast", "reference"), f"attention must be fast or reference, got {self.attention!r}")
-        if self.num_speculative_tokens is None and self.draft != "auto":    # "auto" resolves at load
-            # n-gram proposals cost nothing to make, and verifying 9 rows costs about 1.3 decode
-            # steps here, so lookups may run deeper than a draft model's (bench_spec measures both)
-            object.__setattr__(self, "num_speculative_tokens", NGRAM_K if self.draft == "ngram" else DRAFT_K)
         check(self.num_speculative_tokens is None or 0 <= self.num_speculative_tokens <= 16,
               "num_speculative_tokens must be in [0, 16]")
         check(1 <= self.ngram_n <= 16, "ngram_n must be in [1, 16]")

@@ -86,16 +86,18 @@ class Engine:
             self.proposer = DraftProposer(self.draft_runner)
         elif config.draft in ("ngram", "auto"):
             self.proposer = NgramProposer(config.ngram_n)
+        lookup = isinstance(self.proposer, NgramProposer)
         k = config.num_speculative_tokens
-        if k is None:                    # draft="auto": the depth of whichever proposer it became
-            k = NGRAM_K if isinstance(self.proposer, NgramProposer) else DRAFT_K
+        if k is None:
+            # n-gram proposals cost nothing to make, and verifying 9 rows costs about 1.3 decode
+            # steps here, so lookups may run deeper than a draft model's (bench_spec measures both)
+            k = NGRAM_K if lookup else DRAFT_K
         if self.proposer is not None and k > 0:
             # a draft with a shorter context than the target's stops proposing where its context ends
             spec_len = self.max_model_len if loaded.draft is None else min(
                 self.max_model_len, loaded.draft.config.max_position_embeddings)
-            self.spec = SpecController(k, spec_len, config.adaptive_speculation,
-                                       proposer_is_free=self.proposer.name == "ngram",
-                                       greedy_only=config.draft == "auto" and loaded.draft is None)
+            self.spec = SpecController(k, spec_len, config.adaptive_speculation, proposer_is_free=lookup,
+                                       greedy_only=lookup and config.draft == "auto")
         self.stats_ = EngineStats()
         self._live: dict[str, _Live] = {}
         self._pending: list[StepOutput] = []     # aborts and failures reported at the next step

@@ -127,9 +127,14 @@ def why() -> str:
     return _why
 
 
+def traced(x: torch.Tensor) -> bool:
+    """True inside a graph being traced or compiled (a fake tensor, or a tracer running)."""
+    return type(x) is not torch.Tensor or torch.compiler.is_compiling() or torch.jit.is_tracing()
+
+
 def usable(x: torch.Tensor) -> bool:
     """True when the kernels may run on ``x``: loaded, a real CPU tensor, and not inside a graph
     being traced or compiled (those keep torch's ops, which they can capture). Called per product:
     the cheap checks come first."""
     return (type(x) is torch.Tensor and (_lib is not None or (not _tried and available())) and x.is_cpu
-            and not torch.compiler.is_compiling() and not torch.jit.is_tracing())
+            and not traced(x))

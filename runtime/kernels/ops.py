@@ -8,7 +8,7 @@ import torch
 from . import lib, usable
 
 MAX_ROWS = 4              # rows of x the quantized kernels take
-MANY_MAX_ROWS = 8192      # ... except the int4 one, which takes prompts too
+MANY_MAX_ROWS = 8192      # ... except int4 and int8g (the head), which take any number of rows
 F32_MAX_ROWS = 16         # rows of x the float32 kernel takes
 _SERIAL_BELOW = 1 << 18      # weights in a product below which one thread beats the parallel split
 

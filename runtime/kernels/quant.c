@@ -335,7 +335,7 @@ static void *scratch_for(size_t bytes) {
     return scratch;
 }
 
-/* The shapes every product takes: 1..MAXM rows of x (int4: up to MANY_MAX_ROWS), K a multiple of 128. */
+/* The shapes every product takes: 1..MAXM rows of x (int4, int8g: up to MANY_MAX_ROWS), K a multiple of 128. */
 #define MANY_MAX_ROWS 8192
 static int takes(int M, int K) {
     return llmd_cpu_ok() && M >= 1 && M <= MAXM && K % 128 == 0;

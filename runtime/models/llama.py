@@ -167,10 +167,7 @@ class LlamaForCausalLM(nn.Module):
             cis = RopeRows(positions, self.rotary) if fast else self.rotary.lookup_cis(positions)
         else:
             cos, sin = self.rotary.lookup(positions, x.dtype)
-        pending = None
-        for layer in self.layers:
-            x, pending = layer(x, cos, sin, attn, cis, pending)
-        return add_norm(x, pending, self.norm)[1]
+        return self._layers(x, cos, sin, attn, cis)
 
     def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[B, T] -> logits [B, T, vocab], plain causal attention from position 0."""
@@ -178,10 +175,15 @@ class LlamaForCausalLM(nn.Module):
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         cos, sin = self.rotary.lookup(positions, x.dtype)
         cis = self.rotary.lookup_cis(positions) if self._interleaved else None   # prepared weights are interleaved
+        return self.compute_logits(self._layers(x, cos, sin, None, cis))
+
+    def _layers(self, x, cos, sin, attn, cis) -> torch.Tensor:
+        """Every decoder layer, then the final norm; each layer's MLP output is added with the next
+        norm (``add_norm``)."""
         pending = None
         for layer in self.layers:
-            x, pending = layer(x, cos, sin, None, cis, pending)
-        return self.compute_logits(add_norm(x, pending, self.norm)[1])
+            x, pending = layer(x, cos, sin, attn, cis, pending)
+        return add_norm(x, pending, self.norm)[1]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self._tied_head is not None:       # tied and prepared: rows live in the head's storage
