@@ -47,7 +47,7 @@ def _run(cfg: BenchConfig, work_dir: str, log) -> dict:
     from llmd.runtime.llm import LLM
     opts = dict(cfg.engine, num_speculative_tokens=cfg.num_speculative_tokens)
     llm = LLM(cfg.model, draft=cfg.draft, **opts)
-    k = llm.engine.config.num_speculative_tokens      # resolved: peers propose as many
+    k = llm.engine.num_speculative_tokens             # resolved: peers propose as many
     peers: list[Peer] = [LLMDPeer(llm)]
     if cfg.draft:                                    # speculation is judged against plain decoding
         peers.append(LLMDPeer(LLM(cfg.model, **opts), "llmd-plain"))

@@ -92,6 +92,7 @@ class Engine:
             # n-gram proposals cost nothing to make, and verifying 9 rows costs about 1.3 decode
             # steps here, so lookups may run deeper than a draft model's (bench_spec measures both)
             k = NGRAM_K if lookup else DRAFT_K
+        self.num_speculative_tokens = k         # the depth in force (the config's None resolved)
         if self.proposer is not None and k > 0:
             # a draft with a shorter context than the target's stops proposing where its context ends
             spec_len = self.max_model_len if loaded.draft is None else min(

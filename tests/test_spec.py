@@ -163,3 +163,10 @@ def test_auto_speculates_greedy_requests_only_and_leaves_seeded_samples_as_they_
     assert st["spec_proposed"] > 0                             # the greedy ones speculated
     alone, st = run(tiny_model_dir, ps[1:2], sampled, draft="auto")
     assert alone == [want[1]] and st["spec_proposed"] == 0     # a sampled request alone never does
+
+
+def test_the_default_depth_follows_the_proposer(tiny_model_dir, drafts):
+    assert LLM(str(tiny_model_dir), draft="ngram", kv_memory="8MiB").engine.num_speculative_tokens == 8
+    assert LLM(str(tiny_model_dir), draft=drafts["other"], kv_memory="8MiB").engine.num_speculative_tokens == 4
+    assert LLM(str(tiny_model_dir), draft="auto", kv_memory="8MiB").engine.num_speculative_tokens == 8
+    assert LLM(str(tiny_model_dir), draft="ngram", num_speculative_tokens=3, kv_memory="8MiB").engine.num_speculative_tokens == 3
