@@ -19,3 +19,10 @@ def model_factory(tmp_path_factory):
     def make(name: str = "m", **kw):
         return make_model_dir(tmp_path_factory.mktemp(name), **kw)
     return make
+
+
+@pytest.fixture
+def no_grad():
+    """llmd's kernels run only where no gradient is recorded, as in the engine (inference_mode)."""
+    with torch.no_grad():
+        yield

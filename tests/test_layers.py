@@ -10,6 +10,7 @@ PLANS = [MatvecPlan("out_in", 1, 0), MatvecPlan("in_out", 1, 0),
          MatvecPlan("in_out", 2, 4), MatvecPlan("out_in", 2, 4),
          MatvecPlan("in_out", 4, 16), MatvecPlan("out_in", 4, 16),
          MatvecPlan("blocked", 1, 1), MatvecPlan("blocked", 1, 4), MatvecPlan("blocked", 1, 16)]
+pytestmark = pytest.mark.usefixtures("no_grad")      # kernels run only where no gradient is recorded
 needs_kernels = pytest.mark.skipif(not kernels.available(), reason=f"llmd kernels unavailable: {kernels.why()}")
 
 

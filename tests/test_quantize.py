@@ -9,6 +9,8 @@ from llmd.export.quantize import (Int4Linear, QuantEmbedding, Int8Linear, Quanti
                                   read_kv_int8, unpack_nibbles, write_kv_int8)
 from llmd.runtime.models.loader import load_model
 
+pytestmark = pytest.mark.usefixtures("no_grad")      # kernels run only where no gradient is recorded
+
 
 def randw(n=64, k=128, seed=0):
     g = torch.Generator().manual_seed(seed)

@@ -132,9 +132,11 @@ def traced(x: torch.Tensor) -> bool:
     return type(x) is not torch.Tensor or torch.compiler.is_compiling() or torch.jit.is_tracing()
 
 
-def usable(x: torch.Tensor) -> bool:
-    """True when the kernels may run on ``x``: loaded, a real CPU tensor, and not inside a graph
-    being traced or compiled (those keep torch's ops, which they can capture). Called per product:
-    the cheap checks come first."""
+def usable(x: torch.Tensor, has_gradient: bool = True) -> bool:
+    """True when the kernels may run on ``x``: loaded, a real CPU tensor, no gradient being recorded
+    (the kernels have no backward: training keeps torch's ops, and the engine runs under
+    ``inference_mode``), and not inside a graph being traced or compiled (those keep torch's ops,
+    which they can capture). ``has_gradient=False`` is for an op that has none anyway (argmax).
+    Called per product: the cheap checks come first."""
     return (type(x) is torch.Tensor and (_lib is not None or (not _tried and available())) and x.is_cpu
-            and not traced(x))
+            and not (has_gradient and torch.is_grad_enabled()) and not traced(x))

@@ -202,7 +202,7 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     """Index of the first largest value of each row of float32 x [M, V] (int64 [M]), as
     ``x.argmax(-1)`` gives it; torch's own argmax where the kernel cannot run or a row holds NaN."""
     so = lib()
-    if so is None or x.dtype != torch.float32 or x.dim() != 2 or not usable(x):
+    if so is None or x.dtype != torch.float32 or x.dim() != 2 or not usable(x, has_gradient=False):
         return x.argmax(-1)
     x = x.contiguous()
     m, v = x.shape
