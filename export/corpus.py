@@ -65,14 +65,18 @@ def read_source(f: SourceFile) -> str:
     return f.path.read_bytes().decode("utf-8", errors="ignore")
 
 
-def chunks(text: str, max_chars: int) -> Iterator[str]:
-    """Line-aligned pieces of at most about max_chars characters."""
+def chunks(text: str, max_chars: int, rng: random.Random | None = None, min_chars: int | None = None
+           ) -> Iterator[str]:
+    """Line-aligned pieces of at most about max_chars characters; with ``rng`` and ``min_chars`` each
+    piece's limit is drawn from [min_chars, max_chars], so pieces of every length occur."""
+    def limit() -> int:
+        return max_chars if rng is None or min_chars is None else rng.randint(min_chars, max_chars)
     lines = text.splitlines(keepends=True)
-    buf, n = [], 0
+    buf, n, cap = [], 0, limit()
     for line in lines:
-        if n and n + len(line) > max_chars:
+        if n and n + len(line) > cap:
             yield "".join(buf)
-            buf, n = [], 0
+            buf, n, cap = [], 0, limit()
         buf.append(line)
         n += len(line)
     if buf:
@@ -105,11 +109,15 @@ class Piece:
 
 
 def make_pieces(files: list[SourceFile], seed: int, fim_rate: float = 0.5,
-                max_chars: int = 2000) -> Iterator[Piece]:
-    """Documents for training or evaluation, deterministic for a seed and file list."""
+                max_chars: int = 1700, min_chars: int = 300) -> Iterator[Piece]:
+    """Documents for training or evaluation, deterministic for a seed and file list.
+
+    Chunks of 300 to 1,700 characters (under ~512 tokens) fit whole in one training window, so a
+    fill-in-the-middle sample is trained with its prefix and suffix in view; the spread of lengths
+    lets the windows pack tightly."""
     rng = random.Random(seed)
     for f in files:
-        for chunk in chunks(read_source(f), max_chars):
+        for chunk in chunks(read_source(f), max_chars, rng, min_chars):
             if not chunk.strip():
                 continue
             if rng.random() < fim_rate:

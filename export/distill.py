@@ -26,7 +26,7 @@ from ..runtime.models.llama import LlamaForCausalLM
 from ..runtime.models.loader import load_model
 from . import bpe, corpus
 from .train_demo import write_model_dir
-from .train_loop import TrainConfig, WindowSampler, init_weights, train
+from .train_loop import PAD, DocSampler, TrainConfig, init_weights, train
 
 DEFAULT_SHAPE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=5,
                      num_attention_heads=4, num_key_value_heads=2)
@@ -82,13 +82,14 @@ def draft_config(target_cfg: dict, shape: dict, seq_len: int) -> dict:
 
 
 def kl_loss(target: LlamaForCausalLM):
-    """KL(target || draft) per position, averaged; the target runs without gradients."""
+    """KL(target || draft) per position, averaged over positions that hold a token (not PAD); the
+    target runs without gradients."""
     def loss(draft: LlamaForCausalLM, batch: torch.Tensor) -> torch.Tensor:
-        inputs = batch[:, :-1]
+        inputs, real = batch[:, :-1].clamp(min=0), (batch[:, 1:] != PAD).flatten()
         with torch.no_grad():
-            t_logp = F.log_softmax(target.forward_dense(inputs).float(), dim=-1)
-        d_logp = F.log_softmax(draft.forward_dense(inputs).float(), dim=-1)
-        return F.kl_div(d_logp.flatten(0, 1), t_logp.flatten(0, 1), log_target=True, reduction="batchmean")
+            t_logp = F.log_softmax(target.forward_dense(inputs).float(), dim=-1).flatten(0, 1)[real]
+        d_logp = F.log_softmax(draft.forward_dense(inputs).float(), dim=-1).flatten(0, 1)[real]
+        return F.kl_div(d_logp, t_logp, log_target=True, reduction="batchmean")
     return loss
 
 
@@ -118,7 +119,7 @@ def distill(target_dir: Path, out: Path, tokens: np.ndarray, cfg: TrainConfig, w
     if ratio > MAX_FLOPS_RATIO:
         print(f"warning: the draft costs {ratio:.2f} of the target's FLOPs per token; "
               f"speculation pays best under {MAX_FLOPS_RATIO:.2f}")
-    state = train(draft, WindowSampler(tokens, cfg.seq_len, cfg.batch_size, cfg.seed), cfg, work,
+    state = train(draft, DocSampler(tokens, cfg.seq_len, cfg.batch_size, cfg.seed), cfg, work,
                   loss_fn=kl_loss(target), desc="distill", session_steps=session_steps)
     write_model_dir(draft, config, target_dir, out)      # the tokenizer files come from the target
     return state

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from ..runtime.models.loader import load_model
 from . import corpus
+from .train_loop import DocSampler
 
 PROPOSE = 4
 PROMPT_TOKENS, CONTINUE_TOKENS = 128, 32
@@ -184,6 +185,7 @@ def evaluate(work: Path, out: Path, seed: int = 0) -> dict:
                       "without_suffix": fim_check(hf, tok, cases, False)}
     results["flops_ratio"] = loaded["draft"].config.flops_per_token() / loaded["target"].config.flops_per_token()
     results["params"] = {n: m.config.num_parameters() for n, m in loaded.items()}
+    results["window_fill"] = DocSampler(np.load(work / "train.npy", mmap_mode="r"), 512, 8, 0).fill()
     results["eval_s"] = time.monotonic() - t0
     return results
 
@@ -217,6 +219,7 @@ def model_card(name: str, out: Path, work: Path, results: dict, runs: dict, comm
     role = ("the **target** of llmd's bundled demo pair" if name == "code-target" else
             "the **draft** of llmd's bundled demo pair, distilled from `code-target` with `llmd distill`")
     acc, fim, loss = results["acceptance"], results["fim"], results["loss"]
+    fill = results.get("window_fill", 1.0)
     acc_rows = "\n".join(f"| {n} | {a['rate']:.3f} | {a['accepted']} / {a['proposed']} | "
                           f"{a['tokens_per_target_pass']:.2f} |" for n, a in acc.items())
     loss_rows = "\n".join(f"| {n} | {v:.3f} | {results['params'].get(n, 0) / 1e6:.2f}M |" for n, v in loss.items())
@@ -232,11 +235,12 @@ without a download. It completes Python code and fills in the middle; it does no
   excluding `site-packages`, `dist-packages` and `__pycache__`; bytes that are not UTF-8 are dropped.
 - Split by file: a file is held out when the first 8 bytes of sha256(relative path), read as a
   fraction of 2^64, are below 0.05. {len(split["train"])} training files, {len(split["heldout"])} held-out files.
-- Samples: each file is cut into line-aligned chunks of at most 2,000 characters; about half (seed 1234)
-  are rearranged for fill-in-the-middle as `<|fim_prefix|>` prefix `<|fim_suffix|>` suffix
-  `<|fim_middle|>` middle: half of those cut at two random character positions, half taking 1 to 4
-  whole lines as the middle. Every sample ends with `<|endoftext|>`.
-  {n_train / 1e6:.2f}M training tokens, {n_held / 1e6:.3f}M held-out tokens.
+- Samples: each file is cut into line-aligned chunks of 300 to 1,700 characters (a limit drawn per
+  chunk); about half are rearranged for fill-in-the-middle as `<|fim_prefix|>` prefix `<|fim_suffix|>`
+  suffix `<|fim_middle|>` middle: half of those cut at two random character positions, half taking 1 to
+  4 whole lines as the middle. Every sample ends with `<|endoftext|>`. The training stream holds the
+  training files twice, cut and rearranged with two seeds (1234, 2234), so a second pass sees new
+  samples. {n_train / 1e6:.2f}M training tokens, {n_held / 1e6:.3f}M held-out tokens (seed 1235).
 - Tokenizer: byte-level BPE trained with `tokenizers` on the training files, 8,192 ids; ids 0-6 are
   `<|endoftext|>`, `<|fim_prefix|>`, `<|fim_suffix|>`, `<|fim_middle|>`, `<|fim_pad|>`, `<|file_sep|>`,
   `<|repo_name|>`. Text that spells a control token is encoded as ordinary text.
@@ -247,13 +251,15 @@ without a download. It completes Python code and fills in the middle; it does no
 {command}
 ```
 
-Training: AdamW (betas 0.9/0.95, weight decay 0.1), bfloat16 autocast on CPU, batches of 8 x 512 tokens
-drawn as non-overlapping windows in a seeded order, cosine learning rate over the wall-clock budget,
-2 CPU threads. The draft minimises KL(target || draft) over the full vocabulary at every position;
+Training: AdamW (betas 0.9/0.95, weight decay 0.1), bfloat16 autocast on CPU, batches of 8 windows of
+513 tokens, cosine learning rate over the wall-clock budget, 2 CPU threads. Each window is packed with
+whole samples (first fit, in a seeded order that changes every epoch) and padded, untrained, to its
+length ({fill:.1%} of positions hold tokens), so a fill-in-the-middle sample is always trained with
+its prefix and suffix in view. The draft minimises KL(target || draft) over the full vocabulary at every position;
 the raw draft has the draft's shape and is trained on the same token stream with plain cross-entropy,
 for comparison only (it is not committed).
 
-| run | steps | tokens | wall time | final train loss (EMA) | peak lr | seed |
+| run | steps | window positions | wall time | final train loss (EMA) | peak lr | seed |
 |---|---|---|---|---|---|---|
 {_run_line("target (cross-entropy)", runs.get("target"))}
 {_run_line("draft (KL to target)", runs.get("draft"))}
@@ -292,11 +298,11 @@ llmd's by at most {results["hf_max_logit_diff"]:.1e}. Evaluation took {results["
 
 ## Limits
 
-A demo model: {results["params"].get("target", 0) / 1e6:.1f}M parameters trained for under an hour on two
-CPU cores, so it saw {_tokens(runs.get("target"))} of the corpus' {n_train / 1e6:.1f}M training tokens. It writes standard-library-flavoured Python that is often wrong and repetitive.
-{_fim_verdict(fim)}{_loss_note(loss, runs)} Rebuilding with a larger `--target-minutes` and a larger step
-count (one pass over the corpus takes about 60 minutes at 2,400 tokens/s) should improve every figure
-above. Use your own models for real work.
+A demo model: {results["params"].get("target", 0) / 1e6:.1f}M parameters trained for
+{runs.get("target", {}).get("elapsed_s", 0) / 60:.0f} minutes on two CPU cores over {_tokens(runs.get("target"))} window
+positions of a {n_train / 1e6:.1f}M-token stream. It writes standard-library-flavoured Python that is often wrong and
+repetitive. {_fim_verdict(fim)}{_loss_note(loss, runs)} A larger `--target-minutes` (and a machine with more
+cores) should improve every figure above. Use your own models for real work.
 """
 
 

@@ -11,6 +11,7 @@ token streams; ``target`` trains the Llama target; ``draft`` distills the draft 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import shutil
 import sys
@@ -26,12 +27,13 @@ from ..runtime.models.config import ModelConfig
 from ..runtime.models.llama import LlamaForCausalLM
 from ..runtime.models.loader import save_model
 from . import bpe, corpus
-from .train_loop import TrainConfig, WindowSampler, init_weights, train
+from .train_loop import TrainConfig, DocSampler, init_weights, train
 
 SEED = 1234
 HELDOUT_FRACTION = 0.05
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 MAX_WEIGHT_BYTES = 40 * 2**20
+TRAIN_PASSES = 2
 
 # The target: Llama with grouped-query attention and tied embeddings, 12.6M parameters.
 TARGET_SHAPE = dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
@@ -39,8 +41,9 @@ TARGET_SHAPE = dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=6
 # The draft: 16% of the target's per-token FLOPs (at most 1/6 is allowed).
 DRAFT_SHAPE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=5,
                    num_attention_heads=4, num_key_value_heads=2)
-TARGET_TRAIN = TrainConfig(seq_len=512, batch_size=8, lr=1.5e-3, warmup_steps=50, max_steps=1650, seed=SEED)
-DRAFT_TRAIN = TrainConfig(seq_len=512, batch_size=8, lr=3e-3, warmup_steps=30, max_steps=3000, seed=SEED + 1)
+# Step counts are upper bounds: the wall-clock budgets (--target-minutes, --draft-minutes) end the runs.
+TARGET_TRAIN = TrainConfig(seq_len=512, batch_size=8, lr=1.5e-3, warmup_steps=50, max_steps=20000, seed=SEED)
+DRAFT_TRAIN = TrainConfig(seq_len=512, batch_size=8, lr=3e-3, warmup_steps=50, max_steps=20000, seed=SEED + 1)
 
 
 def hf_config(shape: dict, vocab_size: int, eot_id: int, seq_len: int) -> dict:
@@ -84,7 +87,10 @@ def stage_data(work: Path, seed: int) -> None:
     train_files, held_files = corpus.split(corpus.list_sources(), HELDOUT_FRACTION)
     tok = bpe.train_bpe(train_files)
     bpe.save_tokenizer(tok, work / "tokenizer")
-    np.save(work / "train.npy", bpe.encode_pieces(tok, corpus.make_pieces(train_files, seed)))
+    # Two arrangements of the training files (other chunk cuts, other fill-in-the-middle spans):
+    # the target trains for more than one pass, and a second pass then sees new samples.
+    train = itertools.chain.from_iterable(corpus.make_pieces(train_files, seed + 1000 * k) for k in range(TRAIN_PASSES))
+    np.save(work / "train.npy", bpe.encode_pieces(tok, train))
     np.save(work / "heldout.npy", bpe.encode_pieces(tok, corpus.make_pieces(held_files, seed + 1)))
     (work / "split.json").write_text(json.dumps({"train": [f.rel for f in train_files],
                                                  "heldout": [f.rel for f in held_files]}, indent=1))
@@ -99,7 +105,7 @@ def stage_target(work: Path, out: Path, cfg: TrainConfig) -> None:
     vocab, eot = token_facts(tok_dir)
     config = hf_config(TARGET_SHAPE, vocab, eot, cfg.seq_len)
     model = new_model(config, cfg.seed)
-    state = train(model, WindowSampler(load_tokens(work, "train"), cfg.seq_len, cfg.batch_size, cfg.seed),
+    state = train(model, DocSampler(load_tokens(work, "train"), cfg.seq_len, cfg.batch_size, cfg.seed),
                   cfg, work / "ckpt-target", desc="target")
     write_model_dir(model, config, tok_dir, out / "code-target")
     record(work, "target", state)
@@ -115,7 +121,7 @@ def stage_raw(work: Path, cfg: TrainConfig) -> None:
     vocab, eot = token_facts(tok_dir)
     config = hf_config(DRAFT_SHAPE, vocab, eot, cfg.seq_len)
     model = new_model(config, cfg.seed)
-    state = train(model, WindowSampler(load_tokens(work, "train"), cfg.seq_len, cfg.batch_size, cfg.seed),
+    state = train(model, DocSampler(load_tokens(work, "train"), cfg.seq_len, cfg.batch_size, cfg.seed),
                   cfg, work / "ckpt-raw", desc="raw draft")
     write_model_dir(model, config, tok_dir, work / "code-draft-raw")
     record(work, "raw", state)
@@ -149,8 +155,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, default=Path("models"), help="where code-target/ and code-draft/ go")
     p.add_argument("--work", type=Path, default=Path("work-out/demo"), help="checkpoints and token caches")
     p.add_argument("--stages", default="data,target,draft,raw,eval")
-    p.add_argument("--target-minutes", type=float, default=60.0)
-    p.add_argument("--draft-minutes", type=float, default=22.0)
+    p.add_argument("--target-minutes", type=float, default=80.0)
+    p.add_argument("--draft-minutes", type=float, default=20.0)
     p.add_argument("--raw-minutes", type=float, default=60.0, help="upper bound; it stops at the draft's step count")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--card-command", default=None, help="the command line recorded in the model cards")

@@ -68,27 +68,87 @@ def init_weights(model: LlamaForCausalLM, seed: int) -> None:
                 m.weight.fill_(1.0)
 
 
+PAD = -100      # a padded position in a batch: not a target (cross-entropy's ignore_index), fed as token 0
+
+
 def next_token_loss(model: LlamaForCausalLM, batch: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of predicting batch[:, 1:] from batch[:, :-1]."""
-    logits = model.forward_dense(batch[:, :-1])
-    return F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten().long())
+    """Mean cross-entropy of predicting batch[:, 1:] from batch[:, :-1]; PAD positions are skipped."""
+    logits = model.forward_dense(batch[:, :-1].clamp(min=0))
+    return F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten().long(), ignore_index=PAD)
 
 
-class WindowSampler:
-    """Non-overlapping windows of seq_len + 1 tokens in a seeded order; batch k is fixed by (seed, k)."""
+def documents(tokens: np.ndarray, width: int, end_id: int = 0) -> np.ndarray:
+    """[start, stop) of every document in the stream (each ends with ``end_id``), longer ones cut
+    into pieces of at most ``width`` tokens."""
+    ends = np.flatnonzero(tokens == end_id) + 1
+    if len(ends) == 0 or ends[-1] != len(tokens):
+        ends = np.append(ends, len(tokens))
+    starts = np.concatenate([[0], ends[:-1]])
+    spans = []
+    for a, b in zip(starts.tolist(), ends.tolist()):
+        spans.extend((s, min(s + width, b)) for s in range(a, b, width))
+    return np.array(spans, dtype=np.int64).reshape(-1, 2)
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int):
-        self.tokens, self.width, self.batch_size = tokens, seq_len + 1, batch_size
-        self.num_windows = len(tokens) // self.width
-        if self.num_windows < batch_size:
+
+def pack(lengths: np.ndarray, order: np.ndarray, width: int, open_limit: int = 64) -> list[list[int]]:
+    """Documents (indices, taken in ``order``) packed whole into windows of ``width`` tokens: each goes
+    to the first open window with room, else opens one; past ``open_limit`` the fullest one closes."""
+    windows: list[list[int]] = []
+    open_ids: list[int] = []
+    room: dict[int, int] = {}
+    for d in order.tolist():
+        n = int(lengths[d])
+        w = next((w for w in open_ids if room[w] >= n), None)
+        if w is None:
+            if len(open_ids) >= open_limit:
+                open_ids.remove(min(open_ids, key=room.__getitem__))
+            w = len(windows)
+            windows.append([])
+            open_ids.append(w)
+            room[w] = width
+        windows[w].append(d)
+        room[w] -= n
+    return windows
+
+
+class DocSampler:
+    """Batches of whole documents packed into windows of seq_len + 1 tokens, padded with PAD.
+
+    A document (one chunk of a file, plain or rearranged for fill-in-the-middle, ending with the
+    end-of-text token) never straddles two windows, so a fill-in-the-middle sample is always seen
+    with its prefix and suffix. Each epoch reshuffles and repacks; batch k is fixed by (seed, k)."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int, end_id: int = 0):
+        self.tokens, self.width, self.batch_size, self.seed = tokens, seq_len + 1, batch_size, seed
+        self.spans = documents(tokens, self.width, end_id)
+        self.lengths = self.spans[:, 1] - self.spans[:, 0]
+        self._epochs: dict[int, list[list[int]]] = {}
+        self.windows_per_epoch = len(self._epoch(0))
+        if self.windows_per_epoch < batch_size:
             raise ValueError(f"{len(tokens)} tokens cannot fill a batch of {batch_size} x {self.width}")
-        self.seed = seed
+
+    def _epoch(self, e: int) -> list[list[int]]:
+        """Epoch e's windows: a pure function of (seed, e); the two most recent are kept."""
+        if e not in self._epochs:
+            order = np.random.default_rng([self.seed, e]).permutation(len(self.spans))
+            self._epochs = {k: v for k, v in self._epochs.items() if k == e - 1}
+            self._epochs[e] = pack(self.lengths, order, self.width)
+        return self._epochs[e]
+
+    def fill(self) -> float:
+        """Fraction of window positions holding tokens (the rest is padding), in the first epoch."""
+        return float(self.lengths.sum()) / (self.windows_per_epoch * self.width)
 
     def batch(self, step: int) -> torch.Tensor:
-        epoch, k = divmod(step * self.batch_size, self.num_windows - self.num_windows % self.batch_size)
-        order = np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
-        starts = order[k:k + self.batch_size] * self.width
-        rows = np.stack([self.tokens[s:s + self.width] for s in starts]).astype(np.int64)
+        epoch, k = divmod(step, self.windows_per_epoch // self.batch_size)
+        windows = self._epoch(epoch)[k * self.batch_size:(k + 1) * self.batch_size]
+        rows = np.full((self.batch_size, self.width), PAD, dtype=np.int64)
+        for r, docs in enumerate(windows):
+            at = 0
+            for d in docs:
+                a, b = self.spans[d]
+                rows[r, at:at + b - a] = self.tokens[a:b]
+                at += b - a
         return torch.from_numpy(rows)
 
 
@@ -146,7 +206,7 @@ def load_checkpoint(ckpt_dir: Path, model: nn.Module, opt: torch.optim.AdamW) ->
 
 
 # ---- the loop ----------------------------------------------------------------------------------
-def train(model: LlamaForCausalLM, sampler: WindowSampler, cfg: TrainConfig, ckpt_dir: Path,
+def train(model: LlamaForCausalLM, sampler: DocSampler, cfg: TrainConfig, ckpt_dir: Path,
           loss_fn: LossFn = next_token_loss, desc: str = "train", session_steps: int | None = None) -> dict:
     """Train until max_steps or the time budget; returns the final loop state (steps, time, loss).
 

@@ -136,7 +136,7 @@ def test_split_is_stable_by_path_and_about_five_percent():
 def test_fim_pieces_hold_the_whole_chunk_in_psm_order(tmp_path):
     text = "".join(f"x{i} = {i}\n" for i in range(50))
     (tmp_path / "m.py").write_text(text)
-    pieces = list(corpus.make_pieces(corpus.list_sources(tmp_path) * 40, seed=3))
+    pieces = list(corpus.make_pieces(corpus.list_sources(tmp_path) * 40, seed=3, max_chars=2000, min_chars=2000))
     fim = [p for p in pieces if p.parts[0] == (True, corpus.FIM_PREFIX)]
     assert 10 < len(fim) < 30                                      # about half of 40
     for p in fim:

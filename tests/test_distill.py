@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from llmd.export import bpe, corpus
 from llmd.export.distill import add_distill_parser, kl_loss
 from llmd.export.train_demo import hf_config, new_model, write_model_dir
-from llmd.export.train_loop import WindowSampler
+from llmd.export.train_loop import DocSampler
 from llmd.runtime.errors import ModelLoadError
 from llmd.runtime.models.loader import load_model
 
@@ -115,7 +115,7 @@ def test_distillation_lowers_kl_to_target(setup):
     after = load_model(out)
     target = load_model(tmp / "target")
     tokens = np.load(tmp / "learned.ckpt" / "tokens.npy")
-    batch = WindowSampler(tokens, 32, 4, seed=99).batch(0)
+    batch = DocSampler(tokens, 32, 4, seed=99).batch(0)
     loss = kl_loss(target)
     with torch.no_grad():
         assert loss(after, batch).item() < 0.8 * loss(before, batch).item()
