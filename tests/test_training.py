@@ -117,3 +117,25 @@ def test_distillation_reaches_every_draft_weight():
     batch[0, 20:] = PAD
     kl_loss(target)(draft, batch).backward()
     assert [n for n, p in draft.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0] == []
+
+
+def test_serving_never_asks_for_kernels_while_gradients_are_recorded(tiny_model_dir, monkeypatch):
+    """The engine and its load-time tuning (matvec plans) run without gradients: a kernel asked for
+    while gradients are recorded is refused, and the tuning would time torch's fallback instead."""
+    from llmd import LLM, SamplingParams
+    from llmd.runtime import kernels
+    from llmd.runtime.models.layers import matvec_plan
+    asked = []
+    real = kernels.usable
+
+    def spy(x, has_gradient=True):
+        if has_gradient and torch.is_grad_enabled():
+            asked.append(tuple(x.shape))
+        return real(x, has_gradient)
+
+    monkeypatch.setattr(kernels, "usable", spy)
+    matvec_plan.cache_clear()
+    llm = LLM(str(tiny_model_dir), kv_memory="16MiB")
+    out = llm.generate(["hello", [1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0))
+    assert all(o.error is None for o in out)
+    assert asked == []

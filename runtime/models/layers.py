@@ -165,6 +165,7 @@ KERNEL_EDGE = 0.75
 
 
 @lru_cache(maxsize=None)
+@torch.inference_mode()                  # timed as the engine runs them: kernels run only without gradients
 def matvec_plan(in_features: int, out_features: int, dtype: torch.dtype, threads: int,
                 layouts: tuple[str, ...] = ("out_in", "in_out")) -> MatvecPlan:
     """Time products of this shape on random data: single rows in each layout, plain and split;
