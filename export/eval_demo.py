@@ -139,18 +139,26 @@ def parses(text: str) -> bool:
         return False
 
 
-def fim_check(hf_model, tok, cases, with_suffix: bool) -> dict:
-    """Fraction of cases where prefix + generated middle + suffix parses, and exact middles."""
+def fim_check(hf_model, tok, cases, with_suffix: bool, editor: bool = False) -> dict:
+    """Fraction of cases where prefix + generated middle + suffix parses, and exact middles.
+
+    ``editor``: as llmd's editor plugin sees it: the cursor on a fresh empty line where the lines were
+    (the suffix starts with that line's newline), and the raw middle trimmed as the plugin trims
+    ghost text (``clients/lsp_trim.py``) before the check."""
+    from llmd.clients.lsp_trim import trim_suggestion
     ids = {t: tok.token_to_id(t) for t in corpus.SPECIAL_TOKENS}
     ok = exact = 0
     for pre, mid, suf in cases:
+        after = "\n" + suf if editor else suf
         prompt = ([ids[corpus.FIM_PREFIX]] + tok.encode(pre).ids + [ids[corpus.FIM_SUFFIX]]
-                  + (tok.encode(suf).ids if with_suffix else []) + [ids[corpus.FIM_MIDDLE]])
+                  + (tok.encode(after).ids if with_suffix else []) + [ids[corpus.FIM_MIDDLE]])
         out = greedy(hf_model, torch.tensor([prompt]), FIM_MAX_NEW, stop_id=ids[corpus.EOT])[0].tolist()
         if ids[corpus.EOT] in out:
             out = out[:out.index(ids[corpus.EOT])]
         middle = tok.decode(out, skip_special_tokens=True)
-        ok += parses(pre + middle + suf)
+        if editor:
+            middle = trim_suggestion(middle, "", "", after)
+        ok += parses(pre + middle + after if editor else pre + middle + suf)
         exact += middle.strip() == mid.strip()
     return {"cases": len(cases), "parses": ok / len(cases), "exact": exact / len(cases)}
 
@@ -182,7 +190,9 @@ def evaluate(work: Path, out: Path, seed: int = 0) -> dict:
             results["acceptance"][name] = acceptance(loaded[name], prompts, cont)
     cases = fim_cases(held, 100, seed)
     results["fim"] = {"with_suffix": fim_check(hf, tok, cases, True),
-                      "without_suffix": fim_check(hf, tok, cases, False)}
+                      "without_suffix": fim_check(hf, tok, cases, False),
+                      "editor_with_suffix": fim_check(hf, tok, cases, True, editor=True),
+                      "editor_without_suffix": fim_check(hf, tok, cases, False, editor=True)}
     results["flops_ratio"] = loaded["draft"].config.flops_per_token() / loaded["target"].config.flops_per_token()
     results["params"] = {n: m.config.num_parameters() for n, m in loaded.items()}
     results["window_fill"] = DocSampler(np.load(work / "train.npy", mmap_mode="r"), 512, 8, 0).fill()
@@ -292,7 +302,7 @@ chosen so that the function does not parse without them; the target generates gr
 |---|---|---|
 | prefix and suffix | {fim["with_suffix"]["parses"]:.2f} | {fim["with_suffix"]["exact"]:.2f} |
 | prefix only (empty suffix) | {fim["without_suffix"]["parses"]:.2f} | {fim["without_suffix"]["exact"]:.2f} |
-
+{_editor_rows(fim)}
 `transformers`' `AutoModelForCausalLM.from_pretrained` loads this directory; its logits differ from
 llmd's by at most {results["hf_max_logit_diff"]:.1e}. Evaluation took {results["eval_s"]:.0f} s.
 
@@ -304,6 +314,15 @@ positions of a {n_train / 1e6:.1f}M-token stream. It writes standard-library-fla
 repetitive. {_fim_verdict(fim)}{_loss_note(loss, runs)} A larger `--target-minutes` (and a machine with more
 cores) should improve every figure above. Use your own models for real work.
 """
+
+
+def _editor_rows(fim: dict) -> str:
+    """The check as llmd's editor plugin shows completions (cursor on a fresh line, ghost text trimmed)."""
+    if "editor_with_suffix" not in fim:
+        return ""
+    a, b = fim["editor_with_suffix"], fim["editor_without_suffix"]
+    return (f"| editor view, prefix and suffix (trimmed as ghost text) | {a['parses']:.2f} | {a['exact']:.2f} |\n"
+            f"| editor view, prefix only | {b['parses']:.2f} | {b['exact']:.2f} |\n")
 
 
 def _tokens(run: dict | None) -> str:
