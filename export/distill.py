@@ -119,7 +119,11 @@ def distill(target_dir: Path, out: Path, tokens: np.ndarray, cfg: TrainConfig, w
     if ratio > MAX_FLOPS_RATIO:
         print(f"warning: the draft costs {ratio:.2f} of the target's FLOPs per token; "
               f"speculation pays best under {MAX_FLOPS_RATIO:.2f}")
-    state = train(draft, DocSampler(tokens, cfg.seq_len, cfg.batch_size, cfg.seed), cfg, work,
+    end_id = Tokenizer.from_file(str(target_dir / "tokenizer.json")).token_to_id(corpus.EOT)
+    if end_id is None:
+        raise ModelLoadError(f"{target_dir}/tokenizer.json has no {corpus.EOT} token: distillation ends "
+                             "each training sample with it")
+    state = train(draft, DocSampler(tokens, cfg.seq_len, cfg.batch_size, cfg.seed, end_id), cfg, work,
                   loss_fn=kl_loss(target), desc="distill", session_steps=session_steps)
     write_model_dir(draft, config, target_dir, out)      # the tokenizer files come from the target
     return state

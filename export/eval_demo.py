@@ -158,7 +158,7 @@ def fim_check(hf_model, tok, cases, with_suffix: bool, editor: bool = False) -> 
         middle = tok.decode(out, skip_special_tokens=True)
         if editor:
             middle = trim_suggestion(middle, "", "", after)
-        ok += parses(pre + middle + after if editor else pre + middle + suf)
+        ok += parses(pre + middle + after)
         exact += middle.strip() == mid.strip()
     return {"cases": len(cases), "parses": ok / len(cases), "exact": exact / len(cases)}
 
@@ -195,7 +195,8 @@ def evaluate(work: Path, out: Path, seed: int = 0) -> dict:
                       "editor_without_suffix": fim_check(hf, tok, cases, False, editor=True)}
     results["flops_ratio"] = loaded["draft"].config.flops_per_token() / loaded["target"].config.flops_per_token()
     results["params"] = {n: m.config.num_parameters() for n, m in loaded.items()}
-    results["window_fill"] = DocSampler(np.load(work / "train.npy", mmap_mode="r"), 512, 8, 0).fill()
+    results["window_fill"] = DocSampler(np.load(work / "train.npy", mmap_mode="r"), 512, 8, 0,
+                                         tok.token_to_id(corpus.EOT)).fill()
     results["eval_s"] = time.monotonic() - t0
     return results
 

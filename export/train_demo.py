@@ -27,7 +27,7 @@ from ..runtime.models.config import ModelConfig
 from ..runtime.models.llama import LlamaForCausalLM
 from ..runtime.models.loader import save_model
 from . import bpe, corpus
-from .train_loop import TrainConfig, DocSampler, init_weights, train
+from .train_loop import DocSampler, TrainConfig, init_weights, train
 
 SEED = 1234
 HELDOUT_FRACTION = 0.05
@@ -105,7 +105,7 @@ def stage_target(work: Path, out: Path, cfg: TrainConfig) -> None:
     vocab, eot = token_facts(tok_dir)
     config = hf_config(TARGET_SHAPE, vocab, eot, cfg.seq_len)
     model = new_model(config, cfg.seed)
-    state = train(model, DocSampler(load_tokens(work, "train"), cfg.seq_len, cfg.batch_size, cfg.seed),
+    state = train(model, DocSampler(load_tokens(work, "train"), cfg.seq_len, cfg.batch_size, cfg.seed, eot),
                   cfg, work / "ckpt-target", desc="target")
     write_model_dir(model, config, tok_dir, out / "code-target")
     record(work, "target", state)
@@ -121,7 +121,7 @@ def stage_raw(work: Path, cfg: TrainConfig) -> None:
     vocab, eot = token_facts(tok_dir)
     config = hf_config(DRAFT_SHAPE, vocab, eot, cfg.seq_len)
     model = new_model(config, cfg.seed)
-    state = train(model, DocSampler(load_tokens(work, "train"), cfg.seq_len, cfg.batch_size, cfg.seed),
+    state = train(model, DocSampler(load_tokens(work, "train"), cfg.seq_len, cfg.batch_size, cfg.seed, eot),
                   cfg, work / "ckpt-raw", desc="raw draft")
     write_model_dir(model, config, tok_dir, work / "code-draft-raw")
     record(work, "raw", state)

@@ -77,7 +77,7 @@ def next_token_loss(model: LlamaForCausalLM, batch: torch.Tensor) -> torch.Tenso
     return F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten().long(), ignore_index=PAD)
 
 
-def documents(tokens: np.ndarray, width: int, end_id: int = 0) -> np.ndarray:
+def documents(tokens: np.ndarray, width: int, end_id: int) -> np.ndarray:
     """[start, stop) of every document in the stream (each ends with ``end_id``), longer ones cut
     into pieces of at most ``width`` tokens."""
     ends = np.flatnonzero(tokens == end_id) + 1
@@ -118,7 +118,7 @@ class DocSampler:
     end-of-text token) never straddles two windows, so a fill-in-the-middle sample is always seen
     with its prefix and suffix. Each epoch reshuffles and repacks; batch k is fixed by (seed, k)."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int, end_id: int = 0):
+    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int, end_id: int):
         self.tokens, self.width, self.batch_size, self.seed = tokens, seq_len + 1, batch_size, seed
         self.spans = documents(tokens, self.width, end_id)
         self.lengths = self.spans[:, 1] - self.spans[:, 0]

@@ -35,13 +35,13 @@ def row_documents(row: np.ndarray) -> list[list[int]]:
 
 def test_documents_end_at_the_end_token_and_long_ones_are_cut():
     tokens = np.array([5, 6, END, 7, END, 1, 2, 3, 4, 5, 6, 7, END], dtype=np.uint16)
-    assert documents(tokens, 4).tolist() == [[0, 3], [3, 5], [5, 9], [9, 13]]
-    assert documents(np.array([3, 4, END, 9, 9]), 8).tolist() == [[0, 3], [3, 5]]   # an unterminated tail
+    assert documents(tokens, 4, END).tolist() == [[0, 3], [3, 5], [5, 9], [9, 13]]
+    assert documents(np.array([3, 4, END, 9, 9]), 8, END).tolist() == [[0, 3], [3, 5]]   # an unterminated tail
 
 
 def test_every_document_appears_once_an_epoch_whole_and_in_one_window():
     tokens, docs = stream(0)
-    s = DocSampler(tokens, seq_len=63, batch_size=4, seed=7)
+    s = DocSampler(tokens, seq_len=63, batch_size=4, seed=7, end_id=END)
     seen = []
     for step in range(s.windows_per_epoch // 4):
         for row in s.batch(step).numpy():
@@ -56,12 +56,12 @@ def test_every_document_appears_once_an_epoch_whole_and_in_one_window():
 
 def test_batches_are_fixed_by_seed_and_step_and_epochs_reshuffle():
     tokens, _ = stream(1)
-    a, b = DocSampler(tokens, 63, 4, seed=3), DocSampler(tokens, 63, 4, seed=3)
+    a, b = DocSampler(tokens, 63, 4, 3, END), DocSampler(tokens, 63, 4, 3, END)
     per_epoch = a.windows_per_epoch // 4
     for step in (0, 1, per_epoch + 1, 3 * per_epoch):
         assert torch.equal(a.batch(step), b.batch(step))
     assert not torch.equal(a.batch(0), a.batch(per_epoch))
-    assert not torch.equal(a.batch(0), DocSampler(tokens, 63, 4, seed=4).batch(0))
+    assert not torch.equal(a.batch(0), DocSampler(tokens, 63, 4, 4, END).batch(0))
 
 
 def test_packing_fills_windows_first_fit():
