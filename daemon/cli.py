@@ -11,6 +11,8 @@ import json
 import os
 import sys
 
+from llmd.runtime.config import KV_DTYPES
+
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("serve", help="run the llmd daemon on a local ZeroMQ socket",
@@ -31,7 +33,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     a("--max-batch-tokens", type=int, help="token budget of one engine step")
     a("--no-prefix-cache", dest="prefix_cache", action="store_const", const=False,
       help="disable reuse of cached prompt prefixes")
-    a("--kv-dtype", choices=("auto", "int8"), help="KV cache storage: model dtype (auto) or int8 with per-block scales")
+    a("--kv-dtype", choices=KV_DTYPES, help="KV cache storage: the model dtype (auto, exact), bfloat16 (half a float32 "
+      "model's bytes: faster with many streams) or int8 with per-block scales")
     a("--draft", help="speculative decoding: a draft model directory (same tokenizer), 'ngram' (prompt lookup for "
                       "every request), 'none', or 'auto' (default: an engine directory's own draft, else prompt "
                       "lookup for greedy requests only, whose output it cannot change)")

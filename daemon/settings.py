@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, get_args, get_origin, get_type_hints
 
+from llmd.runtime.config import KV_DTYPES
+
 from . import paths
 
 SYSTEM_CONFIG = Path("/etc/llmd/llmd.toml")
@@ -36,7 +38,7 @@ class Settings:
     block_size: int = 16
     max_batch_tokens: int = 512
     prefix_cache: bool = True
-    kv_dtype: str = "auto"                # auto (model dtype) | int8 KV cache
+    kv_dtype: str = "auto"                # one of llmd.runtime.config.KV_DTYPES
     # speculative decoding: "auto" (an engine directory's own draft, else n-gram lookup for greedy
     # requests), "ngram" (for every request), "none", or a draft model directory
     draft: Optional[str] = "auto"
@@ -70,8 +72,8 @@ class Settings:
             raise SettingsError(f"threads must be positive, got {self.threads}")
         if self.tcp is not None and not self.tcp.startswith("tcp://"):
             raise SettingsError(f"tcp must be a tcp://host:port endpoint, got {self.tcp!r}")
-        if self.kv_dtype not in ("auto", "int8"):
-            raise SettingsError(f"kv_dtype must be auto or int8, got {self.kv_dtype!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise SettingsError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise SettingsError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
 

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from llmd.runtime.config import KV_DTYPES
+
 
 @dataclass(frozen=True)
 class ExportOptions:
@@ -57,7 +59,7 @@ def add_export_parser(sub) -> None:
            "a scale per 64 input columns), int8 with per-token int8 input (w8a8), or int4 (group size as "
            "--group-size); auto: float for --quant none, else int8g (default; the quality gate shows its cost)")
     a("--embed", default="float", choices=("float", "int8"), help="untied embedding storage (default float)")
-    a("--kv-dtype", default="auto", choices=("auto", "int8"), help="KV cache dtype recorded for the runtime")
+    a("--kv-dtype", default="auto", choices=KV_DTYPES, help="KV cache dtype recorded for the runtime")
     a("--backend", default="torch", choices=("torch", "onnxruntime", "tensorrt"))
     a("--aot", action="store_true", help="torch: also build an AOTInductor package so serve starts warm")
     a("--eval-file", help="held-out text for the quality gate (default: the demo corpus's held-out split)")

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmd.runtime import kernels
+from llmd.runtime.config import KV_DTYPES
 from llmd.runtime.errors import InvalidRequest
 from llmd.runtime.kernels import ops
 from llmd.runtime.models.layers import Linear
@@ -65,7 +66,7 @@ class QuantSpec:
     symmetric: bool = False       # int4 only: zero points (False) or none (True)
     head: str = "auto"            # auto | float | int8 | int8g | w8a8 | int4: the output head (and a tied embedding)
     embed: str = "float"          # float | int8: an untied embedding (a tied one follows the head)
-    kv_dtype: str = "auto"        # auto | int8 (recorded; the runtime owns the pool)
+    kv_dtype: str = "auto"        # one of KV_DTYPES (recorded; the runtime owns the pool)
     small_m: int = SMALL_M
 
     def __post_init__(self):
@@ -78,8 +79,8 @@ class QuantSpec:
         if self.head == "auto":     # resolved once, so manifests record the concrete choice
             auto = "float" if self.method == "none" else "int8g"
             object.__setattr__(self, "head", auto)
-        if self.kv_dtype not in ("auto", "int8"):
-            raise QuantizationError(f"kv dtype must be auto or int8, got {self.kv_dtype!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise QuantizationError(f"kv dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}

@@ -7,7 +7,7 @@ The pool of one layer is a flat array of token slots, block after block:
 Each step, every layer first writes its new keys/values at ``slot_mapping`` (one slot per packed
 token), then attends. Requests with a few query rows (decode, verification of proposals) go to
 llmd's attention kernel (llmd.runtime.kernels), which reads keys and values in place through the
-block table, for float32 pools where it runs. The others (prompt chunks, or every request where
+block table, for float32 or bfloat16 pools where it runs. The others (prompt chunks, or every request where
 the kernel does not run) take the torch path: padded gather indices and masks built once per step
 for at most two groups (single-token rows; multi-token rows), one scaled_dot_product_attention per
 group and layer. The reference path loops over requests with explicit softmax; tests hold both
@@ -94,9 +94,9 @@ class PagedAttention:
         self.num_rows = 0
 
     def kernel_fits(self) -> bool:
-        """llmd's attention kernel can read these pools (float32, head sizes it handles)."""
+        """llmd's attention kernel can read these pools (float32 or bfloat16, head sizes it handles)."""
         d = self.k_pool.shape[-1]
-        return (not self.reference and self.scales is None and self.k_pool.dtype == torch.float32
+        return (not self.reference and self.scales is None and self.k_pool.dtype in ops.ATTEND_POOL_DTYPES
                 and d % 16 == 0 and d <= 256 and kernels.available())
 
     def prepare(self, slot_mapping: torch.Tensor, spans: list[SeqSpan]) -> None:
@@ -131,13 +131,16 @@ class PagedAttention:
         return self._attend(q, kp, vp)
 
     def _attend_kernel(self, q, kp, vp) -> torch.Tensor:
+        """The kernel's rows in float32 (whatever the model's dtype), the torch groups' rows after."""
+        dtype = q.dtype
         q = q.float().contiguous()
         out = torch.empty_like(q)
         kr = self.kernel_rows
         if not ops.attend(q, kp, vp, kr.rows, kr.spans, kr.lengths, kr.table, self.block_size, out):
             raise MemoryError("the attention kernel could not allocate its score buffers (out of memory)")
-        return self._attend_groups(q, _gatherer(kp, None, self.block_size, q.dtype),
-                                   _gatherer(vp, None, self.block_size, q.dtype), out)
+        out = self._attend_groups(q, _gatherer(kp, None, self.block_size, q.dtype),
+                                  _gatherer(vp, None, self.block_size, q.dtype), out)
+        return out if dtype == torch.float32 else out.to(dtype)
 
     def _attend(self, q, kp, vp, ks=None, vs=None) -> torch.Tensor:
         k_get = _gatherer(kp, ks, self.block_size, q.dtype)

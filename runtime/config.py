@@ -7,6 +7,11 @@ from typing import Optional
 
 from .errors import InvalidRequest
 
+# KV cache storage: the model's dtype (auto); bfloat16 (half a float32 model's KV bytes: a step that
+# reads many streams' keys and values is bound by memory, and twice the tokens fit the budget); int8
+# with a scale per block and kv head (llmd.export.quantize)
+KV_DTYPES = ("auto", "bfloat16", "int8")
+
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2, "mib": 1 << 20,
           "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30}
 
@@ -39,7 +44,7 @@ class EngineConfig:
     max_model_len: Optional[int] = None      # defaults to the model's context window
     max_queue: int = 1024                    # waiting requests at most; more raise CapacityError
     enable_prefix_cache: bool = True
-    kv_dtype: str = "auto"                   # auto (the model dtype) | int8 (per-block, per-head scales)
+    kv_dtype: str = "auto"                   # one of KV_DTYPES
     attention: str = "fast"                  # fast | reference
     threads: Optional[int] = None            # torch intra-op threads; None keeps torch's default
     # None: an engine directory's own draft, if it has one; "auto": that, else n-gram lookup for greedy
@@ -61,7 +66,7 @@ class EngineConfig:
         check(1 <= self.max_batch_tokens <= 1 << 16, f"max_batch_tokens must be in [1, 65536], got {self.max_batch_tokens}")
         check(1 <= self.max_num_seqs <= 4096, f"max_num_seqs must be in [1, 4096], got {self.max_num_seqs}")
         check(1 <= self.max_queue <= 1 << 20, "max_queue must be positive")
-        check(self.kv_dtype in ("auto", "int8"), f"kv_dtype must be auto or int8, got {self.kv_dtype!r}")
+        check(self.kv_dtype in KV_DTYPES, f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         check(self.attention in ("fast", "reference"), f"attention must be fast or reference, got {self.attention!r}")
         check(self.num_speculative_tokens is None or 0 <= self.num_speculative_tokens <= 16,
               "num_speculative_tokens must be in [0, 16]")

@@ -72,8 +72,9 @@ class Engine:
         self.block_manager = BlockManager(loaded.num_blocks, config.block_size, config.enable_prefix_cache)
         self.scheduler = Scheduler(self.block_manager, config.max_batch_tokens, config.max_num_seqs)
         self.kv_dtype = loaded.kv_dtype
-        if loaded.backend is not None and loaded.kv_dtype == "int8":
-            raise EngineDirError(f"the {loaded.backend.name} backend needs a float KV cache; use --kv-dtype auto")
+        if loaded.backend is not None and loaded.kv_dtype != "auto":
+            raise EngineDirError(f"the {loaded.backend.name} backend keeps keys and values in the model's dtype; "
+                                 "use --kv-dtype auto")
         self.runner = ModelRunner(loaded.model, loaded.num_blocks, config.block_size, config.dtype,
                                   reference_attention=config.attention == "reference", kv_dtype=loaded.kv_dtype,
                                   backend=loaded.backend)

@@ -23,10 +23,15 @@ from .scheduler import ScheduledRequest
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+def pool_dtype(dtype: str, kv_dtype: str) -> torch.dtype:
+    """The KV pool's element type: the model's (auto), bfloat16, or int8 (with scales)."""
+    return torch.int8 if kv_dtype == "int8" else DTYPES[dtype if kv_dtype == "auto" else kv_dtype]
+
+
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: str, kv_dtype: str = "auto") -> int:
     if kv_dtype == "int8":     # one byte per value plus a float32 scale per block and kv head
         return 2 * cfg.num_layers * (block_size * cfg.kv_size + 4 * cfg.num_kv_heads)
-    return 2 * cfg.num_layers * block_size * cfg.kv_size * DTYPES[dtype].itemsize
+    return 2 * cfg.num_layers * block_size * cfg.kv_size * pool_dtype(dtype, kv_dtype).itemsize
 
 
 @dataclass
@@ -73,9 +78,8 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         shape = (cfg.num_layers, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
-        pool_dtype = torch.int8 if kv_dtype == "int8" else DTYPES[dtype]
-        self.k_pool = torch.zeros(shape, dtype=pool_dtype)
-        self.v_pool = torch.zeros(shape, dtype=pool_dtype)
+        self.k_pool = torch.zeros(shape, dtype=pool_dtype(dtype, kv_dtype))
+        self.v_pool = torch.zeros(shape, dtype=pool_dtype(dtype, kv_dtype))
         scales = None
         if kv_dtype == "int8":
             scale_shape = (cfg.num_layers, num_blocks, cfg.num_kv_heads)

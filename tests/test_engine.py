@@ -2,6 +2,7 @@
 import random
 
 import pytest
+import torch
 
 from engine_run import run as run_engine
 from llmd import LLM, SamplingParams
@@ -150,3 +151,19 @@ def test_int8_kv_cache_stays_close(tiny_model_dir, ps, alone):
     b = dict(i8.generate([ps[0]], p)[0].logprobs[0]["top"])
     for tok, lp in a[:3]:
         assert tok in b and abs(b[tok] - lp) < 0.05
+
+
+def test_bfloat16_kv_cache_halves_the_pool_and_keeps_greedy_output(tiny_model_dir, ps, alone):
+    """A float32 model over a bfloat16 pool: the same budget holds twice the blocks, the attention
+    kernel (decode rows) and torch's path (prompt chunks) agree with the reference attention over the
+    same pool, and the greedy text stays that of the exact float32 pool on these prompts."""
+    f32 = LLM(str(tiny_model_dir), kv_memory="4MiB")
+    bf = LLM(str(tiny_model_dir), kv_memory="4MiB", kv_dtype="bfloat16")
+    assert bf.engine.runner.k_pool.dtype == torch.bfloat16
+    assert bf.engine.block_manager.num_blocks == 2 * f32.engine.block_manager.num_blocks
+    got, st = run(tiny_model_dir, ps, kv_dtype="bfloat16", max_batch_tokens=16)      # chunked prompts, batched
+    assert st["kv_dtype"] == "bfloat16"
+    ref, _ = run(tiny_model_dir, ps, kv_dtype="bfloat16", attention="reference")
+    assert got == ref
+    same = sum(g == a for g, a in zip(got, alone))
+    assert same >= 7, f"only {same}/8 prompts keep their greedy tokens over a bfloat16 KV pool"

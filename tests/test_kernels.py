@@ -128,16 +128,18 @@ LAYOUTS = {   # (num_q, ctx_len, block ids): scattered, shared and partly filled
 }
 
 
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 64), (14, 2, 64), (8, 2, 32), (4, 1, 128)])
-def test_attention_kernel_matches_reference_over_the_paged_pool(heads, kv_heads, dim, layout):
+def test_attention_kernel_matches_reference_over_the_paged_pool(heads, kv_heads, dim, layout, pool_dtype):
     """Decode rows, verification rows and a prompt chunk in one step: the kernel serves the first
-    two kinds, torch the chunk; every row equals the per-request reference."""
+    two kinds, torch the chunk; every row equals the per-request reference, over float32 pools and
+    over bfloat16 ones (the values widened exactly, the arithmetic float32 either way)."""
     from llmd.runtime.attention import PagedAttention, SeqSpan, reference_attention, _gatherer
     g = torch.Generator().manual_seed(heads + dim)
     bs, blocks = 16, 24
-    kp = torch.randn(1, blocks * bs, kv_heads, dim, generator=g)
-    vp = torch.randn(1, blocks * bs, kv_heads, dim, generator=g)
+    kp = torch.randn(1, blocks * bs, kv_heads, dim, generator=g).to(pool_dtype)
+    vp = torch.randn(1, blocks * bs, kv_heads, dim, generator=g).to(pool_dtype)
     spans, start = [], 0
     for nq, ctx, ids in LAYOUTS[layout]:
         spans.append(SeqSpan(start, nq, ctx, ids))

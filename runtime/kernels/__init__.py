@@ -39,6 +39,7 @@ _SIGNATURES = {
     "llmd_int4_x": [_P, _I, _I, _I, _P, _P, _P, _P, _P, _I, _I],
     "llmd_f32": [_P, _I, _I, _P, _P, _P, _I, _I],
     "llmd_attend": [_P, _P, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _P, _I],
+    "llmd_attend_bf16": [_P, _P, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _P, _I],
     "llmd_rmsnorm": [_P, _I, _I, _P, ctypes.c_float, _P],
     "llmd_add_rmsnorm": [_P, _P, _I, _I, _P, ctypes.c_float, _P, _P],
     "llmd_silu_mul": [_P, _I, _I, _P],

@@ -2,14 +2,27 @@
 
 /* ---- attention of a few query rows over the paged KV pool -------------------------------- */
 /* Query row r (row[r] of q [T, H, D]) attends to the first len[r] positions of its request,
- * whose keys/values live at slot table[span[r]][l / bs] * bs + l % bs of the pools [S, KVH, D].
+ * whose keys/values live at slot table[span[r]][l / bs] * bs + l % bs of the pools [S, KVH, D]
+ * (float32, or bfloat16: the same arithmetic over half the bytes, for a step that reads many streams'
+ * keys and values from memory).
  * Softmax(q k / sqrt(D)) v per head in float32, heads sharing a key/value head read it once.
  * Threads take whole rows when there are enough, else (row, kv head) pairs. For decode and
  * verification rows (a few per request); long prompt chunks go to torch's blocked attention. */
 
-TARGET int llmd_attend(const float *q, const float *kpool, const float *vpool, const int32_t *row, const int32_t *span,
-                       const int32_t *len, int R, const int32_t *table, int table_width, int bs, int H, int KVH, int D,
-                       float *out, int nt) {
+/* Sixteen pool values from element i of a float32 (es == 4) or bfloat16 (es == 2) pool, as float32:
+ * a bfloat16 is the top half of a float32's bits. */
+static inline TARGET __attribute__((always_inline)) __m512 load16(const void *pool, size_t i, const int es) {
+    if (es == 4) return _mm512_loadu_ps((const float *)pool + i);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)pool + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* es: bytes per pool value, 4 (float32) or 2 (bfloat16: half the bytes to read, the same float32
+ * arithmetic). Specialised for each by inlining. */
+static inline TARGET __attribute__((always_inline))
+int attend(const float *q, const void *kpool, const void *vpool, const int32_t *row, const int32_t *span,
+           const int32_t *len, int R, const int32_t *table, int table_width, int bs, int H, int KVH, int D,
+           float *out, int nt, const int es) {
     if (!llmd_cpu_ok() || D % 16 || D > 256 || H % KVH) return -1;
     const int G = H / KVH;
     const float scale = 1.f / sqrtf((float)D);
@@ -43,13 +56,13 @@ TARGET int llmd_attend(const float *q, const float *kpool, const float *vpool, c
             for (int l = 0; l < Lp; l += 16) {                  /* scores, sixteen positions at a time */
                 __m512 dots[16];
                 for (int j = 0; j < 16; j++) {
-                    const float *k = kpool + (slot[l + j] * KVH + kvh) * D;
+                    const size_t k = (slot[l + j] * KVH + kvh) * D;
                     if (l + 16 < Lp) {
-                        const char *nk = (const char *)(kpool + (slot[l + 16 + j] * KVH + kvh) * D);
-                        for (int c = 0; c < D * 4; c += 64) _mm_prefetch(nk + c, _MM_HINT_NTA);
+                        const char *nk = (const char *)kpool + (slot[l + 16 + j] * KVH + kvh) * D * es;
+                        for (int c = 0; c < D * es; c += 64) _mm_prefetch(nk + c, _MM_HINT_NTA);
                     }
-                    __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
-                    for (int d = 1; d < D / 16; d++) a = _mm512_fmadd_ps(qv[d], _mm512_loadu_ps(k + 16 * d), a);
+                    __m512 a = _mm512_mul_ps(qv[0], load16(kpool, k, es));
+                    for (int d = 1; d < D / 16; d++) a = _mm512_fmadd_ps(qv[d], load16(kpool, k + 16 * d, es), a);
                     dots[j] = a;
                 }
                 __m512 sc = sum16x16(dots);
@@ -69,13 +82,13 @@ TARGET int llmd_attend(const float *q, const float *kpool, const float *vpool, c
             __m512 acc[16];
             for (int d = 0; d < D / 16; d++) acc[d] = _mm512_setzero_ps();
             for (int l = 0; l < L; l++) {
-                const float *v = vpool + (slot[l] * KVH + kvh) * D;
+                const size_t v = (slot[l] * KVH + kvh) * D;
                 if (l + 8 < L) {
-                    const char *nv = (const char *)(vpool + (slot[l + 8] * KVH + kvh) * D);
-                    for (int c = 0; c < D * 4; c += 64) _mm_prefetch(nv + c, _MM_HINT_NTA);
+                    const char *nv = (const char *)vpool + (slot[l + 8] * KVH + kvh) * D * es;
+                    for (int c = 0; c < D * es; c += 64) _mm_prefetch(nv + c, _MM_HINT_NTA);
                 }
                 const __m512 w = _mm512_set1_ps(p[l]);
-                for (int d = 0; d < D / 16; d++) acc[d] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 16 * d), acc[d]);
+                for (int d = 0; d < D / 16; d++) acc[d] = _mm512_fmadd_ps(w, load16(vpool, v + 16 * d, es), acc[d]);
             }
             float *o = out + ((size_t)row[r] * H + (size_t)kvh * G + g) * D;
             for (int d = 0; d < D / 16; d++) _mm512_storeu_ps(o + 16 * d, _mm512_mul_ps(acc[d], _mm512_set1_ps(inv)));
@@ -83,4 +96,16 @@ TARGET int llmd_attend(const float *q, const float *kpool, const float *vpool, c
         free(p);
     }
     return failed ? -2 : 0;
+}
+
+TARGET int llmd_attend(const float *q, const float *kpool, const float *vpool, const int32_t *row, const int32_t *span,
+                       const int32_t *len, int R, const int32_t *table, int table_width, int bs, int H, int KVH, int D,
+                       float *out, int nt) {
+    return attend(q, kpool, vpool, row, span, len, R, table, table_width, bs, H, KVH, D, out, nt, 4);
+}
+
+TARGET int llmd_attend_bf16(const float *q, const uint16_t *kpool, const uint16_t *vpool, const int32_t *row,
+                            const int32_t *span, const int32_t *len, int R, const int32_t *table, int table_width,
+                            int bs, int H, int KVH, int D, float *out, int nt) {
+    return attend(q, kpool, vpool, row, span, len, R, table, table_width, bs, H, KVH, D, out, nt, 2);
 }

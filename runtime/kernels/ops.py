@@ -120,22 +120,27 @@ def int4_matvec(x: torch.Tensor, form: tuple, group_size: int, bias: torch.Tenso
     return y if rc == 0 else None
 
 
+ATTEND_POOL_DTYPES = (torch.float32, torch.bfloat16)     # pools the attention kernel reads
+
+
 def attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor, spans: torch.Tensor,
            lengths: torch.Tensor, table: torch.Tensor, block_size: int, out: torch.Tensor) -> bool:
-    """Attention of query rows ``rows`` of q [T, H, D] over float32 pools [S, KVH, D], row r seeing
-    the first ``lengths[r]`` positions of request ``spans[r]``, whose block ids are ``table[spans[r]]``
-    (int32 tensors). Writes those rows of ``out`` [T, H, D]; False when it ran out of memory. Shapes it
-    does not take raise ValueError (PagedAttention.kernel_fits checks them first)."""
+    """Attention of query rows ``rows`` of float32 q [T, H, D] over float32 or bfloat16 pools [S, KVH, D],
+    row r seeing the first ``lengths[r]`` positions of request ``spans[r]``, whose block ids are
+    ``table[spans[r]]`` (int32 tensors). Writes those rows of float32 ``out`` [T, H, D]; False when it ran
+    out of memory. Shapes it does not take raise ValueError (PagedAttention.kernel_fits checks them first)."""
     so = lib()
     _, h, d = q.shape
     kvh = k_pool.shape[1]
-    if (so is None or q.dtype != torch.float32 or k_pool.dtype != torch.float32 or not q.is_contiguous()
-            or d % 16 or d > 256 or h % kvh):
-        raise ValueError("attention kernel: float32 q and pools, head size a multiple of 16 up to 256")
-    rc = so.llmd_attend(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), rows.data_ptr(), spans.data_ptr(),
-                        lengths.data_ptr(), rows.numel(), table.data_ptr(), table.shape[1], block_size, h, kvh, d,
-                        out.data_ptr(), torch.get_num_threads())
+    if (so is None or q.dtype != torch.float32 or k_pool.dtype not in ATTEND_POOL_DTYPES
+            or v_pool.dtype != k_pool.dtype or not q.is_contiguous() or d % 16 or d > 256 or h % kvh):
+        raise ValueError("attention kernel: float32 q, float32 or bfloat16 pools, head size a multiple of 16 up to 256")
+    fn = so.llmd_attend if k_pool.dtype == torch.float32 else so.llmd_attend_bf16
+    rc = fn(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), rows.data_ptr(), spans.data_ptr(),
+            lengths.data_ptr(), rows.numel(), table.data_ptr(), table.shape[1], block_size, h, kvh, d,
+            out.data_ptr(), torch.get_num_threads())
     return rc == 0
+
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float):
