@@ -145,11 +145,16 @@ class BlockManager:
         if not self.enable_prefix_cache:
             return
         bs = self.block_size
+        full = min(num_tokens // bs, len(request.block_ids))
+        # blocks are keyed in table order (or came keyed from the cache), so when the last full block
+        # has its key every earlier one has too: most steps of a decode end here
+        if full == 0 or self.blocks[request.block_ids[full - 1]].key is not None:
+            return
         parent = ROOT_KEY
-        for i in range(min(num_tokens // bs, len(request.block_ids))):
+        for i in range(full):
             block = self.blocks[request.block_ids[i]]
-            tokens = tuple(request.token_ids[i * bs:(i + 1) * bs])
             if block.key is None:
+                tokens = tuple(request.token_ids[i * bs:(i + 1) * bs])
                 key = block_key(parent, tokens, request.cache_salt)
                 block.key, block.parent_key, block.tokens = key, parent, tokens
                 self.cached.setdefault(key, block.block_id)
