@@ -7,12 +7,17 @@
  * x broadcast, one FMA per 16 weights, no reductions. N a multiple of 64. */
 
 static inline TARGET __attribute__((always_inline))
-void f32_block(const float *x, const int MM, int K, const float *w, const float *bias, float *y, int N) {
+void f32_block(const float *x, const int MM, int K, const float *w, const float *bias, float *y, int N,
+               const float *next, int part, int parts) {
     __m512 acc[MAXM][4];
     for (int m = 0; m < MAXM; m++)
         for (int j = 0; j < 4; j++) acc[m][j] = bias ? _mm512_loadu_ps(bias + 16 * j) : _mm512_setzero_ps();
     for (int k = 0; k < K; k++) {
         const float *wr = w + (size_t)k * 64;
+        /* the next block's row k, fetched into L2 by one of this block's row groups, so memory
+         * keeps streaming while the later groups compute from cache */
+        if (next && k % parts == part)
+            for (int j = 0; j < 4; j++) _mm_prefetch((const char *)(next + (size_t)k * 64 + 16 * j), _MM_HINT_T1);
         __m512 wv[4];
         for (int j = 0; j < 4; j++) wv[j] = _mm512_loadu_ps(wr + 16 * j);
         for (int m = 0; m < MM; m++) {
@@ -25,7 +30,7 @@ void f32_block(const float *x, const int MM, int K, const float *w, const float 
 }
 
 #define F32_CASE(MM) f32_block(x + (size_t)m0 * K, MM, K, w + (size_t)b * K * 64, bias ? bias + 64 * b : 0, \
-                            y + (size_t)m0 * N + 64 * b, N);
+                            y + (size_t)m0 * N + 64 * b, N, next, m0 / 4, groups);
 
 /* Up to F32_MAXM rows: groups of four rows per block, so a block is read from memory once and
  * from cache for the later groups (verification of a few proposals, small batches). */
@@ -33,8 +38,12 @@ void f32_block(const float *x, const int MM, int K, const float *w, const float 
 
 TARGET int llmd_f32(const float *x, int M, int K, const float *w, const float *bias, float *y, int N, int nt) {
     if (!llmd_cpu_ok() || M < 1 || M > F32_MAXM || N % 64) return -1;
+    const int groups = (M + 3) / 4, nb = N / 64;
     #pragma omp parallel for num_threads(nt) schedule(static)
-    for (int b = 0; b < N / 64; b++)
+    for (int b = 0; b < nb; b++) {
+        /* with several row groups a block is computed more than once from cache: the groups fetch
+         * the thread's next block meanwhile (static schedule: a thread's blocks are consecutive) */
+        const float *next = groups > 1 && b + 1 < nb ? w + (size_t)(b + 1) * K * 64 : 0;
         for (int m0 = 0; m0 < M; m0 += 4) {
             switch (M - m0) {
             case 1: F32_CASE(1) break;
@@ -43,5 +52,6 @@ TARGET int llmd_f32(const float *x, int M, int K, const float *w, const float *b
             default: F32_CASE(4) break;
             }
         }
+    }
     return 0;
 }
