@@ -118,6 +118,9 @@ def test_settings_layers_and_validation(tmp_path):
         settings_mod.Settings(max_queue=True)
     with pytest.raises(settings_mod.SettingsError, match="tcp"):
         settings_mod.Settings(tcp="0.0.0.0:80")
+    assert settings_mod.Settings(kv_dtype="bfloat16").kv_dtype == "bfloat16"
+    with pytest.raises(settings_mod.SettingsError, match="kv_dtype must be one of auto, bfloat16, int8"):
+        settings_mod.Settings(kv_dtype="float16")
     with pytest.raises(AttributeError):
         s.max_queue = 1                                   # frozen
 
