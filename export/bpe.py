@@ -57,9 +57,11 @@ def text_encoder(tok: Tokenizer) -> Tokenizer:
 
 
 def encode_pieces(tok: Tokenizer, pieces: Iterable[Piece], batch: int = 2048) -> np.ndarray:
-    """One uint16 token stream: text parts encoded as text, control tokens by id."""
+    """One token stream (uint16, or uint32 for a vocabulary past 65,536 ids): text parts encoded as
+    text, control tokens by id."""
     enc = text_encoder(tok)
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    dtype = np.uint16 if tok.get_vocab_size() <= 1 << 16 else np.uint32
     out: list[np.ndarray] = []
     pending: list[tuple[bool, str]] = []
 
@@ -67,7 +69,7 @@ def encode_pieces(tok: Tokenizer, pieces: Iterable[Piece], batch: int = 2048) ->
         texts = [t for c, t in pending if not c]
         encoded = iter(enc.encode_batch(texts, add_special_tokens=False))
         for control, text in pending:
-            out.append(np.array([ids[text]] if control else next(encoded).ids, dtype=np.uint16))
+            out.append(np.array([ids[text]] if control else next(encoded).ids, dtype=dtype))
         pending.clear()
 
     for piece in pieces:
@@ -75,4 +77,4 @@ def encode_pieces(tok: Tokenizer, pieces: Iterable[Piece], batch: int = 2048) ->
         if len(pending) >= batch:
             flush()
     flush()
-    return np.concatenate(out) if out else np.zeros(0, dtype=np.uint16)
+    return np.concatenate(out) if out else np.zeros(0, dtype=dtype)

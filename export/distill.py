@@ -4,7 +4,10 @@ The draft learns the target's whole next-token distribution (KL(target || draft)
 not just the corpus' next token, so its guesses agree with the target's greedy choices more often
 than a draft trained on the same text alone; that agreement is what speculative decoding spends.
 
-    llmd distill --target models/code-target --out my-draft [--corpus DIR] [--minutes 20]
+    llmd distill --target models/code-target --out my-draft [--corpus DIR] [--minutes 20] [--on-policy 3000]
+
+With ``--on-policy N`` half the data is the target's own greedy continuations of N corpus windows
+(speculation is judged on text the target writes).
 
 Runs resume from ``<out>.ckpt/`` (or ``--work``). A draft must share the target's tokenizer: an
 ``--init`` model or an existing ``--out`` directory with a different one is refused.
@@ -139,10 +142,66 @@ def corpus_tokens(target_dir: Path, root: Path | None, work: Path, seed: int) ->
     if not files:
         raise ValueError(f"no .py files found under {root or corpus.stdlib_root()}")
     tok = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
-    tokens = bpe.encode_pieces(tok, corpus.make_pieces(files, seed))
+    # fill-in-the-middle samples only for a target that has the control tokens for them
+    fim = all(tok.token_to_id(t) is not None for t in (corpus.FIM_PREFIX, corpus.FIM_SUFFIX, corpus.FIM_MIDDLE))
+    tokens = bpe.encode_pieces(tok, corpus.make_pieces(files, seed, fim_rate=0.5 if fim else 0.0))
     work.mkdir(parents=True, exist_ok=True)
     np.save(cache, tokens)
     return tokens
+
+
+def on_policy_tokens(target_dir: Path, tokens: np.ndarray, n: int, work: Path, seed: int, seq_len: int,
+                     batch: int = 64) -> np.ndarray:
+    """The target's own greedy continuations of ``n`` windows of the corpus, each written as
+    ``window + continuation + <|endoftext|>`` (cached in ``work``).
+
+    Speculation accepts a proposal when it is the target's greedy choice on text the target itself
+    writes; KL on corpus text alone spends the draft's small capacity on text the target would not
+    produce. Windows holding a control token are skipped (they are fill-in-the-middle samples)."""
+    from tqdm import tqdm
+
+    from ..runtime.llm import LLM
+    from ..runtime.request import SamplingParams
+    cache = work / f"onpolicy-{n}.npy"
+    if cache.is_file():
+        return np.load(cache, allow_pickle=False)
+    tok = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
+    end_id = tok.token_to_id(corpus.EOT)
+    control = np.array(sorted(tok.get_added_tokens_decoder()), dtype=np.int64)
+    ctx = min(seq_len, ModelConfig.from_dir(target_dir).max_position_embeddings)
+    prompt_len, gen = min(128, 2 * ctx // 3), min(64, ctx - 2 * ctx // 3 - 1)
+    rng = np.random.default_rng(seed)
+    prompts: list[list[int]] = []
+    for _ in range(100 * n):
+        if len(prompts) == n or len(tokens) <= prompt_len:
+            break
+        start = int(rng.integers(0, len(tokens) - prompt_len))
+        window = np.asarray(tokens[start:start + prompt_len], dtype=np.int64)
+        if not np.isin(window, control).any():
+            prompts.append(window.tolist())
+    if len(prompts) < n:
+        raise ValueError(f"the corpus holds too few plain {prompt_len}-token windows for {n} on-policy samples")
+    llm = LLM(str(target_dir), dtype="float32", kv_memory="1GiB", max_batch_tokens=2048)
+    params = SamplingParams(max_tokens=gen, temperature=0.0)
+    out: list[int] = []
+    with tqdm(total=n, desc="target continuations", dynamic_ncols=True, mininterval=2) as bar:
+        for i in range(0, n, batch):
+            for prompt, done in zip(prompts[i:i + batch], llm.generate(prompts[i:i + batch], params)):
+                ids = done.token_ids
+                out += prompt + ids + ([] if ids and ids[-1] == end_id else [end_id])
+            bar.update(len(prompts[i:i + batch]))
+    stream = np.array(out, dtype=tokens.dtype)
+    work.mkdir(parents=True, exist_ok=True)
+    np.save(cache, stream)
+    return stream
+
+
+def with_on_policy(target_dir: Path, tokens: np.ndarray, n: int, work: Path, seed: int, seq_len: int) -> np.ndarray:
+    """Half on-policy samples, half corpus text (a seeded stretch of the same length), so the draft
+    keeps following the target on text it did not write."""
+    onp = on_policy_tokens(target_dir, tokens, n, work, seed, seq_len)
+    start = int(np.random.default_rng(seed + 1).integers(0, max(1, len(tokens) - len(onp))))
+    return np.concatenate([onp, np.asarray(tokens[start:start + len(onp)], dtype=onp.dtype)])
 
 
 # ---- command line ------------------------------------------------------------------------------
@@ -154,6 +213,10 @@ def add_distill_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--corpus", type=Path, default=None, help="directory of .py files (default: the stdlib)")
     p.add_argument("--work", type=Path, default=None, help="checkpoint directory (default: <out>.ckpt)")
     p.add_argument("--init", type=Path, default=None, help="start from this draft model instead of random")
+    p.add_argument("--on-policy", type=int, default=0, metavar="N",
+                   help="also train on the target's greedy continuations of N corpus windows (half the data; "
+                        "generated once with llmd, cached in the work directory). Raises acceptance, which is "
+                        "agreement on text the target writes: 0.40 -> 0.52 for the bundled pair with N=3000")
     p.add_argument("--minutes", type=float, default=20.0, help="wall-clock budget")
     p.add_argument("--steps", type=int, default=3000, help="at most this many optimizer steps")
     p.add_argument("--session-steps", type=int, default=None,
@@ -182,6 +245,10 @@ def main(args: argparse.Namespace) -> int:
                       warmup_steps=min(30, max(1, args.steps // 10)), budget_s=args.minutes * 60, seed=args.seed)
     preflight(args.target, args.out, args.init)
     tokens = corpus_tokens(args.target, args.corpus, work, args.seed)
+    if args.on_policy < 0:
+        raise ValueError(f"--on-policy takes a number of samples >= 0, got {args.on_policy}")
+    if args.on_policy:
+        tokens = with_on_policy(args.target, tokens, args.on_policy, work, args.seed, args.seq_len)
     state = distill(args.target, args.out, tokens, cfg, work, shape=shape, init=args.init,
                     session_steps=args.session_steps)
     kl = "n/a" if state["loss_ema"] is None else f"{state['loss_ema']:.3f}"

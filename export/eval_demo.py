@@ -266,9 +266,11 @@ Training: AdamW (betas 0.9/0.95, weight decay 0.1), bfloat16 autocast on CPU, ba
 513 tokens, cosine learning rate over the wall-clock budget, 2 CPU threads. Each window is packed with
 whole samples (first fit, in a seeded order that changes every epoch) and padded, untrained, to its
 length ({fill:.1%} of positions hold tokens), so a fill-in-the-middle sample is always trained with
-its prefix and suffix in view. The draft minimises KL(target || draft) over the full vocabulary at every position;
-the raw draft has the draft's shape and is trained on the same token stream with plain cross-entropy,
-for comparison only (it is not committed).
+its prefix and suffix in view. The draft minimises KL(target || draft) over the full vocabulary at every position,
+on a stream that is half the target's own greedy continuations of 3,000 corpus windows (64 tokens after
+128; speculation is judged on text the target writes) and half training text; the raw draft has the
+draft's shape and is trained on the training stream with plain cross-entropy, for comparison only (it is
+not committed).
 
 | run | steps | window positions | wall time | final train loss (EMA) | peak lr | seed |
 |---|---|---|---|---|---|---|

@@ -43,6 +43,7 @@ DRAFT_SHAPE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=5,
                    num_attention_heads=4, num_key_value_heads=2)
 # Step counts are upper bounds: the wall-clock budgets (--target-minutes, --draft-minutes) end the runs.
 TARGET_TRAIN = TrainConfig(seq_len=512, batch_size=8, lr=1.5e-3, warmup_steps=50, max_steps=20000, seed=SEED)
+DRAFT_ON_POLICY = 3000      # corpus windows the target continues greedily for the draft's distillation
 DRAFT_TRAIN = TrainConfig(seq_len=512, batch_size=8, lr=3e-3, warmup_steps=50, max_steps=20000, seed=SEED + 1)
 
 
@@ -112,8 +113,9 @@ def stage_target(work: Path, out: Path, cfg: TrainConfig) -> None:
 
 
 def stage_raw(work: Path, cfg: TrainConfig) -> None:
-    """Same shape, data, seed and schedule as the distilled draft; the same number of steps when the
-    draft has been trained, so the comparison is step for step."""
+    """Same shape, seed and schedule as the distilled draft, trained on the corpus alone with plain
+    cross-entropy (the issue's comparison: no target involved, so no on-policy samples either); the
+    same number of steps when the draft has been trained, so the comparison is step for step."""
     draft_run = work / "run-draft.json"
     if draft_run.is_file():
         cfg = replace(cfg, max_steps=json.loads(draft_run.read_text())["step"])
@@ -128,9 +130,11 @@ def stage_raw(work: Path, cfg: TrainConfig) -> None:
 
 
 def stage_draft(work: Path, out: Path, cfg: TrainConfig) -> None:
-    from .distill import distill
-    state = distill(out / "code-target", out / "code-draft", load_tokens(work, "train"), cfg, work / "ckpt-draft",
-                    shape=DRAFT_SHAPE)
+    """KL distillation from the target, half of it on the target's own greedy continuations."""
+    from .distill import distill, with_on_policy
+    tokens = with_on_policy(out / "code-target", load_tokens(work, "train"), DRAFT_ON_POLICY, work / "ckpt-draft",
+                            cfg.seed, cfg.seq_len)
+    state = distill(out / "code-target", out / "code-draft", tokens, cfg, work / "ckpt-draft", shape=DRAFT_SHAPE)
     record(work, "draft", state)
 
 

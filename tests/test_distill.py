@@ -119,3 +119,32 @@ def test_distillation_lowers_kl_to_target(setup):
     loss = kl_loss(target)
     with torch.no_grad():
         assert loss(after, batch).item() < 0.8 * loss(before, batch).item()
+
+
+def test_on_policy_samples_are_the_targets_greedy_continuations(setup):
+    """`--on-policy N`: N corpus windows without control tokens, each followed by the target's own greedy
+    continuation (llmd's engine) and <|endoftext|>, cached and mixed half and half with corpus text."""
+    from tokenizers import Tokenizer
+
+    from llmd import LLM, SamplingParams
+    tmp, src = setup
+    out = tmp / "onp"
+    run_distill("--target", str(tmp / "target"), "--out", str(out), "--corpus", str(src), "--steps", "2",
+                "--on-policy", "6", *DRAFT_ARGS)
+    stream = np.load(tmp / "onp.ckpt" / "onpolicy-6.npy")
+    tok = Tokenizer.from_file(str(tmp / "target" / "tokenizer.json"))
+    end = tok.token_to_id(corpus.EOT)
+    control = set(tok.get_added_tokens_decoder())
+    docs = np.split(stream, np.flatnonzero(stream == end) + 1)[:-1]
+    assert len(docs) == 6
+    llm = LLM(str(tmp / "target"), kv_memory="4MiB")
+    prompt_len = 2 * 32 // 3                     # two thirds of the 32-token training window, then 10 tokens
+    for doc in docs[:3]:
+        prompt = doc[:prompt_len].tolist()
+        assert not control & set(prompt)
+        want = llm.generate([prompt], SamplingParams(max_tokens=10, temperature=0.0))[0].token_ids
+        assert doc.tolist() == prompt + want + ([] if want[-1] == end else [end])
+    assert json.loads((tmp / "onp.ckpt" / "train_state.json").read_text())["step"] == 2
+    with pytest.raises(ValueError, match="--on-policy"):
+        run_distill("--target", str(tmp / "target"), "--out", str(out), "--corpus", str(src), "--on-policy", "-1",
+                    *DRAFT_ARGS)
