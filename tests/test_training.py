@@ -139,3 +139,17 @@ def test_serving_never_asks_for_kernels_while_gradients_are_recorded(tiny_model_
     out = llm.generate(["hello", [1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0))
     assert all(o.error is None for o in out)
     assert asked == []
+
+
+def test_token_streams_keep_ids_past_65536():
+    """A target with a large vocabulary (Qwen's has 151,936 ids): its corpus stream is uint32, ids intact."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+
+    from llmd.export import bpe
+    vocab = {f"w{i}": i for i in range(70_000)}
+    tok = Tokenizer(WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    stream = bpe.encode_pieces(tok, [corpus.Piece(((False, "w69999 w1 w65536"),))])
+    assert stream.dtype == np.uint32 and stream.tolist() == [69999, 1, 65536]
