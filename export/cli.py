@@ -199,8 +199,11 @@ def prepare_out(out: Path, force: bool) -> None:
 
 
 def check_backend(opts: ExportOptions) -> None:
-    """Fail before any work when the backend cannot be built here."""
+    """Fail before any work when the backend cannot be built here, or could not serve the engine."""
     from .quantize import QuantizationError
+    if opts.backend != "torch" and opts.kv_dtype != "auto":
+        raise QuantizationError(f"the {opts.backend} backend keeps keys and values in the model's dtype; "
+                                f"use --kv-dtype auto with it (got {opts.kv_dtype})")
     if opts.backend == "tensorrt":
         from .tensorrt import require_tensorrt
         require_tensorrt()

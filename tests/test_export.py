@@ -201,3 +201,14 @@ def test_bfloat16_engine_serves(int8_engine):
     llm = LLM(str(int8_engine), kv_memory="16MiB", dtype="bfloat16")
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))[0]
     assert len(out.token_ids) == 4
+
+
+def test_a_compiled_backend_with_another_kv_dtype_is_refused_before_any_work(source, tmp_path):
+    """onnxruntime and tensorrt engines keep keys and values in the model's dtype: an export asking for
+    another KV dtype would make an engine no runtime could load, so it is refused up front."""
+    from llmd.export.quantize import QuantizationError
+    out = tmp_path / "never"
+    with pytest.raises(QuantizationError, match="--kv-dtype auto"):
+        export_engine(ExportOptions(str(source), str(out), quant="none", backend="onnxruntime", kv_dtype="bfloat16",
+                                    **FAST))
+    assert not out.exists()
