@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from .attention import PagedAttention, SeqSpan
+from .attention import PagedAttention, SeqSpan, int_tensor
 from .models.config import ModelConfig
 from .models.llama import LlamaForCausalLM
 from .scheduler import ScheduledRequest
@@ -107,8 +108,9 @@ class ModelRunner:
             sample_rows.extend(range(row + n - k, row + n))
             counts.append(k)
             row += n
-        as_long = lambda x: torch.tensor(x, dtype=torch.long)   # noqa: E731
-        return StepBatch(as_long(ids), as_long(positions), as_long(slots), spans, as_long(sample_rows), counts)
+        n, k = len(ids), len(sample_rows)
+        flat = int_tensor(ids + positions + slots + sample_rows, np.int64)   # one tensor, four views
+        return StepBatch(flat[:n], flat[n:2 * n], flat[2 * n:3 * n], spans, flat[3 * n:3 * n + k], counts)
 
     @torch.inference_mode()
     def run(self, batch: StepBatch) -> torch.Tensor:
