@@ -14,8 +14,10 @@ from llmd.clients.cli import main as cli_main
 
 
 @pytest.fixture(scope="module")
-def daemon(tiny_model_dir, tmp_path_factory):
-    settings = daemon_settings(tiny_model_dir, tmp_path_factory.mktemp("cli"))
+def daemon(model_factory, tmp_path_factory):
+    # a long context, so that an answer can run long enough for Ctrl-C to land mid-answer however fast
+    # the machine decodes (600 tokens once finished in a second, before the signal was handled)
+    settings = daemon_settings(model_factory("cli-long", max_pos=8192), tmp_path_factory.mktemp("cli"))
     with running_daemon(settings) as server:
         yield server
 
@@ -74,7 +76,7 @@ def test_ctrl_c_stops_the_answer_and_keeps_the_session(daemon):
         alone = c.chat([{"role": "user", "content": "And then?"}], max_tokens=1)
         alone.text()
     before = finished(daemon)
-    proc = subprocess.Popen(llmd("run", "--interactive", "--stats", "--ignore-eos", "--max-tokens", "600",
+    proc = subprocess.Popen(llmd("run", "--interactive", "--stats", "--ignore-eos", "--max-tokens", "3000",
                                  "--socket", daemon.settings.socket),
                             cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     out, err = Pipe(proc.stdout), Pipe(proc.stderr)
