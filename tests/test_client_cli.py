@@ -78,7 +78,10 @@ def test_ctrl_c_stops_the_answer_and_keeps_the_session(daemon):
     before = finished(daemon)
     proc = subprocess.Popen(llmd("run", "--interactive", "--stats", "--ignore-eos", "--max-tokens", "3000",
                                  "--socket", daemon.settings.socket),
-                            cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            # as from a terminal: a suite started as a background job (`make test &`) runs
+                            # with SIGINT ignored, which the child would inherit and never see Ctrl-C
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     out, err = Pipe(proc.stdout), Pipe(proc.stderr)
     try:
         assert wait_until(lambda: "> " in err.text, 30)
