@@ -131,7 +131,8 @@ def kv(samples: list[dict], stats: dict, block_size: int) -> dict:
             "slots_unused_peak": max((s["kv_slots_unused"] for s in busy), default=0),
             "slots_used_peak": max((s["kv_blocks_used"] * block_size for s in busy), default=0),
             "slots_total": slots, "kv_bytes_total": stats.get("kv_bytes_total"),
-            "preemptions": stats.get("preemptions", 0), "evictions": stats.get("prefix_evictions", 0)}
+            "preemptions": stats.get("preemptions", 0), "evictions": stats.get("prefix_evictions", 0),
+            "pool_dtype": stats.get("kv_pool_dtype")}
 
 
 def copy_rate(workload, timings, n: int = 4) -> Optional[float]:

@@ -369,5 +369,6 @@ class Engine:
             "kv_slots_unused": allocated - used,
             "kv_bytes_total": self.runner.k_pool.numel() * self.runner.k_pool.element_size() * 2,
             "kv_dtype": self.kv_dtype,
+            "kv_pool_dtype": str(self.runner.k_pool.dtype).removeprefix("torch."),
             "max_model_len": self.max_model_len,
         }

@@ -110,6 +110,13 @@ def test_kv_too_small_when_preempted():
     assert f.symptom == "KV cache full" and f.flags == {"--kv-memory": "1024MiB"}
 
 
+def test_kv_too_small_in_float32_asks_for_bfloat16_first():
+    f = finding("kv", kv=dict(KV, usage_peak=0.97, pool_dtype="float32"))
+    assert f.symptom == "KV cache full" and f.flags == {"--kv-dtype": "bfloat16"}
+    f = finding("kv", kv=dict(KV, usage_peak=0.97, pool_dtype="bfloat16"))
+    assert f.flags == {"--kv-memory": "1024MiB"}
+
+
 def test_kv_slots_unused_inside_blocks():
     f = finding("kv", kv=dict(KV, usage_peak=0.6, slots_unused_peak=600))
     assert f.symptom == "reserved but unused KV slots" and f.flags == {"--block-size": "8"}
