@@ -256,15 +256,22 @@ class Client(_Base):
         if self._monitor in ready:
             event = parse_monitor_message(self._monitor.recv_multipart())
             if event["event"] == zmq.EVENT_DISCONNECTED:
+                # what the daemon sent before it went away (a stream's last events, its Done at a
+                # shutdown) is still queued here: route it first, so only unfinished streams fail
+                self._drain()
                 self._reset(ConnectionLost(f"the daemon at {self.address} went away"))
                 return
         if self._sock in ready:
-            while True:
-                try:
-                    frame = self._sock.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                self._route(from_wire(codec.unpack(frame, codec.MAX_MESSAGE_BYTES * 4)))
+            self._drain()
+
+    def _drain(self) -> None:
+        """Route every message already received, without waiting."""
+        while True:
+            try:
+                frame = self._sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            self._route(from_wire(codec.unpack(frame, codec.MAX_MESSAGE_BYTES * 4)))
 
     def _route(self, event) -> None:
         if isinstance(event, Keepalive):
@@ -438,6 +445,12 @@ class AsyncClient(_Base):
                 if monitor in ready:
                     event = parse_monitor_message(await monitor.recv_multipart())
                     if event["event"] == zmq.EVENT_DISCONNECTED:
+                        while True:           # messages sent before the daemon went away still count
+                            try:
+                                frame = await sock.recv(zmq.NOBLOCK)
+                            except zmq.Again:
+                                break
+                            self._route(from_wire(codec.unpack(frame, codec.MAX_MESSAGE_BYTES * 4)))
                         self._fail_all(ConnectionLost(f"the daemon at {self.address} went away"))
                         return
                 if sock in ready:
