@@ -97,6 +97,10 @@ class _Base:
     def _next_id(self) -> str:
         return f"{self._prefix}-{next(self._ids)}"
 
+    def _route_frame(self, frame: bytes) -> None:
+        """Decode one received message and hand it to ``_route``."""
+        self._route(from_wire(codec.unpack(frame, codec.MAX_MESSAGE_BYTES * 4)))
+
     def _unavailable(self, why: str) -> DaemonUnavailable:
         return DaemonUnavailable(f"no llmd daemon at {self.address} ({why}): start one with `llmd serve`")
 
@@ -271,7 +275,7 @@ class Client(_Base):
                 frame = self._sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            self._route(from_wire(codec.unpack(frame, codec.MAX_MESSAGE_BYTES * 4)))
+            self._route_frame(frame)
 
     def _route(self, event) -> None:
         if isinstance(event, Keepalive):
@@ -450,11 +454,11 @@ class AsyncClient(_Base):
                                 frame = await sock.recv(zmq.NOBLOCK)
                             except zmq.Again:
                                 break
-                            self._route(from_wire(codec.unpack(frame, codec.MAX_MESSAGE_BYTES * 4)))
+                            self._route_frame(frame)
                         self._fail_all(ConnectionLost(f"the daemon at {self.address} went away"))
                         return
                 if sock in ready:
-                    self._route(from_wire(codec.unpack(await sock.recv(), codec.MAX_MESSAGE_BYTES * 4)))
+                    self._route_frame(await sock.recv())
         finally:
             sock.disable_monitor()
             monitor.close(linger=0)

@@ -34,14 +34,20 @@ from .train_loop import PAD, DocSampler, TrainConfig, init_weights, train
 DEFAULT_SHAPE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=5,
                      num_attention_heads=4, num_key_value_heads=2)
 MAX_FLOPS_RATIO = 1 / 6
+ON_POLICY_PROMPT, ON_POLICY_GEN = 128, 64     # an on-policy sample: a corpus window, then the target's tokens
+
+
+def load_tokenizer(model_dir: Path) -> Tokenizer:
+    """A model's tokenizer.json, or a clear error when it is missing."""
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: file is missing; a draft and its target need tokenizer.json")
+    return Tokenizer.from_file(str(path))
 
 
 def tokenizer_signature(model_dir: Path) -> dict:
     """What decides token ids: the vocabulary with added tokens, and the BPE merges."""
-    path = Path(model_dir) / "tokenizer.json"
-    if not path.is_file():
-        raise ModelLoadError(f"{path}: file is missing; a draft and its target need tokenizer.json")
-    tok = Tokenizer.from_file(str(path))
+    tok = load_tokenizer(model_dir)
     model = json.loads(tok.to_str()).get("model", {})
     return {"vocab": tok.get_vocab(with_added_tokens=True), "merges": model.get("merges"),
             "type": model.get("type")}
@@ -65,12 +71,23 @@ def check_same_tokenizer(target_dir: Path, draft_dir: Path) -> None:
                          "a draft must use its target's tokenizer")
 
 
+def end_of_text_id(model_dir: Path) -> int:
+    """The id of ``<|endoftext|>`` in a model's tokenizer: distillation ends every sample with it."""
+    end_id = load_tokenizer(model_dir).token_to_id(corpus.EOT)
+    if end_id is None:
+        raise ModelLoadError(f"{Path(model_dir) / 'tokenizer.json'} has no {corpus.EOT} token: distillation ends "
+                             "each training sample with it")
+    return end_id
+
+
 def preflight(target_dir: Path, out: Path, init: Path | None) -> None:
-    """Fail before any work when the target (or an --init draft) is unreadable, or when a draft that
-    already sits in ``out`` or ``init`` has another tokenizer."""
+    """Fail before any work when the target (or an --init draft) is unreadable, when the target's
+    tokenizer has no end-of-text token, or when a draft that already sits in ``out`` or ``init`` has
+    another tokenizer."""
     for d in (target_dir, init):
         if d is not None:
             ModelConfig.from_dir(d)
+    end_of_text_id(target_dir)
     for other in (init, out if (out / "tokenizer.json").is_file() else None):
         if other is not None:
             check_same_tokenizer(target_dir, other)
@@ -122,12 +139,8 @@ def distill(target_dir: Path, out: Path, tokens: np.ndarray, cfg: TrainConfig, w
     if ratio > MAX_FLOPS_RATIO:
         print(f"warning: the draft costs {ratio:.2f} of the target's FLOPs per token; "
               f"speculation pays best under {MAX_FLOPS_RATIO:.2f}")
-    end_id = Tokenizer.from_file(str(target_dir / "tokenizer.json")).token_to_id(corpus.EOT)
-    if end_id is None:
-        raise ModelLoadError(f"{target_dir}/tokenizer.json has no {corpus.EOT} token: distillation ends "
-                             "each training sample with it")
-    state = train(draft, DocSampler(tokens, cfg.seq_len, cfg.batch_size, cfg.seed, end_id), cfg, work,
-                  loss_fn=kl_loss(target), desc="distill", session_steps=session_steps)
+    sampler = DocSampler(tokens, cfg.seq_len, cfg.batch_size, cfg.seed, end_of_text_id(target_dir))
+    state = train(draft, sampler, cfg, work, loss_fn=kl_loss(target), desc="distill", session_steps=session_steps)
     write_model_dir(draft, config, target_dir, out)      # the tokenizer files come from the target
     return state
 
@@ -141,7 +154,7 @@ def corpus_tokens(target_dir: Path, root: Path | None, work: Path, seed: int) ->
     files = corpus.split(corpus.list_sources(root))[0]
     if not files:
         raise ValueError(f"no .py files found under {root or corpus.stdlib_root()}")
-    tok = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
+    tok = load_tokenizer(target_dir)
     # fill-in-the-middle samples only for a target that has the control tokens for them
     fim = all(tok.token_to_id(t) is not None for t in (corpus.FIM_PREFIX, corpus.FIM_SUFFIX, corpus.FIM_MIDDLE))
     tokens = bpe.encode_pieces(tok, corpus.make_pieces(files, seed, fim_rate=0.5 if fim else 0.0))
@@ -165,11 +178,12 @@ def on_policy_tokens(target_dir: Path, tokens: np.ndarray, n: int, work: Path, s
     cache = work / f"onpolicy-{n}.npy"
     if cache.is_file():
         return np.load(cache, allow_pickle=False)
-    tok = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
-    end_id = tok.token_to_id(corpus.EOT)
+    end_id = end_of_text_id(target_dir)
+    tok = load_tokenizer(target_dir)
     control = np.array(sorted(tok.get_added_tokens_decoder()), dtype=np.int64)
     ctx = min(seq_len, ModelConfig.from_dir(target_dir).max_position_embeddings)
-    prompt_len, gen = min(128, 2 * ctx // 3), min(64, ctx - 2 * ctx // 3 - 1)
+    prompt_len = min(ON_POLICY_PROMPT, 2 * ctx // 3)           # a short context keeps a third for the answer
+    gen = min(ON_POLICY_GEN, ctx - prompt_len - 1)
     rng = np.random.default_rng(seed)
     prompts: list[list[int]] = []
     for _ in range(100 * n):

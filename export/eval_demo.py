@@ -224,6 +224,9 @@ def _run_line(name: str, run: dict | None) -> str:
 
 def model_card(name: str, out: Path, work: Path, results: dict, runs: dict, command: str) -> str:
     import platform
+
+    from .distill import ON_POLICY_GEN, ON_POLICY_PROMPT
+    from .train_demo import DRAFT_ON_POLICY
     split = json.loads((work / "split.json").read_text())
     n_train = len(np.load(work / "train.npy", mmap_mode="r"))
     n_held = len(np.load(work / "heldout.npy", mmap_mode="r"))
@@ -267,8 +270,8 @@ Training: AdamW (betas 0.9/0.95, weight decay 0.1), bfloat16 autocast on CPU, ba
 whole samples (first fit, in a seeded order that changes every epoch) and padded, untrained, to its
 length ({fill:.1%} of positions hold tokens), so a fill-in-the-middle sample is always trained with
 its prefix and suffix in view. The draft minimises KL(target || draft) over the full vocabulary at every position,
-on a stream that is half the target's own greedy continuations of 3,000 corpus windows (64 tokens after
-128; speculation is judged on text the target writes) and half training text; the raw draft has the
+on a stream that is half the target's own greedy continuations of {DRAFT_ON_POLICY:,} corpus windows
+({ON_POLICY_GEN} tokens after {ON_POLICY_PROMPT}; speculation is judged on text the target writes) and half training text; the raw draft has the
 draft's shape and is trained on the training stream with plain cross-entropy, for comparison only (it is
 not committed).
 

@@ -62,7 +62,7 @@ class KernelRows:
         nb = max(-(-s.ctx_len // block_size) for s in spans)
         r = len(rows)
         flat = int_tensor(rows + owner + lengths, np.int32)     # one tensor, three views
-        return cls(flat[:r], flat[r:2 * r], flat[2 * r:], block_table(spans, nb, torch.int32))
+        return cls(flat[:r], flat[r:2 * r], flat[2 * r:], block_table(spans, nb, np.int32))
 
 
 @dataclass
@@ -207,14 +207,15 @@ def int_tensor(values: list[int], dtype) -> torch.Tensor:
     return torch.from_numpy(np.array(values, dtype=dtype))
 
 
-def block_table(spans: list[SeqSpan], width: int, dtype: torch.dtype) -> torch.Tensor:
-    """[len(spans), width] block ids of each request, zero-padded (padding is never attended)."""
+def block_table(spans: list[SeqSpan], width: int, dtype) -> torch.Tensor:
+    """[len(spans), width] block ids of each request (numpy integer ``dtype``), zero-padded (padding is
+    never attended)."""
     flat: list[int] = []
     for s in spans:
         ids = s.block_ids[:width]
         flat += ids
         flat += [0] * (width - len(ids))
-    return int_tensor(flat, np.int32 if dtype == torch.int32 else np.int64).view(len(spans), width)
+    return int_tensor(flat, dtype).view(len(spans), width)
 
 
 def build_group(spans: list[SeqSpan], block_size: int) -> Group | None:
@@ -225,7 +226,7 @@ def build_group(spans: list[SeqSpan], block_size: int) -> Group | None:
     lq = max(s.num_q for s in spans)
     lk = max(s.ctx_len for s in spans)
     nb = -(-lk // block_size)
-    table = block_table(spans, nb, torch.long)
+    table = block_table(spans, nb, np.int64)
     kv_index = (table.unsqueeze(-1) * block_size + torch.arange(block_size)).view(b, -1)[:, :lk].contiguous()
     # padding query rows point at row 0 and attend to key 0 only (never an all-masked row)
     q_index = torch.tensor([list(range(s.start, s.start + s.num_q)) + [0] * (lq - s.num_q) for s in spans],

@@ -79,8 +79,9 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         shape = (cfg.num_layers, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.k_pool = torch.zeros(shape, dtype=pool_dtype(dtype, kv_dtype))
-        self.v_pool = torch.zeros(shape, dtype=pool_dtype(dtype, kv_dtype))
+        element = pool_dtype(dtype, kv_dtype)
+        self.k_pool = torch.zeros(shape, dtype=element)
+        self.v_pool = torch.zeros(shape, dtype=element)
         scales = None
         if kv_dtype == "int8":
             scale_shape = (cfg.num_layers, num_blocks, cfg.num_kv_heads)
@@ -108,9 +109,9 @@ class ModelRunner:
             sample_rows.extend(range(row + n - k, row + n))
             counts.append(k)
             row += n
-        n, k = len(ids), len(sample_rows)
+        n = len(ids)
         flat = int_tensor(ids + positions + slots + sample_rows, np.int64)   # one tensor, four views
-        return StepBatch(flat[:n], flat[n:2 * n], flat[2 * n:3 * n], spans, flat[3 * n:3 * n + k], counts)
+        return StepBatch(flat[:n], flat[n:2 * n], flat[2 * n:3 * n], spans, flat[3 * n:], counts)
 
     @torch.inference_mode()
     def run(self, batch: StepBatch) -> torch.Tensor:
