@@ -98,7 +98,7 @@ def test_cancel_during_decoding_stops_tokens_frees_blocks_and_spares_others(daem
     expected = offline_greedy(offline, others, max_tokens=40)
     with client(daemon) as c:
         keep = [c.generate(p, max_tokens=40) for p in others]
-        victim = c.generate("a long story begins", max_tokens=500, ignore_eos=True)
+        victim = c.generate("a long story begins", max_tokens=1000, ignore_eos=True)
         seen = [next(victim) for _ in range(3)]
         assert all(isinstance(e, Token) for e in seen)
         assert c.cancel(victim.id) is True
@@ -260,7 +260,7 @@ def test_killed_client_is_aborted_and_its_blocks_freed_within_a_second(daemon):
     script = textwrap.dedent(f"""
         from llmd.clients.client import Client
         c = Client({daemon.settings.socket!r})
-        s = c.generate("the client will die", max_tokens=600, ignore_eos=True)
+        s = c.generate("the client will die", max_tokens=1000, ignore_eos=True)
         next(s); print("streaming", flush=True)
         import time; time.sleep(60)
     """)

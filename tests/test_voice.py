@@ -20,8 +20,10 @@ SYSTEM = "You are a test assistant."
 
 
 @pytest.fixture(scope="module")
-def daemon(tiny_model_dir, tmp_path_factory):
-    settings = daemon_settings(tiny_model_dir, tmp_path_factory.mktemp("voice"))
+def daemon(model_factory, tmp_path_factory):
+    # a long context, so that an answer told to run on is still running when the barge-in arrives
+    # (700 tokens of the 1,024-token tiny model were done before it on a fast machine)
+    settings = daemon_settings(model_factory("voice-long", max_pos=8192), tmp_path_factory.mktemp("voice"))
     with running_daemon(settings) as server:
         yield server
 
@@ -142,7 +144,7 @@ def test_a_new_transcript_from_the_same_satellite_stops_the_answer_at_once(daemo
         before = c.stats()["finished"]
 
     async def session():
-        async with bridge(daemon, tmp_path, max_tokens=700, ignore_eos=True) as client:
+        async with bridge(daemon, tmp_path, max_tokens=3000, ignore_eos=True) as client:
             await client.write_event(Transcript(text="Tell me a long story.").event())
             assert (await client.read_event()).type == "handled-start"
             assert await asyncio.to_thread(wait_until, lambda: in_flight(daemon) == 1, 10)  # under way
