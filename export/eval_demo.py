@@ -180,7 +180,7 @@ def evaluate(work: Path, out: Path, seed: int = 0) -> dict:
     loaded = {name: load_model(d) for name, d in models.items() if (d / "model.safetensors").is_file()}
     for name, m in loaded.items():
         results["loss"][name] = heldout_loss(m, heldout)
-    hf = AutoModelForCausalLM.from_pretrained(str(models["target"]), torch_dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(models["target"]), dtype=torch.float32).eval()
     prompts = completion_prompts(held, lambda s: tok.encode(s, add_special_tokens=False).ids, 200, seed)
     probe = prompts[:2]
     results["hf_max_logit_diff"] = (hf(input_ids=probe).logits - loaded["target"].forward_dense(probe)).abs().max().item()
@@ -266,7 +266,9 @@ without a download. It completes Python code and fills in the middle; it does no
 ```
 
 Training: AdamW (betas 0.9/0.95, weight decay 0.1), bfloat16 autocast on CPU, batches of 8 windows of
-513 tokens, cosine learning rate over the wall-clock budget, 2 CPU threads. Each window is packed with
+513 tokens, cosine learning rate over the run's steps, 2 CPU threads; each run ends at its step count
+(a wall-clock cap, 90 minutes for the target and 60 for the draft, ends a run early only on a slow
+machine), so a rebuild repeats the same batches and learning rates. Each window is packed with
 whole samples (first fit, in a seeded order that changes every epoch) and padded, untrained, to its
 length ({fill:.1%} of positions hold tokens), so a fill-in-the-middle sample is always trained with
 its prefix and suffix in view. The draft minimises KL(target || draft) over the full vocabulary at every position,
@@ -317,7 +319,7 @@ llmd's by at most {results["hf_max_logit_diff"]:.1e}. Evaluation took {results["
 A demo model: {results["params"].get("target", 0) / 1e6:.1f}M parameters trained for
 {runs.get("target", {}).get("elapsed_s", 0) / 60:.0f} minutes on two CPU cores over {_tokens(runs.get("target"))} window
 positions of a {n_train / 1e6:.1f}M-token stream. It writes standard-library-flavoured Python that is often wrong and
-repetitive. {_fim_verdict(fim)}{_loss_note(loss, runs)} A larger `--target-minutes` (and a machine with more
+repetitive. {_fim_verdict(fim)}{_loss_note(loss, runs)} A larger `--target-steps` (and a machine with more
 cores) should improve every figure above. Use your own models for real work.
 """
 

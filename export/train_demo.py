@@ -41,10 +41,12 @@ TARGET_SHAPE = dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=6
 # The draft: 16% of the target's per-token FLOPs (at most 1/6 is allowed).
 DRAFT_SHAPE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=5,
                    num_attention_heads=4, num_key_value_heads=2)
-# Step counts are upper bounds: the wall-clock budgets (--target-minutes, --draft-minutes) end the runs.
-TARGET_TRAIN = TrainConfig(seq_len=512, batch_size=8, lr=1.5e-3, warmup_steps=50, max_steps=20000, seed=SEED)
-DRAFT_ON_POLICY = 3000      # corpus windows the target continues greedily for the draft's distillation
-DRAFT_TRAIN = TrainConfig(seq_len=512, batch_size=8, lr=3e-3, warmup_steps=50, max_steps=20000, seed=SEED + 1)
+# Runs end at their step counts, so a rebuild repeats the same batches and learning rates whatever the
+# machine's speed (about 50 and 35 minutes here); the wall-clock budgets (--target-minutes,
+# --draft-minutes) are caps for a slow machine, where a run that hits one ends early and differs.
+TARGET_TRAIN = TrainConfig(seq_len=512, batch_size=8, lr=1.5e-3, warmup_steps=50, max_steps=1700, seed=SEED)
+DRAFT_ON_POLICY = 8000      # corpus windows the target continues greedily for the draft's distillation
+DRAFT_TRAIN = TrainConfig(seq_len=512, batch_size=8, lr=3e-3, warmup_steps=50, max_steps=1400, seed=SEED + 1)
 
 
 def hf_config(shape: dict, vocab_size: int, eot_id: int, seq_len: int) -> dict:
@@ -159,8 +161,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, default=Path("models"), help="where code-target/ and code-draft/ go")
     p.add_argument("--work", type=Path, default=Path("work-out/demo"), help="checkpoints and token caches")
     p.add_argument("--stages", default="data,target,draft,raw,eval")
-    p.add_argument("--target-minutes", type=float, default=80.0)
-    p.add_argument("--draft-minutes", type=float, default=20.0)
+    p.add_argument("--target-steps", type=int, default=TARGET_TRAIN.max_steps,
+                   help="the target's optimizer steps (a larger count trains a stronger target)")
+    p.add_argument("--draft-steps", type=int, default=DRAFT_TRAIN.max_steps, help="the draft's optimizer steps")
+    p.add_argument("--target-minutes", type=float, default=90.0, help="cap on the target's wall time")
+    p.add_argument("--draft-minutes", type=float, default=60.0, help="cap on the draft's wall time")
     p.add_argument("--raw-minutes", type=float, default=60.0, help="upper bound; it stops at the draft's step count")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--card-command", default=None, help="the command line recorded in the model cards")
@@ -172,11 +177,13 @@ def main(argv: list[str] | None = None) -> None:
     if "data" in stages:
         stage_data(args.work, SEED)
     if "target" in stages:
-        stage_target(args.work, args.out, replace(TARGET_TRAIN, budget_s=args.target_minutes * 60))
+        stage_target(args.work, args.out, replace(TARGET_TRAIN, max_steps=args.target_steps,
+                                                                 budget_s=args.target_minutes * 60))
     if "draft" in stages:
-        stage_draft(args.work, args.out, replace(DRAFT_TRAIN, budget_s=args.draft_minutes * 60))
+        stage_draft(args.work, args.out, replace(DRAFT_TRAIN, max_steps=args.draft_steps,
+                                                              budget_s=args.draft_minutes * 60))
     if "raw" in stages:
-        stage_raw(args.work, replace(DRAFT_TRAIN, budget_s=args.raw_minutes * 60))
+        stage_raw(args.work, replace(DRAFT_TRAIN, max_steps=args.draft_steps, budget_s=args.raw_minutes * 60))
     if "eval" in stages:
         from .eval_demo import evaluate_and_write_cards
         evaluate_and_write_cards(args.work, args.out, args.card_command or " ".join(["python -m llmd.export.train_demo", *(argv or sys.argv[1:])]))
