@@ -160,14 +160,15 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m llmd.export.train_demo", description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=Path("models"), help="where code-target/ and code-draft/ go")
     p.add_argument("--work", type=Path, default=Path("work-out/demo"), help="checkpoints and token caches")
-    p.add_argument("--stages", default="data,target,draft,raw,eval")
+    p.add_argument("--stages", default="data,target,draft,raw,eval",
+                   help="comma-separated stages to run, in order; each resumes from --work")
     p.add_argument("--target-steps", type=int, default=TARGET_TRAIN.max_steps,
                    help="the target's optimizer steps (a larger count trains a stronger target)")
     p.add_argument("--draft-steps", type=int, default=DRAFT_TRAIN.max_steps, help="the draft's optimizer steps")
     p.add_argument("--target-minutes", type=float, default=90.0, help="cap on the target's wall time")
     p.add_argument("--draft-minutes", type=float, default=60.0, help="cap on the draft's wall time")
     p.add_argument("--raw-minutes", type=float, default=60.0, help="upper bound; it stops at the draft's step count")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2, help="CPU threads for training and evaluation")
     p.add_argument("--card-command", default=None, help="the command line recorded in the model cards")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
