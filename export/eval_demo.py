@@ -163,6 +163,24 @@ def fim_check(hf_model, tok, cases, with_suffix: bool, editor: bool = False) -> 
     return {"cases": len(cases), "parses": ok / len(cases), "exact": exact / len(cases)}
 
 
+def fim_middle_loss(hf_model, tok, cases, with_suffix: bool) -> dict:
+    """Mean loss (nats per token) of the true middle and of the `<|endoftext|>` that ends it, given the
+    prefix and the suffix or an empty suffix: how much the model draws from the suffix, which the
+    parse check only shows once its middles are good enough to parse."""
+    ids = {t: tok.token_to_id(t) for t in corpus.SPECIAL_TOKENS}
+    eot = ids[corpus.EOT]
+    total = n = end = 0.0
+    with torch.no_grad():
+        for pre, mid, suf in cases:
+            prompt = ([ids[corpus.FIM_PREFIX]] + tok.encode(pre).ids + [ids[corpus.FIM_SUFFIX]]
+                      + (tok.encode(suf).ids if with_suffix else []) + [ids[corpus.FIM_MIDDLE]])
+            answer = tok.encode(mid).ids + [eot]
+            logp = hf_model(input_ids=torch.tensor([prompt + answer])).logits[0, len(prompt) - 1:-1].log_softmax(-1)
+            nll = -logp.gather(1, torch.tensor(answer)[:, None])[:, 0]
+            total, n, end = total + nll[:-1].sum().item(), n + len(answer) - 1, end + nll[-1].item()
+    return {"middle": total / n, "end": end / len(cases)}
+
+
 # ---- the whole evaluation --------------------------------------------------------------------------
 def evaluate(work: Path, out: Path, seed: int = 0) -> dict:
     from tokenizers import Tokenizer
@@ -192,7 +210,9 @@ def evaluate(work: Path, out: Path, seed: int = 0) -> dict:
     results["fim"] = {"with_suffix": fim_check(hf, tok, cases, True),
                       "without_suffix": fim_check(hf, tok, cases, False),
                       "editor_with_suffix": fim_check(hf, tok, cases, True, editor=True),
-                      "editor_without_suffix": fim_check(hf, tok, cases, False, editor=True)}
+                      "editor_without_suffix": fim_check(hf, tok, cases, False, editor=True),
+                      "loss_with_suffix": fim_middle_loss(hf, tok, cases, True),
+                      "loss_without_suffix": fim_middle_loss(hf, tok, cases, False)}
     results["flops_ratio"] = loaded["draft"].config.flops_per_token() / loaded["target"].config.flops_per_token()
     results["params"] = {n: m.config.num_parameters() for n, m in loaded.items()}
     results["window_fill"] = DocSampler(np.load(work / "train.npy", mmap_mode="r"), 512, 8, 0,
@@ -310,7 +330,7 @@ chosen so that the function does not parse without them; the target generates gr
 |---|---|---|
 | prefix and suffix | {fim["with_suffix"]["parses"]:.2f} | {fim["with_suffix"]["exact"]:.2f} |
 | prefix only (empty suffix) | {fim["without_suffix"]["parses"]:.2f} | {fim["without_suffix"]["exact"]:.2f} |
-{_editor_rows(fim)}
+{_editor_rows(fim)}{_fim_loss_lines(fim)}
 `transformers`' `AutoModelForCausalLM.from_pretrained` loads this directory; its logits differ from
 llmd's by at most {results["hf_max_logit_diff"]:.1e}. Evaluation took {results["eval_s"]:.0f} s.
 
@@ -333,6 +353,16 @@ def _editor_rows(fim: dict) -> str:
             f"| editor view, prefix only | {b['parses']:.2f} | {b['exact']:.2f} |\n")
 
 
+def _fim_loss_lines(fim: dict) -> str:
+    """The true middle's loss with and without the suffix: whether the model reads the suffix at all."""
+    if "loss_with_suffix" not in fim:
+        return ""
+    a, b = fim["loss_with_suffix"], fim["loss_without_suffix"]
+    return (f"\nThe same cases scored instead of generated: the true middle's loss is {a['middle']:.3f} nats per "
+            f"token given the suffix and {b['middle']:.3f} given an empty one ({b['middle'] - a['middle']:+.3f} "
+            f"from the suffix); the `<|endoftext|>` that ends it costs {a['end']:.2f} and {b['end']:.2f}.\n")
+
+
 def _tokens(run: dict | None) -> str:
     if not run:
         return "none"
@@ -350,8 +380,14 @@ def _loss_note(loss: dict, runs: dict) -> str:
 
 def _fim_verdict(fim: dict) -> str:
     rate = fim["with_suffix"]["parses"]
+    gain = rate - fim["without_suffix"]["parses"]
+    reads = ""
+    if "loss_with_suffix" in fim:
+        drop = fim["loss_without_suffix"]["middle"] - fim["loss_with_suffix"]["middle"]
+        reads = (f" Given the suffix, the true middle's loss changes by {-drop:+.2f} nats per token: "
+                 + ("the model hardly reads the suffix." if drop < 0.1 else "the model does read the suffix."))
     if rate < 0.2:
         return ("Fill-in-the-middle is not learned at this budget: the prompt format is right (the control "
-                "tokens are in place and trained on), but the generated middles rarely make the function parse.")
-    gain = rate - fim["without_suffix"]["parses"]
-    return f"Fill-in-the-middle works in {rate:.0%} of the checked cases, {gain:+.0%} against an empty suffix."
+                "tokens are in place and trained on), but the generated middles rarely make the function parse."
+                + reads)
+    return f"Fill-in-the-middle works in {rate:.0%} of the checked cases, {gain:+.0%} against an empty suffix." + reads
