@@ -119,12 +119,12 @@ def report(name: str, r: dict) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", default="qwen2-0.5b")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--prompt-tokens", type=int, default=128)
-    p.add_argument("--decode", type=int, default=32)
-    p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--shape", default="qwen2-0.5b", help="random-weight model shape, as for llmd bench (default %(default)s)")
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads (default %(default)s)")
+    p.add_argument("--prompt-tokens", type=int, default=128, help="prompt length for time to first token (default %(default)s)")
+    p.add_argument("--decode", type=int, default=32, help="tokens decoded per run (default %(default)s)")
+    p.add_argument("--repeat", type=int, default=3, help="runs of each variant, taken in turns; medians reported (default %(default)s)")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated variants to compare (default %(default)s)")
     p.add_argument("--llamacpp", action="store_true", help="also run llama.cpp on the same weights at Q8_0 and Q4_0")
     p.add_argument("--work", type=Path, default=None, help="where the GGUF files go (default: a temporary folder)")
     args = p.parse_args()

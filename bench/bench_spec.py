@@ -177,16 +177,17 @@ def concurrent(target: str, draft: str, streams: int, max_tokens: int, rounds: i
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", default="models/code-target")
-    ap.add_argument("--draft", default="models/code-draft")
+    ap.add_argument("--target", default="models/code-target", help="target model directory (default %(default)s)")
+    ap.add_argument("--draft", default="models/code-draft", help="draft model directory (default %(default)s)")
     ap.add_argument("--k", type=int, default=DRAFT_K, help="fixed depth for the predicted-vs-measured test")
     ap.add_argument("--ngram-k", type=int, default=NGRAM_K, help="most n-gram proposals per step (the engine's default)")
-    ap.add_argument("--prompts", type=int, default=20)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--streams", type=int, default=16)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prompts", type=int, default=20, help="held-out completion prompts per workload (default %(default)s)")
+    ap.add_argument("--max-tokens", type=int, default=64, help="tokens generated per prompt (default %(default)s)")
+    ap.add_argument("--streams", type=int, default=16, help="concurrent streams in the batched comparison (default %(default)s)")
+    ap.add_argument("--threads", type=int, default=2, help="torch CPU threads (default %(default)s)")
     ap.add_argument("--rounds", type=int, default=5, help="rounds of the 16-stream comparison; medians reported")
-    ap.add_argument("--only", choices=("completion", "edit", "concurrent"), action="append")
+    ap.add_argument("--only", choices=("completion", "edit", "concurrent"), action="append",
+                    help="run only this workload (repeatable; default all three)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     parts = args.only or ["completion", "edit", "concurrent"]

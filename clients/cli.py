@@ -73,7 +73,8 @@ def add_lsp_parser(subparsers) -> None:
     a("--debounce-ms", type=float, default=15.0, help="wait this long for a newer keystroke first (default 15)")
     a("--cache-size", type=int, default=64, help="recent suggestions kept for reuse (default 64)")
     a("--log-file", help="write the log (each request's outcome and latency) here instead of standard error")
-    a("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    a("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+      help="how much the language server logs to standard error (default info)")
     p.set_defaults(func=_lazy("llmd.clients.lsp", "run_lsp"))
 
 

@@ -11,7 +11,7 @@ import json
 import os
 import sys
 
-from llmd.runtime.config import KV_DTYPES
+from llmd.runtime.config import DEVICES, KV_DTYPES
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
@@ -26,7 +26,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     a("--group", help="group that owns the socket and its directory (mode 0660/0750)")
     a("--tcp", metavar="tcp://HOST:PORT", help="also listen on this TCP endpoint (off unless given)")
     a("--dtype", help="weight and activation dtype, e.g. float32, bfloat16")
-    a("--device", help="device for the engine, e.g. cpu or cuda")
+    a("--device", choices=DEVICES,
+      help="where the model runs: auto (default: llmd's own model code on the CPU; an ONNX Runtime engine on "
+           "its CUDA provider when onnxruntime-gpu is installed; a TensorRT engine on the GPU), cpu, or cuda "
+           "(an engine exported with --backend onnxruntime and llmd[gpu], or --backend tensorrt)")
     a("--threads", type=int, help="CPU threads for the engine (default: torch's choice)")
     a("--kv-memory", help="memory for the KV cache, e.g. 256MiB or 4GiB")
     a("--block-size", type=int, help="tokens per KV cache block")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, get_args, get_origin, get_type_hints
 
-from llmd.runtime.config import KV_DTYPES
+from llmd.runtime.config import DEVICES, KV_DTYPES
 
 from . import paths
 
@@ -32,7 +32,7 @@ class Settings:
     group: Optional[str] = None           # group owning the socket and its directory
     tcp: Optional[str] = None             # extra tcp:// endpoint; none unless asked for
     dtype: str = "float32"
-    device: Optional[str] = None          # passed to the engine when set
+    device: str = "auto"                  # one of llmd.runtime.config.DEVICES
     threads: Optional[int] = None         # torch threads for the engine; None keeps torch's default
     kv_memory: str = "256MiB"
     block_size: int = 16
@@ -72,6 +72,8 @@ class Settings:
             raise SettingsError(f"threads must be positive, got {self.threads}")
         if self.tcp is not None and not self.tcp.startswith("tcp://"):
             raise SettingsError(f"tcp must be a tcp://host:port endpoint, got {self.tcp!r}")
+        if self.device not in DEVICES:
+            raise SettingsError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.kv_dtype not in KV_DTYPES:
             raise SettingsError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         if self.log_level not in ("debug", "info", "warning", "error"):

@@ -60,7 +60,9 @@ def add_export_parser(sub) -> None:
            "--group-size); auto: float for --quant none, else int8g (default; the quality gate shows its cost)")
     a("--embed", default="float", choices=("float", "int8"), help="untied embedding storage (default float)")
     a("--kv-dtype", default="auto", choices=KV_DTYPES, help="KV cache dtype recorded for the runtime")
-    a("--backend", default="torch", choices=("torch", "onnxruntime", "tensorrt"))
+    a("--backend", default="torch", choices=("torch", "onnxruntime", "tensorrt"),
+      help="what runs the engine: torch (llmd's model code and CPU kernels; default), onnxruntime (an ONNX "
+           "graph: on the CPU, or a GPU with llmd[gpu]), tensorrt (an NVIDIA GPU plan)")
     a("--aot", action="store_true", help="torch: also build an AOTInductor package so serve starts warm")
     a("--eval-file", help="held-out text for the quality gate (default: the demo corpus's held-out split)")
     a("--eval-windows", type=int, default=8, help="windows of held-out text measured (default 8)")

@@ -235,15 +235,22 @@ def add_distill_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=3000, help="at most this many optimizer steps")
     p.add_argument("--session-steps", type=int, default=None,
                    help="stop this invocation after this many steps (checkpointed; rerun to continue)")
-    p.add_argument("--hidden-size", type=int, default=DEFAULT_SHAPE["hidden_size"])
-    p.add_argument("--intermediate-size", type=int, default=DEFAULT_SHAPE["intermediate_size"])
-    p.add_argument("--layers", type=int, default=DEFAULT_SHAPE["num_hidden_layers"])
-    p.add_argument("--heads", type=int, default=DEFAULT_SHAPE["num_attention_heads"])
-    p.add_argument("--kv-heads", type=int, default=DEFAULT_SHAPE["num_key_value_heads"])
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
+    shape = "the draft's {} (default %(default)s; ignored with --init, which brings its own shape)"
+    p.add_argument("--hidden-size", type=int, default=DEFAULT_SHAPE["hidden_size"], help=shape.format("hidden size"))
+    p.add_argument("--intermediate-size", type=int, default=DEFAULT_SHAPE["intermediate_size"],
+                   help=shape.format("MLP width"))
+    p.add_argument("--layers", type=int, default=DEFAULT_SHAPE["num_hidden_layers"], help=shape.format("layer count"))
+    p.add_argument("--heads", type=int, default=DEFAULT_SHAPE["num_attention_heads"],
+                   help=shape.format("attention heads"))
+    p.add_argument("--kv-heads", type=int, default=DEFAULT_SHAPE["num_key_value_heads"],
+                   help=shape.format("key/value heads (grouped-query attention)"))
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per training window (default %(default)s)")
+    p.add_argument("--batch-size", type=int, default=8, help="windows per optimizer step (default %(default)s)")
+    p.add_argument("--lr", type=float, default=3e-3,
+                   help="peak learning rate of the cosine schedule (default %(default)s; lower, e.g. 1e-3, "
+                        "when continuing with --init)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seeds the initial weights, the batch order and the on-policy windows (default %(default)s)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.set_defaults(func=main)
     return p

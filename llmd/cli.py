@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from llmd.runtime.config import KV_DTYPES
+from llmd.runtime.config import DEVICES, KV_DTYPES
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -14,6 +14,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     a("--block-size", type=int, default=16, help="tokens per KV cache block (default 16)")
     a("--max-batch-tokens", type=int, default=512, help="token budget of one engine step (default 512)")
     a("--threads", type=int, default=None, help="CPU threads for the engine (default: torch's choice)")
+    a("--device", default="auto", choices=DEVICES, help="where the model runs: auto (default: llmd's own model code on the CPU; an ONNX Runtime engine on "
+           "its CUDA provider when onnxruntime-gpu is installed; a TensorRT engine on the GPU), cpu, or cuda "
+           "(an engine exported with --backend onnxruntime and llmd[gpu], or --backend tensorrt)")
     a("--no-prefix-cache", action="store_true", help="disable reuse of cached prompt prefixes")
     a("--kv-dtype", default="auto", choices=KV_DTYPES,
       help="KV cache storage: the model dtype (auto, exact), bfloat16 (half a float32 model's bytes: faster "
@@ -27,7 +30,7 @@ def engine_options(args) -> dict:
     opts = dict(dtype=args.dtype, kv_memory=args.kv_memory, block_size=args.block_size,
                 max_batch_tokens=args.max_batch_tokens, threads=args.threads,
                 enable_prefix_cache=not args.no_prefix_cache, num_speculative_tokens=args.num_speculative_tokens,
-                kv_dtype=args.kv_dtype)
+                kv_dtype=args.kv_dtype, device=args.device)
     if args.draft:
         opts["draft"] = args.draft
     return opts

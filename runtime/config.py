@@ -11,6 +11,10 @@ from .errors import InvalidRequest
 # reads many streams' keys and values is bound by memory, and twice the tokens fit the budget); int8
 # with a scale per block and kv head (llmd.export.quantize)
 KV_DTYPES = ("auto", "bfloat16", "int8")
+# Where the model runs: auto lets the weights decide (a Hugging Face directory, a torch or AOT engine:
+# the CPU; an ONNX Runtime engine: its CUDA provider when onnxruntime-gpu is installed, else the CPU;
+# a TensorRT engine: the GPU); cpu and cuda insist, and a model that cannot run there is refused.
+DEVICES = ("auto", "cpu", "cuda")
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2, "mib": 1 << 20,
           "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30}
@@ -47,6 +51,7 @@ class EngineConfig:
     kv_dtype: str = "auto"                   # one of KV_DTYPES
     attention: str = "fast"                  # fast | reference
     threads: Optional[int] = None            # torch intra-op threads; None keeps torch's default
+    device: str = "auto"                     # one of DEVICES
     # None: an engine directory's own draft, if it has one; "auto": that, else n-gram lookup for greedy
     # requests only (their output cannot change; sampled ones keep their seeds' texts); "ngram" (every
     # request); "none"; or the path of a draft model directory
@@ -67,6 +72,7 @@ class EngineConfig:
         check(1 <= self.max_num_seqs <= 4096, f"max_num_seqs must be in [1, 4096], got {self.max_num_seqs}")
         check(1 <= self.max_queue <= 1 << 20, "max_queue must be positive")
         check(self.kv_dtype in KV_DTYPES, f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
+        check(self.device in DEVICES, f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         check(self.attention in ("fast", "reference"), f"attention must be fast or reference, got {self.attention!r}")
         check(self.num_speculative_tokens is None or 0 <= self.num_speculative_tokens <= 16,
               "num_speculative_tokens must be in [0, 16]")

@@ -34,6 +34,7 @@ def load_for_engine(config: EngineConfig, progress=None) -> LoadedModel:
                              "(config.json, *.safetensors, tokenizer.json) or an llmd engine directory")
     kv_dtype = config.kv_dtype
     backend = None
+    check_device(path, config.device)
     draft_path = Path(config.draft) if config.draft and config.draft not in ("ngram", "auto", "none") else None
     if (path / "manifest.json").is_file():
         from llmd.export.engine_dir import engine_draft_dir, load_engine_model     # quantized / compiled engines
@@ -42,7 +43,7 @@ def load_for_engine(config: EngineConfig, progress=None) -> LoadedModel:
         manifest = read_manifest(path, verify_hashes=False)     # verified by load_engine_model just above
         if kv_dtype == "auto":
             kv_dtype = (manifest.get("quantization") or {}).get("kv_dtype", "auto")
-        backend = engine_backend(path, manifest)
+        backend = engine_backend(path, manifest, config.device)
         if config.draft in (None, "auto") and engine_draft_dir(path) is not None:
             draft_path = path                                   # an engine's own draft speculates by default
     elif (path / "target" / "weights.safetensors").is_file():
@@ -75,15 +76,38 @@ def load_draft(path: Path, config: EngineConfig, target_tokenizer: Tokenizer):
 PROBE = "def f(x):\n    return {'a': [1, 2.5]}  # héllo 日本 🙂\n"
 
 
-def engine_backend(path: Path, manifest: dict):
-    """The compiled step backend an engine directory asks for, or None for plain torch modules."""
+def backend_name(manifest: dict) -> str:
     name = manifest.get("backend", "torch")
-    if name == "torch" and (manifest.get("artifacts") or {}).get("aot"):
-        name = "aot"
+    return "aot" if name == "torch" and (manifest.get("artifacts") or {}).get("aot") else name
+
+
+def check_device(path: Path, device: str) -> None:
+    """Refuse, before any weights load, a device the model cannot run on. llmd's own model code and
+    kernels (Hugging Face directories, torch and AOT engines) run on the CPU; a GPU is reached through
+    an engine directory compiled for ONNX Runtime or TensorRT (the backend checks its provider)."""
+    if device == "auto":
+        return
+    if (path / "manifest.json").is_file():
+        from llmd.export.manifest import read_manifest
+        name = backend_name(read_manifest(path, verify_hashes=False))
+    else:
+        name = "torch"
+    if device == "cuda" and name in ("torch", "aot"):
+        raise EngineDirError(f"{path}: llmd runs {'this AOT engine' if name == 'aot' else 'this model'} on the CPU "
+                             "only; for a GPU, export an engine with `llmd export --backend onnxruntime` (needs "
+                             "llmd[gpu], onnxruntime-gpu) or `--backend tensorrt`, or serve with --device cpu")
+    if device == "cpu" and name == "tensorrt":
+        raise EngineDirError(f"{path}: a TensorRT engine runs only on a CUDA GPU; export for the CPU with "
+                             "`llmd export --backend torch` or `--backend onnxruntime`")
+
+
+def engine_backend(path: Path, manifest: dict, device: str = "auto"):
+    """The compiled step backend an engine directory asks for, or None for plain torch modules."""
+    name = backend_name(manifest)
     if name == "torch":
         return None
     from .backends.base import create_backend
-    return create_backend(name, path, manifest)
+    return create_backend(name, path, manifest, device)
 
 
 def load_hf_model(path: Path, dtype: str, progress=None) -> tuple[LlamaForCausalLM, ModelConfig, Tokenizer]:

@@ -61,6 +61,18 @@ def test_unknown_architecture(tiny_model_dir, tmp_path):
         LLM(str(d))
 
 
+def test_a_device_the_model_cannot_run_on_is_refused_before_loading(tiny_model_dir):
+    from llmd.runtime.errors import EngineDirError
+    with pytest.raises(InvalidRequest, match="device must be one of auto, cpu, cuda"):
+        LLM(str(tiny_model_dir), device="gpu")
+    # llmd's own model code runs on the CPU: asking for CUDA says how to reach a GPU instead of
+    # quietly running on the CPU
+    with pytest.raises(EngineDirError, match="--backend onnxruntime"):
+        LLM(str(tiny_model_dir), device="cuda")
+    assert LLM(str(tiny_model_dir), device="cpu", kv_memory="4MiB").generate(
+        [[30, 31]], SamplingParams(max_tokens=2))[0].error is None
+
+
 def test_malformed_config_json(tiny_model_dir, tmp_path):
     d = copy_model(tiny_model_dir, tmp_path / "m")
     (d / "config.json").write_text("{not json")

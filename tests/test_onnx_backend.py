@@ -12,6 +12,7 @@ from llmd.export.manifest import read_manifest  # noqa: E402
 from llmd.runtime.attention import SeqSpan  # noqa: E402
 from llmd.runtime.backends.base import create_backend  # noqa: E402
 from llmd.runtime.backends.paged import run_step  # noqa: E402
+from llmd.runtime.errors import EngineDirError  # noqa: E402
 from llmd.runtime.model_runner import StepBatch  # noqa: E402
 from llmd.runtime.models.config import ModelConfig  # noqa: E402
 
@@ -120,3 +121,9 @@ def test_llm_serves_an_onnx_engine_directory_with_the_same_greedy_tokens(source,
     llm = LLM(str(tmp_path / "engine"), kv_memory="4MiB", max_batch_tokens=16)
     assert llm.engine.runner.backend is not None and llm.engine.runner.backend.name == "onnxruntime"
     assert [o.token_ids for o in llm.generate(prompts, params)] == ref
+    # --device picks the provider: cpu insists on the CPU; cuda without onnxruntime-gpu is refused
+    on_cpu = LLM(str(tmp_path / "engine"), kv_memory="4MiB", device="cpu")
+    assert on_cpu.engine.runner.backend.session.get_providers() == ["CPUExecutionProvider"]
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        with pytest.raises(EngineDirError, match="no CUDA provider"):
+            LLM(str(tmp_path / "engine"), kv_memory="4MiB", device="cuda")

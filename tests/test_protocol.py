@@ -121,6 +121,9 @@ def test_settings_layers_and_validation(tmp_path):
     assert settings_mod.Settings(kv_dtype="bfloat16").kv_dtype == "bfloat16"
     with pytest.raises(settings_mod.SettingsError, match="kv_dtype must be one of auto, bfloat16, int8"):
         settings_mod.Settings(kv_dtype="float16")
+    assert settings_mod.Settings().device == "auto"
+    with pytest.raises(settings_mod.SettingsError, match="device must be one of auto, cpu, cuda"):
+        settings_mod.Settings(device="gpu")
     with pytest.raises(AttributeError):
         s.max_queue = 1                                   # frozen
 

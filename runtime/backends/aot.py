@@ -22,7 +22,8 @@ class AotBackend(StepBackend):
         self.small_m = small_m
 
     @classmethod
-    def from_engine_dir(cls, engine_dir: Path, manifest: dict) -> "AotBackend":
+    def from_engine_dir(cls, engine_dir: Path, manifest: dict, device: str = "auto") -> "AotBackend":
+        # AOT packages are compiled for the CPU; loading checks the device before this
         aot = manifest.get("artifacts", {}).get("aot")
         if not aot:
             raise EngineDirError(f"{engine_dir}: the manifest names no AOT package; export with --aot")

@@ -28,7 +28,7 @@ class StepBackend(ABC):
         ...
 
 
-# name -> "module:factory"; the factory takes (engine_dir: Path, manifest: dict)
+# name -> "module:factory"; the factory takes (engine_dir: Path, manifest: dict, device: str)
 _REGISTRY = {
     "onnxruntime": "llmd.runtime.backends.onnxruntime:OnnxRuntimeBackend.from_engine_dir",
     "tensorrt": "llmd.runtime.backends.tensorrt:TensorRTBackend.from_engine_dir",
@@ -40,7 +40,7 @@ def available_backends() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
-def create_backend(name: str, engine_dir: Path, manifest: dict) -> StepBackend:
+def create_backend(name: str, engine_dir: Path, manifest: dict, device: str = "auto") -> StepBackend:
     """Import the backend's module only now; a missing library is an EngineDirError naming the extra."""
     if name not in _REGISTRY:
         raise EngineDirError(f"unknown backend {name!r}; known: {sorted(_REGISTRY)}")
@@ -52,4 +52,4 @@ def create_backend(name: str, engine_dir: Path, manifest: dict) -> StepBackend:
                              f"install llmd[{'gpu' if name == 'tensorrt' else 'onnx'}]") from None
     for part in attr.split("."):
         obj = getattr(obj, part)
-    return obj(Path(engine_dir), manifest)
+    return obj(Path(engine_dir), manifest, device)

@@ -16,32 +16,41 @@ from ..errors import EngineDirError
 from .base import StepBackend
 
 
-def providers() -> list[str]:
+def providers(device: str = "auto") -> list[str]:
+    """Execution providers for a device: auto prefers CUDA when onnxruntime-gpu is installed."""
     have = ort.get_available_providers()
+    if device == "cpu":
+        return ["CPUExecutionProvider"]
+    if device == "cuda":
+        if "CUDAExecutionProvider" not in have:
+            raise EngineDirError("device cuda: this onnxruntime has no CUDA provider (it offers "
+                                 f"{', '.join(have)}); install llmd[gpu] (onnxruntime-gpu) or serve with --device cpu")
+        return ["CUDAExecutionProvider"]
     return [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in have]
 
 
 class OnnxRuntimeBackend(StepBackend):
     name = "onnxruntime"
 
-    def __init__(self, model_file: Path, threads: int | None = None):
+    def __init__(self, model_file: Path, threads: int | None = None, device: str = "auto"):
         so = ort.SessionOptions()
         # the file was optimized at export time; only the cheap provider-specific passes remain
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
         if threads:
             so.intra_op_num_threads = threads
+        chosen = providers(device)
         try:
-            self.session = ort.InferenceSession(str(model_file), so, providers=providers())
+            self.session = ort.InferenceSession(str(model_file), so, providers=chosen)
         except Exception as e:       # onnxruntime raises its own untyped errors
             raise EngineDirError(f"{model_file}: onnxruntime cannot load the graph ({e})") from None
         self.binding = self.session.io_binding()
 
     @classmethod
-    def from_engine_dir(cls, engine_dir: Path, manifest: dict) -> "OnnxRuntimeBackend":
+    def from_engine_dir(cls, engine_dir: Path, manifest: dict, device: str = "auto") -> "OnnxRuntimeBackend":
         rel = manifest.get("artifacts", {}).get("onnx")
         if not rel:
             raise EngineDirError(f"{engine_dir}: the manifest names no ONNX graph; export with --backend onnxruntime")
-        return cls(engine_dir / rel, torch.get_num_threads())
+        return cls(engine_dir / rel, torch.get_num_threads(), device)
 
     def forward(self, input_ids, positions, past_k, past_v):
         b = self.binding

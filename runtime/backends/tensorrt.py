@@ -32,7 +32,8 @@ class TensorRTBackend(StepBackend):
         self.profile = -1
 
     @classmethod
-    def from_engine_dir(cls, engine_dir: Path, manifest: dict) -> "TensorRTBackend":
+    def from_engine_dir(cls, engine_dir: Path, manifest: dict, device: str = "auto") -> "TensorRTBackend":
+        # TensorRT runs only on CUDA: loading refuses device cpu before this
         from llmd.export.tensorrt import profiles
         rel = manifest.get("artifacts", {}).get("tensorrt")
         if not rel:
