@@ -295,7 +295,9 @@ its prefix and suffix in view. The draft minimises KL(target || draft) over the 
 on a stream that is half the target's own greedy continuations of {DRAFT_ON_POLICY:,} corpus windows
 ({ON_POLICY_GEN} tokens after {ON_POLICY_PROMPT}; speculation is judged on text the target writes) and half training text; the raw draft has the
 draft's shape and is trained on the training stream with plain cross-entropy, for comparison only (it is
-not committed).
+not committed). The draft stage is `llmd distill` called on the data stage's stream; as a command of its
+own (which reads one arrangement of the training files instead of two) it is
+`llmd distill --target models/code-target --out models/code-draft --on-policy {DRAFT_ON_POLICY} --steps {_steps(runs.get("draft"))} --seed {_seed(runs.get("draft"))} --minutes {_minutes(runs.get("draft"))} --threads 2`.
 
 | run | steps | window positions | wall time | final train loss (EMA) | peak lr | seed |
 |---|---|---|---|---|---|---|
@@ -361,6 +363,18 @@ def _fim_loss_lines(fim: dict) -> str:
     return (f"\nThe same cases scored instead of generated: the true middle's loss is {a['middle']:.3f} nats per "
             f"token given the suffix and {b['middle']:.3f} given an empty one ({b['middle'] - a['middle']:+.3f} "
             f"from the suffix); the `<|endoftext|>` that ends it costs {a['end']:.2f} and {b['end']:.2f}.\n")
+
+
+def _steps(run: dict | None) -> str:
+    return str(run["config"]["max_steps"]) if run else "N"
+
+
+def _minutes(run: dict | None) -> str:
+    return f"{run['config']['budget_s'] / 60:g}" if run else "M"
+
+
+def _seed(run: dict | None) -> str:
+    return str(run["config"]["seed"]) if run else "S"
 
 
 def _tokens(run: dict | None) -> str:
