@@ -230,7 +230,7 @@ def add_distill_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--on-policy", type=int, default=0, metavar="N",
                    help="also train on the target's greedy continuations of N corpus windows (half the data; "
                         "generated once with llmd, cached in the work directory). Raises acceptance, which is "
-                        "agreement on text the target writes: the bundled draft went 0.40 -> 0.63 in three runs")
+                        "agreement on text the target writes: three runs of it took the bundled draft from 0.40 to 0.63")
     p.add_argument("--minutes", type=float, default=20.0, help="wall-clock budget")
     p.add_argument("--steps", type=int, default=3000, help="at most this many optimizer steps")
     p.add_argument("--session-steps", type=int, default=None,

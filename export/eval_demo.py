@@ -361,8 +361,8 @@ def _fim_loss_lines(fim: dict) -> str:
         return ""
     a, b = fim["loss_with_suffix"], fim["loss_without_suffix"]
     return (f"\nThe same cases scored instead of generated: the true middle's loss is {a['middle']:.3f} nats per "
-            f"token given the suffix and {b['middle']:.3f} given an empty one ({b['middle'] - a['middle']:+.3f} "
-            f"from the suffix); the `<|endoftext|>` that ends it costs {a['end']:.2f} and {b['end']:.2f}.\n")
+            f"token given the suffix and {b['middle']:.3f} given an empty one (the suffix "
+            f"{'lowers' if a['middle'] <= b['middle'] else 'raises'} it by {abs(b['middle'] - a['middle']):.3f}); the `<|endoftext|>` that ends it costs {a['end']:.2f} and {b['end']:.2f}.\n")
 
 
 def _steps(run: dict | None) -> str:
