@@ -193,7 +193,7 @@ def load_hf(model):
         print("llmd bench: transformers is not installed (pip install 'llmd[bench]'); skipping the hf peer",
               file=sys.stderr)
         return None
-    return transformers.AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
 
 
 def hf_single(hf, prompt, gen) -> dict:

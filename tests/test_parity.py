@@ -27,7 +27,7 @@ def pair(request, model_factory):
     extra = dict(extra)
     tie = extra.pop("tie", True)
     path = model_factory(request.param, architecture=arch, tie=tie, heads=4, kv_heads=2, layers=2, **extra)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     return path, hf
 
 
