@@ -139,6 +139,13 @@ def parses(text: str) -> bool:
         return False
 
 
+def fim_prompt(tok, pre: str, suf: str) -> list[int]:
+    """``<|fim_prefix|>`` prefix ``<|fim_suffix|>`` suffix ``<|fim_middle|>``, as in training."""
+    ids = {t: tok.token_to_id(t) for t in (corpus.FIM_PREFIX, corpus.FIM_SUFFIX, corpus.FIM_MIDDLE)}
+    return ([ids[corpus.FIM_PREFIX]] + tok.encode(pre).ids + [ids[corpus.FIM_SUFFIX]] + tok.encode(suf).ids
+            + [ids[corpus.FIM_MIDDLE]])
+
+
 def fim_check(hf_model, tok, cases, with_suffix: bool, editor: bool = False) -> dict:
     """Fraction of cases where prefix + generated middle + suffix parses, and exact middles.
 
@@ -146,15 +153,14 @@ def fim_check(hf_model, tok, cases, with_suffix: bool, editor: bool = False) -> 
     (the suffix starts with that line's newline), and the raw middle trimmed as the plugin trims
     ghost text (``clients/lsp_trim.py``) before the check."""
     from llmd.clients.lsp_trim import trim_suggestion
-    ids = {t: tok.token_to_id(t) for t in corpus.SPECIAL_TOKENS}
+    eot = tok.token_to_id(corpus.EOT)
     ok = exact = 0
     for pre, mid, suf in cases:
         after = "\n" + suf if editor else suf
-        prompt = ([ids[corpus.FIM_PREFIX]] + tok.encode(pre).ids + [ids[corpus.FIM_SUFFIX]]
-                  + (tok.encode(after).ids if with_suffix else []) + [ids[corpus.FIM_MIDDLE]])
-        out = greedy(hf_model, torch.tensor([prompt]), FIM_MAX_NEW, stop_id=ids[corpus.EOT])[0].tolist()
-        if ids[corpus.EOT] in out:
-            out = out[:out.index(ids[corpus.EOT])]
+        prompt = fim_prompt(tok, pre, after if with_suffix else "")
+        out = greedy(hf_model, torch.tensor([prompt]), FIM_MAX_NEW, stop_id=eot)[0].tolist()
+        if eot in out:
+            out = out[:out.index(eot)]
         middle = tok.decode(out, skip_special_tokens=True)
         if editor:
             middle = trim_suggestion(middle, "", "", after)
@@ -167,13 +173,11 @@ def fim_middle_loss(hf_model, tok, cases, with_suffix: bool) -> dict:
     """Mean loss (nats per token) of the true middle and of the `<|endoftext|>` that ends it, given the
     prefix and the suffix or an empty suffix: how much the model draws from the suffix, which the
     parse check only shows once its middles are good enough to parse."""
-    ids = {t: tok.token_to_id(t) for t in corpus.SPECIAL_TOKENS}
-    eot = ids[corpus.EOT]
+    eot = tok.token_to_id(corpus.EOT)
     total = n = end = 0.0
     with torch.no_grad():
         for pre, mid, suf in cases:
-            prompt = ([ids[corpus.FIM_PREFIX]] + tok.encode(pre).ids + [ids[corpus.FIM_SUFFIX]]
-                      + (tok.encode(suf).ids if with_suffix else []) + [ids[corpus.FIM_MIDDLE]])
+            prompt = fim_prompt(tok, pre, suf if with_suffix else "")
             answer = tok.encode(mid).ids + [eot]
             logp = hf_model(input_ids=torch.tensor([prompt + answer])).logits[0, len(prompt) - 1:-1].log_softmax(-1)
             nll = -logp.gather(1, torch.tensor(answer)[:, None])[:, 0]
@@ -297,7 +301,7 @@ on a stream that is half the target's own greedy continuations of {DRAFT_ON_POLI
 draft's shape and is trained on the training stream with plain cross-entropy, for comparison only (it is
 not committed). The draft stage is `llmd distill` called on the data stage's stream; as a command of its
 own (which reads one arrangement of the training files instead of two) it is
-`llmd distill --target models/code-target --out models/code-draft --on-policy {DRAFT_ON_POLICY} --steps {_steps(runs.get("draft"))} --seed {_seed(runs.get("draft"))} --minutes {_minutes(runs.get("draft"))} --threads 2`.
+{_distill_command(runs.get("draft"), DRAFT_ON_POLICY)}.
 
 | run | steps | window positions | wall time | final train loss (EMA) | peak lr | seed |
 |---|---|---|---|---|---|---|
@@ -365,16 +369,12 @@ def _fim_loss_lines(fim: dict) -> str:
             f"{'lowers' if a['middle'] <= b['middle'] else 'raises'} it by {abs(b['middle'] - a['middle']):.3f}); the `<|endoftext|>` that ends it costs {a['end']:.2f} and {b['end']:.2f}.\n")
 
 
-def _steps(run: dict | None) -> str:
-    return str(run["config"]["max_steps"]) if run else "N"
-
-
-def _minutes(run: dict | None) -> str:
-    return f"{run['config']['budget_s'] / 60:g}" if run else "M"
-
-
-def _seed(run: dict | None) -> str:
-    return str(run["config"]["seed"]) if run else "S"
+def _distill_command(run: dict | None, on_policy: int) -> str:
+    """The stand-alone `llmd distill` command for the draft stage's configuration."""
+    c = run["config"] if run else {"max_steps": "N", "seed": "S", "budget_s": None}
+    minutes = f"{c['budget_s'] / 60:g}" if c["budget_s"] else "M"
+    return (f"`llmd distill --target models/code-target --out models/code-draft --on-policy {on_policy} "
+            f"--steps {c['max_steps']} --seed {c['seed']} --minutes {minutes} --threads 2`")
 
 
 def _tokens(run: dict | None) -> str:

@@ -34,13 +34,13 @@ def load_for_engine(config: EngineConfig, progress=None) -> LoadedModel:
                              "(config.json, *.safetensors, tokenizer.json) or an llmd engine directory")
     kv_dtype = config.kv_dtype
     backend = None
-    check_device(path, config.device)
     draft_path = Path(config.draft) if config.draft and config.draft not in ("ngram", "auto", "none") else None
     if (path / "manifest.json").is_file():
         from llmd.export.engine_dir import engine_draft_dir, load_engine_model     # quantized / compiled engines
         from llmd.export.manifest import read_manifest
+        manifest = read_manifest(path, verify_hashes=False)     # its values are used once load_engine_model verified it
+        check_device(path, backend_name(manifest), config.device)
         model, cfg, tokenizer = load_engine_model(path, config, progress=progress)
-        manifest = read_manifest(path, verify_hashes=False)     # verified by load_engine_model just above
         if kv_dtype == "auto":
             kv_dtype = (manifest.get("quantization") or {}).get("kv_dtype", "auto")
         backend = engine_backend(path, manifest, config.device)
@@ -50,6 +50,7 @@ def load_for_engine(config: EngineConfig, progress=None) -> LoadedModel:
         raise EngineDirError(f"{path}: an engine directory without manifest.json: the export did not finish; "
                              "run `llmd export` again")
     else:
+        check_device(path, "torch", config.device)
         model, cfg, tokenizer = load_hf_model(path, config.dtype, progress)
     draft = draft_cfg = None
     if draft_path is not None:
@@ -81,22 +82,15 @@ def backend_name(manifest: dict) -> str:
     return "aot" if name == "torch" and (manifest.get("artifacts") or {}).get("aot") else name
 
 
-def check_device(path: Path, device: str) -> None:
+def check_device(path: Path, backend: str, device: str) -> None:
     """Refuse, before any weights load, a device the model cannot run on. llmd's own model code and
     kernels (Hugging Face directories, torch and AOT engines) run on the CPU; a GPU is reached through
     an engine directory compiled for ONNX Runtime or TensorRT (the backend checks its provider)."""
-    if device == "auto":
-        return
-    if (path / "manifest.json").is_file():
-        from llmd.export.manifest import read_manifest
-        name = backend_name(read_manifest(path, verify_hashes=False))
-    else:
-        name = "torch"
-    if device == "cuda" and name in ("torch", "aot"):
-        raise EngineDirError(f"{path}: llmd runs {'this AOT engine' if name == 'aot' else 'this model'} on the CPU "
+    if device == "cuda" and backend in ("torch", "aot"):
+        raise EngineDirError(f"{path}: llmd runs {'this AOT engine' if backend == 'aot' else 'this model'} on the CPU "
                              "only; for a GPU, export an engine with `llmd export --backend onnxruntime` (needs "
                              "llmd[gpu], onnxruntime-gpu) or `--backend tensorrt`, or serve with --device cpu")
-    if device == "cpu" and name == "tensorrt":
+    if device == "cpu" and backend == "tensorrt":
         raise EngineDirError(f"{path}: a TensorRT engine runs only on a CUDA GPU; export for the CPU with "
                              "`llmd export --backend torch` or `--backend onnxruntime`")
 
