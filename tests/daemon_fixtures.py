@@ -91,7 +91,8 @@ def running_daemon(settings: Settings, make_engine=None, notifier=None, ready_ti
 
 
 def offline_greedy(engine, prompts, max_tokens: int) -> dict:
-    """Run prompts through an Engine directly (no daemon); returns {prompt: (token_ids, text)}."""
+    """Run prompts through an Engine directly (no daemon); returns {prompt: (token_ids, text)}, a token-id
+    prompt keyed as a tuple."""
     from llmd.runtime.request import SamplingParams
     out = {}
     for i, p in enumerate(prompts):
@@ -102,7 +103,7 @@ def offline_greedy(engine, prompts, max_tokens: int) -> dict:
             for o in engine.step():
                 ids += o.new_token_ids
                 text += o.text_delta
-        out[p] = (ids, text)
+        out[tuple(p) if isinstance(p, list) else p] = (ids, text)
     return out
 
 

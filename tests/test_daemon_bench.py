@@ -77,7 +77,7 @@ def test_soak_1000_mixed_requests_nothing_lost_no_leaked_blocks(daemon):
                         s.send(codec.pack({"type": "generate", "id": "v", "prompt": f"vanish {i}",
                                            "params": {"max_tokens": 50, "ignore_eos": True}}))
                         time.sleep(0.002)
-                        s.close(linger=0)
+                        s.close(linger=1000)           # the request is sent first, then the client is gone
                         key = "vanished"
                     elif kind < 0.3:               # cancelled after its first token
                         s = c.generate(f"cancel {i}", max_tokens=50, ignore_eos=True)

@@ -86,10 +86,10 @@ def test_stop_conditions(tiny_model_dir):
     length = llm.generate([[30, 31, 32]], SamplingParams(max_tokens=3, ignore_eos=True))[0]
     assert length.finish_reason == "length" and len(length.token_ids) == 3
     text = llm.generate(["def fib(n):"], SamplingParams(max_tokens=40, ignore_eos=True))[0].text
-    if len(text) > 6:
-        stop = text[3:6]
-        cut = llm.generate(["def fib(n):"], SamplingParams(max_tokens=40, stop=(stop,), ignore_eos=True))[0]
-        assert cut.finish_reason == "stop" and cut.text == text[:text.index(stop)]
+    assert len(text) > 6, f"40 tokens gave only {text!r}: too little text to cut at a stop string"
+    stop = text[3:6]
+    cut = llm.generate(["def fib(n):"], SamplingParams(max_tokens=40, stop=(stop,), ignore_eos=True))[0]
+    assert cut.finish_reason == "stop" and cut.text == text[:text.index(stop)]
 
 
 def test_abort_in_every_state_frees_blocks(tiny_model_dir):
@@ -156,7 +156,8 @@ def test_int8_kv_cache_stays_close(tiny_model_dir, ps, alone):
 def test_bfloat16_kv_cache_halves_the_pool_and_keeps_greedy_output(tiny_model_dir, ps, alone):
     """A float32 model over a bfloat16 pool: the same budget holds twice the blocks, the attention
     kernel (decode rows) and torch's path (prompt chunks) agree with the reference attention over the
-    same pool, and the greedy text stays that of the exact float32 pool on these prompts."""
+    same pool, and the greedy text stays that of the exact float32 pool on at least 7 of these 8 prompts
+    (rounding keys and values to bfloat16 may flip a near-tie)."""
     f32 = LLM(str(tiny_model_dir), kv_memory="4MiB")
     bf = LLM(str(tiny_model_dir), kv_memory="4MiB", kv_dtype="bfloat16")
     assert bf.engine.runner.k_pool.dtype == torch.bfloat16

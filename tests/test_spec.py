@@ -64,6 +64,7 @@ def test_greedy_identical_with_speculation(tiny_model_dir, drafts, plain, which,
 def test_adaptive_greedy_identical(tiny_model_dir, drafts, plain):
     got, st = run(tiny_model_dir, prompts(), draft=drafts["other"], num_speculative_tokens=4)
     assert got == plain
+    assert st["spec_proposed"] > 0, "the controller never speculated: nothing was checked"
 
 
 def test_metrics_per_request(tiny_model_dir, drafts):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon_fixtures import REPO, daemon_settings, running_daemon
+from daemon_fixtures import REPO, daemon_settings, running_daemon, wait_until
 from llmd.clients.client import Client
 from llmd.clients.events import Done
 from llmd.daemon import systemd
@@ -67,7 +67,7 @@ def test_notify_sends_datagrams_and_is_a_noop_without_a_socket(tmp_path):
         n = systemd.Notifier(notify_socket=fake.path, watchdog_usec=0)
         assert n.ready("up") and n.status("x")
         assert systemd.Notifier(notify_socket="", watchdog_usec=0).notify(READY=1) is False
-        time.sleep(0.2)
+        assert fake.index("STATUS=x") == 1          # waits for the reader thread to see both
         assert [m for _, m in fake.messages] == ["READY=1\nSTATUS=up", "STATUS=x"]
     finally:
         fake.close()
@@ -134,14 +134,19 @@ def test_ready_only_after_warm_up_and_pings_stop_when_the_loop_stalls(tiny_model
             ready_at = fake.messages[fake.index("READY=1")][0]
             assert fake.index("warming up") < fake.index("READY=1")
             assert warmed["last"] < ready_at
-            time.sleep(0.5)
-            assert len([t for t in fake.pings() if t > ready_at]) >= 3
-            stall_start = time.monotonic()
-            server.engine.submit(Call(0, lambda engine: time.sleep(1.0)))   # the engine loop stalls
-            time.sleep(1.4)
-            during = [t for t in fake.pings() if stall_start + 0.15 < t < stall_start + 0.95]
-            after = [t for t in fake.pings() if t > stall_start + 1.0]
-            assert during == [] and len(after) >= 2
+            assert wait_until(lambda: len([t for t in fake.pings() if t > ready_at]) >= 3, 5.0)
+            stall = {}
+
+            def stall_for_a_second(engine):          # the engine loop stalls; times taken inside it
+                stall["start"] = time.monotonic()
+                time.sleep(1.0)
+                stall["end"] = time.monotonic()
+            server.engine.submit(Call(0, stall_for_a_second))
+            assert wait_until(lambda: "end" in stall, 10.0)
+            assert wait_until(lambda: len([t for t in fake.pings() if t > stall["end"]]) >= 2, 5.0)
+            # One ping may still leave as the stall begins (the loop pings at most every 0.1 s).
+            during = [t for t in fake.pings() if stall["start"] + 0.15 < t < stall["end"] - 0.05]
+            assert during == []
         assert fake.index("READY=1") < fake.index("STOPPING=1")
     finally:
         fake.close()
