@@ -161,10 +161,16 @@ _adapter = TypeAdapter(Request)
 def _summary(err: ValidationError) -> str:
     parts = []
     for e in err.errors()[:3]:
-        loc = ".".join(str(p) for p in e["loc"][1:]) or "message"
+        loc = ".".join(_short(p) for p in e["loc"][1:]) or "message"
         parts.append(f"{loc}: {e['msg']}")
     more = err.error_count() - len(parts)
     return "; ".join(parts) + (f" (and {more} more)" if more > 0 else "")
+
+
+def _short(part, limit: int = 64) -> str:
+    """A field path element as shown in an error: a client's unknown key is echoed, but never at length."""
+    text = str(part)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def parse_request(message: dict) -> Union[Generate, Infill, Chat, Cancel, Hello, Health, Stats, Models]:

@@ -237,15 +237,15 @@ class Server:
             raise protocol.ProtocolError(protocol.DRAINING, f"the daemon is {self.state}; not accepting work", req.id)
         if self.flights.by_client(ident, req.id) is not None:
             raise protocol.ProtocolError(protocol.DUPLICATE_ID, f"request {req.id!r} is already in flight", req.id)
+        submit = self._submission(req)          # a bad request is refused before it replaces anything
         replace_key = getattr(req, "replace", None)
-        if replace_key is not None:
-            old = self.flights.by_replace(ident, replace_key)
-            if old is not None:
-                self._finish(old, "cancelled")
-        if len(self.flights) >= self.settings.max_queue:
+        old = self.flights.by_replace(ident, replace_key) if replace_key is not None else None
+        in_flight = len(self.flights) - (old is not None)
+        if in_flight >= self.settings.max_queue:
             self.stats.busy += 1
-            raise protocol.ProtocolError(protocol.BUSY, f"{len(self.flights)} requests in flight; retry later", req.id)
-        submit = self._submission(req)
+            raise protocol.ProtocolError(protocol.BUSY, f"{in_flight} requests in flight; retry later", req.id)
+        if old is not None:
+            self._finish(old, "cancelled")
         now = time.monotonic()
         f = Flight(ident, req.id, submit.engine_id, req.type, arrival=now,
                    deadline=now + req.deadline_ms / 1000 if req.deadline_ms else None,
@@ -293,9 +293,18 @@ class Server:
     # -- outgoing ------------------------------------------------------------------------------
 
     def _send(self, ident: bytes, message: dict) -> bool:
-        """Non-blocking send; a client that is gone or not reading is dropped with its requests."""
+        """Non-blocking send; a client that is gone or not reading is dropped with its requests. A message
+        that cannot be encoded (a bug) fails its own request instead of the loop."""
         try:
-            self.router.send_multipart([ident, codec.pack(message)], zmq.NOBLOCK)
+            frame = codec.pack(message)
+        except codec.CodecError as e:
+            log.error("cannot encode a %r message: %s", message.get("type"), e)
+            f = self.flights.by_client(ident, message.get("id", ""))
+            if f is not None:
+                self._fail(f, protocol.INTERNAL, "the daemon could not encode a reply for this request")
+            return False
+        try:
+            self.router.send_multipart([ident, frame], zmq.NOBLOCK)
             return True
         except zmq.Again:
             reason = "not reading"
@@ -419,7 +428,7 @@ class Server:
                 f.first_token_at = now
             f.tokens += len(out.new_token_ids)
             if not self._send(f.ident, Token(f.client_id, f.seq, out.text_delta, list(out.new_token_ids),
-                                             out.logprobs).to_wire()):
+                                             plain(out.logprobs)).to_wire()):
                 return
             f.seq += 1
             f.last_sent = now

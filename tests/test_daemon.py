@@ -221,6 +221,28 @@ def test_typed_errors_for_bad_requests(daemon):
         sock.close()
 
 
+def test_a_bad_replacement_is_refused_without_cancelling_the_request_it_names(daemon):
+    with client(daemon) as c:
+        good = c.infill("def g(", "):\n    pass\n", replace="buffer-9", max_tokens=200, ignore_eos=True)
+        assert isinstance(next(good), Token)
+        bad = list(c.infill("def h(", "):\n", replace="buffer-9", max_tokens=8, temperature=500.0))
+        assert isinstance(bad[-1], Error) and bad[-1].code == "invalid_request"
+        assert list(good)[-1].finish_reason == "length"
+
+
+def test_an_unknown_key_is_named_briefly_in_the_error(daemon):
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.RCVTIMEO, 10000)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(daemon.settings.endpoint)
+    try:
+        sock.send(codec.pack({"type": "health", "id": "k", "x" * 100_000: 1}))
+        ev = codec.unpack(sock.recv())
+        assert ev["type"] == "error" and ev["code"] == "invalid_request" and len(ev["message"]) < 300
+    finally:
+        sock.close()
+
+
 def test_deadline_ends_a_request(daemon):
     with client(daemon) as c:
         events = list(c.generate("x", max_tokens=800, ignore_eos=True, deadline=0.15))
