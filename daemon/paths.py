@@ -3,6 +3,10 @@
 ZeroMQ unlinks an existing ipc:// path when it binds, so a second daemon would silently take
 the endpoint over. The lock file beside the socket (flock, holding the pid) prevents that: the
 second daemon fails with "already running (pid N)" before it touches the socket.
+
+Permissions: without a ``group`` the socket is the owner's alone (0600 in a 0700 directory); with
+one, its members connect too (0660 in a 0750 directory, both owned by that group). A directory
+that already exists (it may be shared, like /tmp) is left as it is: only the socket is set.
 """
 from __future__ import annotations
 
@@ -12,8 +16,8 @@ import os
 from pathlib import Path
 
 SYSTEM_SOCKET = Path("/run/llmd/llmd.sock")
-DIR_MODE = 0o750
-SOCKET_MODE = 0o660
+OWNER_MODES = (0o700, 0o600)      # (directory, socket) without a group
+GROUP_MODES = (0o750, 0o660)      # with a group: its members may connect
 
 
 class AlreadyRunning(RuntimeError):
@@ -32,18 +36,27 @@ def endpoint(path: Path | str) -> str:
     return f"ipc://{Path(path)}"
 
 
+def modes(group: str | None) -> tuple[int, int]:
+    return GROUP_MODES if group else OWNER_MODES
+
+
 def prepare_dir(socket_path: Path, group: str | None = None) -> None:
-    """Create the socket's directory with mode 0750 (and the group, if given)."""
+    """Create the socket's directory, 0700 (0750 and the group's, given a group); an existing one is
+    left alone."""
     d = Path(socket_path).parent
-    d.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
-    os.chmod(d, DIR_MODE)
+    d.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        d.mkdir(mode=0o700)
+    except FileExistsError:
+        return
+    os.chmod(d, modes(group)[0])
     if group:
         os.chown(d, -1, grp.getgrnam(group).gr_gid)
 
 
 def secure_socket(socket_path: Path, group: str | None = None) -> None:
-    """Give the bound socket file mode 0660 (and the group, if given)."""
-    os.chmod(socket_path, SOCKET_MODE)
+    """Give the bound socket file mode 0600 (0660 and the group's, given a group)."""
+    os.chmod(socket_path, modes(group)[1])
     if group:
         os.chown(socket_path, -1, grp.getgrnam(group).gr_gid)
 

@@ -6,6 +6,8 @@ import logging
 import signal
 import sys
 
+import zmq
+
 from . import systemd
 from .paths import AlreadyRunning
 from .server import Server
@@ -56,3 +58,7 @@ def serve(settings: Settings, notifier: systemd.Notifier | None = None) -> int:
     except AlreadyRunning as e:
         print(f"llmd serve: {e}", file=sys.stderr)
         return 1
+    except (OSError, zmq.ZMQError) as e:
+        print(f"llmd serve: cannot listen on {settings.endpoint}"
+              f"{' or ' + settings.tcp if settings.tcp else ''}: {e}", file=sys.stderr)
+        return 2

@@ -62,6 +62,7 @@ class Server:
         self._lock = paths.PidLock(settings.socket_path)
         self.ready_event = None        # optional threading.Event set when ready (tests, embedding)
         self.engine: Optional[EngineThread] = None
+        self.ctx = self.router = self.monitor = self.wake = None     # set by _open
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -77,8 +78,8 @@ class Server:
             paths.prepare_dir(self.settings.socket_path, self.settings.group)
         self._lock.acquire()          # raises AlreadyRunning before touching the socket
         try:
-            self._open()
             try:
+                self._open()
                 self._loop()
             finally:
                 self._close()
@@ -105,7 +106,11 @@ class Server:
         self.monitor = r.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         if self._listen_fd is not None:
             r.setsockopt(zmq.USE_FD, self._listen_fd)
-        r.bind(s.endpoint)
+        umask = os.umask(0o077)       # the socket file is owner-only from its creation
+        try:
+            r.bind(s.endpoint)
+        finally:
+            os.umask(umask)
         if self._listen_fd is None:
             paths.secure_socket(s.socket_path, s.group)
         if s.tcp:
@@ -127,14 +132,19 @@ class Server:
         log.info("listening on %s", s.endpoint)
 
     def _close(self) -> None:
+        """Also after a start that failed part way: closes what _open got to."""
         if self.engine is not None:
             self.engine.submit(Stop())
             self.engine.join(timeout=5.0)
-        self.router.disable_monitor()
+        if self.monitor is not None:
+            self.router.disable_monitor()
         for sock in (self.monitor, self.wake):
-            sock.close(linger=0)
-        self.router.close()
-        self.ctx.term()
+            if sock is not None:
+                sock.close(linger=0)
+        if self.router is not None:
+            self.router.close()
+        if self.ctx is not None:
+            self.ctx.term()
         if self._listen_fd is None:
             try:
                 os.unlink(self.settings.socket_path)

@@ -7,6 +7,7 @@ each value came from, for ``llmd serve --print-config``.
 from __future__ import annotations
 
 import dataclasses
+import grp
 import math
 import os
 import tomllib
@@ -72,6 +73,12 @@ class Settings:
             raise SettingsError(f"threads must be positive, got {self.threads}")
         if self.tcp is not None and not self.tcp.startswith("tcp://"):
             raise SettingsError(f"tcp must be a tcp://host:port endpoint, got {self.tcp!r}")
+        if self.group is not None:
+            try:
+                grp.getgrnam(self.group)
+            except KeyError:
+                raise SettingsError(f"group {self.group!r} does not exist: create it (groupadd), or leave group "
+                                    "unset for a socket only its owner can use") from None
         if self.device not in DEVICES:
             raise SettingsError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.kv_dtype not in KV_DTYPES:

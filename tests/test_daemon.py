@@ -148,10 +148,37 @@ def test_leaving_a_stream_early_cancels_it(daemon):
 
 
 def test_socket_and_directory_permissions(daemon):
-    path = daemon.settings.socket_path
-    assert oct(path.stat().st_mode & 0o777) == oct(0o660)
-    assert oct(path.parent.stat().st_mode & 0o777) == oct(0o750)
+    path = daemon.settings.socket_path             # no group: the owner's alone
+    assert oct(path.stat().st_mode & 0o777) == oct(0o600)
+    assert oct(path.parent.stat().st_mode & 0o777) == oct(0o700)
     assert (path.parent / "llmd.sock.lock").read_text().strip() == str(os.getpid())
+
+
+def test_a_group_opens_the_socket_to_its_members_and_an_existing_directory_is_left_alone(tiny_model_dir, tmp_path):
+    import grp
+    group = grp.getgrgid(os.getgid()).gr_name
+    with running_daemon(daemon_settings(tiny_model_dir, tmp_path / "g", group=group)) as server:
+        path = server.settings.socket_path
+        assert oct(path.stat().st_mode & 0o777) == oct(0o660) and path.stat().st_gid == os.getgid()
+        assert oct(path.parent.stat().st_mode & 0o777) == oct(0o750) and path.parent.stat().st_gid == os.getgid()
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    os.chmod(shared, 0o1777)                       # like /tmp
+    settings = daemon_settings(tiny_model_dir, tmp_path, socket=str(shared / "llmd.sock"))
+    with running_daemon(settings) as server:
+        assert oct(server.settings.socket_path.stat().st_mode & 0o777) == oct(0o600)
+        assert oct(shared.stat().st_mode & 0o7777) == oct(0o1777)
+
+
+def test_bad_socket_settings_are_refused_with_a_message(tiny_model_dir, tmp_path):
+    from llmd.daemon.settings import SettingsError
+    with pytest.raises(SettingsError, match="group 'no-such-group-llmd' does not exist"):
+        daemon_settings(tiny_model_dir, tmp_path, group="no-such-group-llmd")
+    proc = subprocess.run([sys.executable, "-m", "llmd.daemon", "serve", "--model", str(tiny_model_dir),
+                           "--socket", str(tmp_path / "s" / "llmd.sock"), "--tcp", "tcp://no-such-host.invalid:1"],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "cannot listen on" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert not (tmp_path / "s" / "llmd.sock").exists()
 
 
 def test_replace_burst_only_the_last_infill_completes(daemon):
