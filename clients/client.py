@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import logging
 import os
 import time
 import weakref
@@ -32,6 +33,8 @@ from .events import TERMINAL, Ack, Done, Error, Keepalive, Sentence, Token, from
 
 __all__ = ["Client", "AsyncClient", "Stream", "AsyncStream", "ClientError", "DaemonUnavailable",
            "ConnectionLost", "Timeout", "RequestError", "Token", "Sentence", "Done", "Error"]
+
+log = logging.getLogger("llmd.client")
 
 PROTOCOL_VERSIONS = [1]
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
@@ -98,8 +101,14 @@ class _Base:
         return f"{self._prefix}-{next(self._ids)}"
 
     def _route_frame(self, frame: bytes) -> None:
-        """Decode one received message and hand it to ``_route``."""
-        self._route(from_wire(codec.unpack(frame, codec.MAX_MESSAGE_BYTES * 4)))
+        """Decode one received message and hand it to ``_route``; one that cannot be read (a newer or
+        broken peer) is logged and skipped, so the streams around it go on."""
+        try:
+            event = from_wire(codec.unpack(frame, codec.MAX_MESSAGE_BYTES * 4))
+        except (codec.CodecError, ValueError, KeyError, TypeError, AttributeError) as e:
+            log.warning("ignoring a message from %s that cannot be read: %s", self.address, e)
+            return
+        self._route(event)
 
     def _unavailable(self, why: str) -> DaemonUnavailable:
         return DaemonUnavailable(f"no llmd daemon at {self.address} ({why}): start one with `llmd serve`")
@@ -459,6 +468,10 @@ class AsyncClient(_Base):
                         return
                 if sock in ready:
                     self._route_frame(await sock.recv())
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:        # never end silently: every waiting stream and call hears of it
+            self._fail_all(ConnectionLost(f"reading from the daemon at {self.address} failed: {e}"))
         finally:
             sock.disable_monitor()
             monitor.close(linger=0)

@@ -92,3 +92,47 @@ def test_async_client_streams_and_cancels(daemon):
     texts = asyncio.run(main())
     with Client(daemon.settings.socket) as c:
         assert texts == [c.generate(f"async {i}", max_tokens=6).text() for i in range(4)]
+
+
+def test_a_message_the_client_cannot_read_is_skipped_and_the_rest_still_arrive(tmp_path):
+    """The real daemon never sends such frames, so a raw ROUTER peer plays a broken or newer one: before
+    each reply it sends bytes that are not msgpack, a msgpack list, and an event type it does not know."""
+    import threading
+
+    import zmq
+
+    from llmd.clients.events import Reply
+    from llmd.daemon import codec
+    path = tmp_path / "peer.sock"
+    ctx = zmq.Context.instance()
+    peer = ctx.socket(zmq.ROUTER)
+    peer.setsockopt(zmq.RCVTIMEO, 200)
+    peer.bind(f"ipc://{path}")
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            try:
+                ident, frame = peer.recv_multipart()
+            except zmq.Again:
+                continue
+            msg = codec.unpack(frame)
+            for junk in (b"\xc1", codec.pack([1, 2]), codec.pack({"type": "from_the_future", "id": msg["id"]})):
+                peer.send_multipart([ident, junk])
+            body = {"version": 1} if msg["type"] == "hello" else {"state": "ready"}
+            peer.send_multipart([ident, codec.pack(Reply(msg["id"], msg["type"], body).to_wire())])
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        with Client(str(path), timeout=5, connect_timeout=5) as c:
+            assert c.health()["state"] == "ready"
+
+        async def run():
+            async with AsyncClient(str(path), timeout=5, connect_timeout=5) as a:
+                return await a.health()
+        assert asyncio.run(run())["state"] == "ready"
+    finally:
+        stop.set()
+        t.join(2)
+        peer.close(linger=0)
