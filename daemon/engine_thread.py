@@ -84,6 +84,13 @@ class LoadFailed:
     message: str
 
 
+@dataclass(frozen=True)
+class Died:
+    """The engine loop itself failed (outside a step, which fails only its requests): the daemon must
+    exit so that its supervisor restarts it."""
+    message: str
+
+
 class EngineThread(threading.Thread):
     """Owns the Engine built by ``make_engine(progress=fn(done, total))``; talks to the socket
     thread only by queues."""
@@ -115,6 +122,9 @@ class EngineThread(threading.Thread):
         try:
             if self._load():
                 self._loop()
+        except Exception as e:
+            log.error("the engine loop failed: %s\n%s", e, traceback.format_exc())
+            self._emit([Died(f"{type(e).__name__}: {e}")])
         finally:
             self._wake.close()
 

@@ -26,13 +26,16 @@ from llmd.clients.events import Ack, Done, Error, Keepalive, Reply, Sentence, To
 from llmd.clients.sentences import SentenceSplitter
 
 from . import codec, paths, protocol
-from .engine_thread import Abort, Call, EngineThread, Failed, Loaded, LoadFailed, Progress, Result, Stop, Submit
+from .engine_thread import Abort, Call, Died, EngineThread, Failed, Loaded, LoadFailed, Progress, Result, Stop, Submit
 from .flights import Flight, FlightTable
 from .settings import Settings
 from .stats import ServerStats, plain
 
 log = logging.getLogger("llmd.daemon")
 _ids = itertools.count()
+
+
+MAX_STATS_WAITERS = 256       # stats requests waiting for the engine's one answer
 
 
 class Server:
@@ -52,7 +55,9 @@ class Server:
         self.info: dict = {}
         self.flights = FlightTable()
         self.stats = ServerStats()
-        self._pending_stats: dict[int, tuple[bytes, str]] = {}
+        # stats asked while the engine computes them wait for that one answer: one call in flight at most
+        self._stats_waiters: list[tuple[bytes, str]] = []
+        self._stats_token: Optional[int] = None
         self._tokens = itertools.count(1)
         self._stop_r, self._stop_w = os.pipe()
         os.set_blocking(self._stop_w, False)
@@ -284,9 +289,14 @@ class Server:
         if self.state not in ("ready", "draining"):
             self._reply(ident, rid, "stats", **self._server_stats(None))
             return
-        token = next(self._tokens)
-        self._pending_stats[token] = (ident, rid)
-        self.engine.submit(Call(token, lambda engine: engine.stats()))
+        if len(self._stats_waiters) >= MAX_STATS_WAITERS:
+            self.stats.busy += 1
+            raise protocol.ProtocolError(protocol.BUSY, f"{len(self._stats_waiters)} stats requests waiting; "
+                                         "retry later", rid)
+        self._stats_waiters.append((ident, rid))
+        if self._stats_token is None:
+            self._stats_token = next(self._tokens)
+            self.engine.submit(Call(self._stats_token, lambda engine: engine.stats()))
 
     def _server_stats(self, engine_stats: Optional[dict]) -> dict:
         return {**self._health(), "model": self.model_name, **self.stats.snapshot(), "engine": plain(engine_stats)}
@@ -401,19 +411,23 @@ class Server:
                         self.engine.submit(Abort(f.engine_id))
                     self._fail(f, item.code, item.message)
         elif isinstance(item, Result):
-            ident, rid = self._pending_stats.pop(item.token, (None, None))
-            if ident is not None:
-                self._reply(ident, rid, "stats", **self._server_stats(item.value or {"error": item.error}))
+            if item.token == self._stats_token:
+                waiters, self._stats_waiters, self._stats_token = self._stats_waiters, [], None
+                body = self._server_stats(item.value or {"error": item.error})
+                for ident, rid in waiters:
+                    self._reply(ident, rid, "stats", **body)
         elif isinstance(item, Progress):
             self.progress = item.fraction
             self._status(item.text)
         elif isinstance(item, Loaded):
             self._on_loaded(item.info)
-        elif isinstance(item, LoadFailed):
+        elif isinstance(item, (LoadFailed, Died)):
+            what = "model load failed" if isinstance(item, LoadFailed) else "the engine stopped"
             self.state, self._exit_code = "failed", 1
-            self._status(f"model load failed: {item.message}")
+            self._status(f"{what}: {item.message}")
+            log.error("%s: %s; exiting with status 1", what, item.message)
             for f in self.flights:
-                self._fail(f, protocol.INTERNAL, f"model load failed: {item.message}")
+                self._fail(f, protocol.INTERNAL, f"{what}: {item.message}")
         else:
             self._on_output(item)
 

@@ -397,3 +397,65 @@ def test_a_client_that_stops_reading_is_dropped(tiny_model_dir, tmp_path):
             assert daemon_stats(server)["finished"].get("length", 0) == 0
         finally:
             s.close(linger=0)
+
+
+def test_a_flood_of_stats_requests_shares_one_engine_answer(tiny_model_dir, tmp_path):
+    calls = []
+
+    def count_stats(engine):
+        real = engine.stats
+        engine.stats = lambda: calls.append(1) or real()
+
+    settings = daemon_settings(tiny_model_dir, tmp_path)
+    with running_daemon(settings, make_engine_factory(tiny_model_dir, count_stats)) as server:
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.RCVTIMEO, 10000)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(settings.endpoint)
+        try:
+            with client(server) as c:
+                busy_engine = c.generate("keep the engine stepping", max_tokens=200, ignore_eos=True)
+                next(busy_engine)
+                n = 600
+                for i in range(n):
+                    sock.send(codec.pack({"type": "stats", "id": f"s{i}"}))
+                answers = [codec.unpack(sock.recv()) for _ in range(n)]
+                busy_engine.close()
+        finally:
+            sock.close()
+    kinds = [a["type"] if a["type"] == "stats" else a["code"] for a in answers]
+    assert set(kinds) <= {"stats", "busy"} and kinds.count("stats") >= 256
+    assert all("engine" in a and "kv_blocks_total" in a["engine"] for a in answers if a["type"] == "stats")
+    assert len(calls) < kinds.count("stats") / 4, f"{len(calls)} engine stats calls for {kinds.count('stats')} answers"
+
+
+def test_an_engine_loop_that_dies_fails_its_requests_and_the_daemon_exits_1(tiny_model_dir, tmp_path):
+    """A failure outside a step (which would fail only its requests) leaves no engine to serve: the
+    waiting client hears of it at once, and the daemon exits 1 for its supervisor to restart it."""
+    broken = threading.Event()
+
+    def breakable(engine):
+        real = engine.has_unfinished
+
+        def has_unfinished():
+            if broken.is_set():
+                raise RuntimeError("injected engine-loop fault")
+            return real()
+        engine.has_unfinished = has_unfinished
+
+    settings = daemon_settings(tiny_model_dir, tmp_path)
+    server = Server(settings, make_engine_factory(tiny_model_dir, breakable))
+    ready = threading.Event()
+    server.ready_event = ready
+    result = {}
+    thread = threading.Thread(target=lambda: result.setdefault("code", server.run()), daemon=True)
+    thread.start()
+    assert ready.wait(60)
+    with client(server, timeout=10) as c:
+        stream = c.generate("x", max_tokens=1000, ignore_eos=True)
+        assert isinstance(next(stream), Token)
+        broken.set()
+        last = list(stream)[-1]
+    assert isinstance(last, Error) and last.code == "internal" and "the engine stopped" in last.message
+    thread.join(15)
+    assert not thread.is_alive() and result["code"] == 1
