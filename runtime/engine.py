@@ -69,6 +69,7 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings)
+        self.tokenizer.limit_tokens = self.max_model_len     # a text that cannot fit is refused untokenized
         self.block_manager = BlockManager(loaded.num_blocks, config.block_size, config.enable_prefix_cache)
         self.scheduler = Scheduler(self.block_manager, config.max_batch_tokens, config.max_num_seqs)
         self.kv_dtype = loaded.kv_dtype

@@ -28,6 +28,7 @@ MAX_MESSAGES = 1024
 MAX_MESSAGE_CHARS = 1 << 20
 MAX_TEXT_CHARS = 1 << 23
 MAX_PATH_CHARS = 4096
+TEXT_SLACK = 4          # margin over the longest token, for normalizers that drop characters
 
 # Fill-in-the-middle control tokens: the Qwen-coder spelling first, then the StarCoder one.
 _FIM_NAMES = {
@@ -80,6 +81,10 @@ class Tokenizer:
         self._text = text_tok
         self._special = special_tok
         self._source = source
+        # No token spells more than this many characters, so a text over ``limit_tokens`` of them times
+        # TEXT_SLACK cannot fit and is refused before the work of tokenizing it (set by the engine).
+        self._max_token_chars = max((len(t) for t in special_tok.get_vocab(with_added_tokens=True)), default=1)
+        self.limit_tokens: Optional[int] = None
         self._special_ids = self._collect_special_ids(config)
         self._eos = self._collect_eos(config, gen_config)
         self._bos = self._find_bos(config, gen_config)
@@ -230,6 +235,9 @@ class Tokenizer:
             raise InvalidRequest(f"prompt must be a string, got {type(text).__name__}")
         if len(text) > MAX_TEXT_CHARS:
             raise InvalidRequest(f"text is longer than {MAX_TEXT_CHARS} characters")
+        if self.limit_tokens and len(text) > self.limit_tokens * self._max_token_chars * TEXT_SLACK:
+            raise InvalidRequest(f"a text of {len(text)} characters cannot fit the context window of "
+                                 f"{self.limit_tokens} tokens; shorten it")
         tok = self._special if allow_special else self._text
         try:
             ids = tok.encode(text, add_special_tokens=add_special_tokens).ids

@@ -103,6 +103,12 @@ def test_bad_requests_fail_alone(tiny_model_dir):
         e.add_request("oov", [30, 10**9], SamplingParams())
     with pytest.raises(InvalidRequest, match="empty"):
         e.add_request("empty", [], SamplingParams())
+    # A text that cannot fit is refused from its length alone, before it is tokenized (no stall)
+    # and a text as long as it could be still tokenizes and meets the exact check.
+    with pytest.raises(InvalidRequest, match="characters cannot fit the context window of 64 tokens"):
+        e.add_request("huge", "x = 1\n" * 200_000, SamplingParams())
+    with pytest.raises(InvalidRequest, match="context window is 64"):
+        e.add_request("long text", "x = 1\n" * 100, SamplingParams())
     with pytest.raises(InvalidRequest, match="already in use"):
         e.add_request("good", [1], SamplingParams())
     texts = []
