@@ -9,6 +9,7 @@ The manifest is written last, and only when the gate passes: without it the dire
 """
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import time
@@ -68,7 +69,8 @@ def add_export_parser(sub) -> None:
     a("--eval-windows", type=int, default=8, help="windows of held-out text measured (default 8)")
     a("--eval-tokens", type=int, default=128, help="tokens per window (default 128)")
     a("--max-ppl-increase", type=float, help="fail when perplexity rises by more than this many percent")
-    a("--force", action="store_true", help="replace an existing output directory")
+    a("--force", action="store_true", help="replace an existing engine directory (one with a manifest.json); "
+      "it is replaced only once the new engine is complete")
     a("--out", required=True, help="engine directory to write")
     p.set_defaults(func=run_export)
 
@@ -82,6 +84,9 @@ def run_export(args) -> int:
     except QualityGateFailed as e:
         print(f"llmd export: quality gate failed: {e}", file=sys.stderr)
         return 3
+    except KeyboardInterrupt:
+        print(f"llmd export: interrupted; {args.out} was not written or changed", file=sys.stderr)
+        return 130
     except (LLMDError, OSError, ValueError) as e:
         print(f"llmd export: {e}", file=sys.stderr)
         return 2
@@ -117,21 +122,40 @@ class NoProgress(TqdmProgress):
 
 def export_engine(opts: ExportOptions, progress: TqdmProgress | None = None) -> dict:
     """Run the four phases; returns the summary (also stored in the manifest)."""
+    from .quantize import QuantSpec
 
+    progress = progress or NoProgress()
+    check_backend(opts)
+    spec = QuantSpec(opts.quant, opts.group_size, opts.symmetric, opts.head, opts.embed, opts.kv_dtype)
+    final, target = Path(opts.out), Path(opts.target)
+    parts = {"target": target} | ({"draft": Path(opts.draft)} if opts.draft else {})
+    check_out(final, opts.force, list(parts.values()))
+    # Built beside its destination and renamed into place once complete: a failure, a failed quality
+    # gate or Ctrl-C leaves the destination as it was.
+    out = final.parent / f".{final.name}.partial-{os.getpid()}"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    try:
+        summary = _export_into(out, opts, spec, parts, progress)
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(out, final)
+    return summary | {"out": str(final), "quantization": spec.to_dict(), "backend": opts.backend}
+
+
+def _export_into(out: Path, opts: ExportOptions, spec, parts: dict, progress) -> dict:
     from llmd.runtime.models.loader import load_model
     from llmd.runtime.tokenizer import Tokenizer
 
     from . import quality
     from .engine_dir import load_model_dir, save_model_dir, source_hashes
     from .manifest import write_manifest
-    from .quantize import QuantSpec, quantize_model
+    from .quantize import quantize_model
 
-    progress = progress or NoProgress()
-    check_backend(opts)
-    spec = QuantSpec(opts.quant, opts.group_size, opts.symmetric, opts.head, opts.embed, opts.kv_dtype)
-    out, target = Path(opts.out), Path(opts.target)
-    prepare_out(out, opts.force)
-    parts = {"target": target} | ({"draft": Path(opts.draft)} if opts.draft else {})
+    target = parts["target"]
     times: dict[str, float] = {}
 
     t = time.perf_counter()
@@ -177,10 +201,10 @@ def export_engine(opts: ExportOptions, progress: TqdmProgress | None = None) -> 
     times["validate"] = time.perf_counter() - t
     progress.close()
 
-    if opts.max_ppl_increase is not None and measured.ppl_increase * 100 > opts.max_ppl_increase:
+    if opts.max_ppl_increase is not None and not measured.ppl_increase * 100 <= opts.max_ppl_increase:
         raise QualityGateFailed(f"perplexity rose {100 * measured.ppl_increase:.2f} % ({measured.ppl_reference:.3f} -> "
                                 f"{measured.ppl_quantized:.3f}), more than --max-ppl-increase {opts.max_ppl_increase} %; "
-                                f"{out} has no manifest and will be refused")
+                                f"the engine was not written ({opts.out} is as it was)")
     summary = {"quality": measured.to_dict(), "times_s": times,
                "sizes": {name: {"source_bytes": dir_bytes(src, "*.safetensors"),
                                 "engine_bytes": dir_bytes(out / name, "*.safetensors")} for name, src in parts.items()}}
@@ -189,15 +213,26 @@ def export_engine(opts: ExportOptions, progress: TqdmProgress | None = None) -> 
         "models": {name: {"dir": name, "source": source_hashes(src)} for name, src in parts.items()},
         "tokenizer": {"dir": "target", "files": sorted(p.name for p in (out / "target").glob("tokenizer*"))},
         "artifacts": artifacts, **summary})
-    return summary | {"out": str(out), "quantization": spec.to_dict(), "backend": opts.backend}
+    return summary
 
 
-def prepare_out(out: Path, force: bool) -> None:
+def check_out(out: Path, force: bool, sources: list[Path]) -> None:
+    """Refuse a destination that is (or holds, or sits in) a model being exported, and one that is not
+    empty unless --force is given for an engine directory."""
+    here = out.resolve()
+    for src in sources:
+        s = src.resolve()
+        if here == s or s.is_relative_to(here) or here.is_relative_to(s):
+            raise ValueError(f"--out {out} would overwrite or sit inside the model being exported ({src}); "
+                             "choose another directory")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} exists and is not a directory")
     if out.exists() and any(out.iterdir()):
         if not force:
             raise ValueError(f"{out} exists and is not empty; pass --force to replace it")
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
+        if not (out / "manifest.json").is_file():
+            raise ValueError(f"{out} is not an llmd engine directory (no manifest.json), so --force will not "
+                             "delete it; remove it yourself or choose another --out")
 
 
 def check_backend(opts: ExportOptions) -> None:

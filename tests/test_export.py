@@ -143,7 +143,7 @@ def test_manifest_that_lies_about_quantization_is_refused(int8_engine, tmp_path)
     refused(eng, "tensors do not match")
 
 
-def test_quality_gate_fails_the_export_and_leaves_no_manifest(source, tmp_path, capsys):
+def test_quality_gate_fails_the_export_and_writes_nothing(source, tmp_path, capsys):
     # A random model's perplexity may move either way under quantization; measure the change
     # first, then set the limit just below it (fails) and just above it (passes).
     args = ["export", "--target", str(source), "--quant", "int4", "--group-size", "32",
@@ -153,11 +153,25 @@ def test_quality_gate_fails_the_export_and_leaves_no_manifest(source, tmp_path, 
     out = tmp_path / "gated"
     assert main(args + ["--max-ppl-increase", str(increase - 0.01), "--out", str(out)]) == 3
     assert "quality gate failed" in capsys.readouterr().err
-    assert not (out / "manifest.json").exists()
-    with pytest.raises(EngineDirError, match="no manifest.json"):
-        read_manifest(out)
-    assert main(args + ["--max-ppl-increase", str(increase + 0.01), "--out", str(out), "--force"]) == 0
+    assert not out.exists() and list(tmp_path.glob(".gated.partial*")) == []
+    assert main(args + ["--max-ppl-increase", str(increase + 0.01), "--out", str(out)]) == 0
     assert (out / "manifest.json").exists()
+    before = (out / "manifest.json").read_bytes()
+    # a failed gate over an existing engine leaves it whole
+    assert main(args + ["--max-ppl-increase", str(increase - 0.01), "--out", str(out), "--force"]) == 3
+    assert (out / "manifest.json").read_bytes() == before and read_manifest(out)
+
+
+def test_export_refuses_to_overwrite_its_source_or_a_directory_that_is_not_an_engine(source, tmp_path, capsys):
+    assert main(["export", "--target", str(source), "--out", str(source), "--force"]) == 2
+    assert "would overwrite or sit inside the model being exported" in capsys.readouterr().err
+    assert main(["export", "--target", str(source), "--out", str(source.parent), "--force"]) == 2
+    assert (source / "config.json").is_file()
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "keep.txt").write_text("mine")
+    assert main(["export", "--target", str(source), "--out", str(other), "--force"]) == 2
+    assert "not an llmd engine directory" in capsys.readouterr().err and (other / "keep.txt").is_file()
 
 
 def test_cli_prints_the_summary_table(source, tmp_path, capsys):
