@@ -3,9 +3,11 @@
 One rule instead of phases: each request's ``num_computed_tokens`` chases ``num_tokens`` (plus its
 speculative tokens), within a per-step token budget. Running requests go first, in priority order, so
 a decode is never starved by a prompt; waiting requests then take what budget is left, a prompt
-possibly split into chunks across steps. When the pool runs out, the least important running request
-(lowest priority, latest arrival) is preempted: its blocks are freed and it is recomputed later from
-its tokens, which gives the same output.
+possibly split into chunks across steps. A waiting request more important than some running one is
+admitted first, before the running requests take the budget, preempting less important running ones
+when it needs their blocks or their sequence slot. When the pool runs out, the least important running
+request (lowest priority, latest arrival) is preempted: its blocks are freed and it is recomputed later
+from its tokens, which gives the same output.
 
 The scheduler is the only writer of the queues, of ``status`` and of ``num_computed_tokens``.
 """
@@ -93,7 +95,10 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_batch_tokens
         self.running.sort(key=lambda r: (r.priority, r.arrival_seq))
-        candidates = list(self.running)
+        if self.running:              # more important than some running request: admitted first
+            budget = self._admit(out, budget, more_important_than=self.running[-1].priority)
+        admitted = {id(s.request) for s in out.scheduled}
+        candidates = [r for r in self.running if id(r) not in admitted]
         while candidates and budget > 0:
             req = candidates.pop(0)
             n, spec = self._wanted(req, budget)
@@ -124,10 +129,18 @@ class Scheduler:
         n = min(base + want, budget)
         return n, max(0, n - base)
 
-    def _admit(self, out: SchedulerOutput, budget: int) -> int:
+    def _admit(self, out: SchedulerOutput, budget: int, more_important_than: Priority | None = None) -> int:
         for priority in Priority:
+            if more_important_than is not None and priority >= more_important_than:
+                return budget
             queue = self.waiting[priority]
-            while queue and budget > 0 and len(self.running) < self.max_num_seqs:
+            while queue and budget > 0:
+                if len(self.running) >= self.max_num_seqs:
+                    victim = self._lowest_running_below(priority, out)
+                    if victim is None:
+                        return budget
+                    self._preempt(victim, out)
+                    continue
                 req = queue[0]
                 if self.bm.blocks_needed(req.num_tokens + 1) > self.bm.num_blocks:
                     # Even an empty pool could not hold it: end it rather than wait forever.

@@ -138,6 +138,34 @@ def test_priority_admission_and_preemption(tiny_model_dir):
     assert preempted[0] == "b"
 
 
+@pytest.mark.parametrize("limit", ["blocks", "sequences"])
+def test_an_interactive_request_arriving_later_preempts_running_batch_work_at_once(tiny_model_dir, limit):
+    """Running batch requests hold the whole pool (or every sequence slot): an interactive request that
+    arrives later is admitted at the next step, in place of the latest batch request, which is then
+    recomputed with its output unchanged."""
+    kw = dict(kv_memory=64 * 2 * 2 * 32 * 4, block_size=16) if limit == "blocks" else dict(max_num_seqs=2)   # 4 blocks
+    long = SamplingParams(max_tokens=40, ignore_eos=True)
+    alone = [c.token_ids for c in LLM(str(tiny_model_dir), kv_memory="8MiB").generate([[5] * 20, [6] * 20], long)]
+    e = LLM(str(tiny_model_dir), **kw).engine
+    e.add_request("b1", [5] * 20, long, priority="batch")
+    e.add_request("b2", [6] * 20, long, priority="batch")
+    outs: dict[str, list[int]] = {}
+
+    def step():
+        for o in e.step():
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+    for _ in range(3 if limit == "sequences" else 12):
+        step()
+    assert {r.request_id for r in e.scheduler.running} == {"b1", "b2"}
+    e.add_request("i", [7] * 20, SamplingParams(max_tokens=4, ignore_eos=True), priority="interactive")
+    step()
+    assert "i" in {r.request_id for r in e.scheduler.running}
+    assert e.scheduler.requests["b2"].metrics.preemptions == 1
+    while e.has_unfinished():
+        step()
+    assert [outs["b1"], outs["b2"]] == alone and len(outs["i"]) == 4
+
+
 def test_int8_kv_cache_stays_close(tiny_model_dir, ps, alone):
     got, st = run(tiny_model_dir, ps, kv_dtype="int8")
     assert st["kv_dtype"] == "int8"
