@@ -40,14 +40,16 @@ class LLM:
             prompts = [prompts]
         params = params or SamplingParams()
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling parameters")
         done: dict[str, Completion] = {}
         order = []
-        for prompt, p in zip(prompts, plist, strict=True):
-            rid = f"llm-{next(self._ids)}"
-            self.engine.add_request(rid, prompt, p, priority)
-            done[rid] = Completion(rid)
-            order.append(rid)
-        try:
+        try:              # a prompt refused part way leaves none of the ones added before it behind
+            for prompt, p in zip(prompts, plist):
+                rid = f"llm-{next(self._ids)}"
+                self.engine.add_request(rid, prompt, p, priority)
+                done[rid] = Completion(rid)
+                order.append(rid)
             while any(done[r].finish_reason is None for r in order):
                 for out in self.engine.step():
                     if out.request_id in done:

@@ -119,3 +119,15 @@ def test_bad_requests_fail_alone(tiny_model_dir):
     assert [o.request_id for o in final] == ["good"] and final[0].metrics["output_tokens"] == 8
     st = e.stats()
     assert st["kv_blocks_free"] == st["kv_blocks_total"]
+
+
+def test_generate_with_one_bad_prompt_leaves_no_request_behind(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), kv_memory="4MiB", max_model_len=64)
+    with pytest.raises(InvalidRequest, match="context window is 64"):
+        llm.generate([[30, 31], [32, 33], [30] * 64], SamplingParams(max_tokens=4))
+    finals = llm.engine.step()               # only the two aborted requests' final outputs remain
+    assert [(o.finish_reason, o.new_token_ids) for o in finals] == [("abort", [])] * 2
+    assert not llm.engine.has_unfinished()
+    st = llm.stats()
+    assert st["running"] == 0 and st["waiting"] == 0 and st["kv_blocks_free"] == st["kv_blocks_total"]
+    assert [len(c.token_ids) for c in llm.generate([[30, 31]], SamplingParams(max_tokens=4, ignore_eos=True))] == [4]
