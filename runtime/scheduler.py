@@ -103,6 +103,9 @@ class Scheduler:
             req = candidates.pop(0)
             n, spec = self._wanted(req, budget)
             while not self.bm.can_append(req, req.num_computed_tokens + n):
+                if spec:                  # proposal slots are optional: dropped before anyone is preempted
+                    n, spec = n - spec, 0
+                    continue
                 victim = candidates.pop() if candidates else req
                 if victim is req and not out.scheduled and not out.preempted:
                     # Alone and still out of blocks: the pool cannot hold this request any longer.

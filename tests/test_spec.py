@@ -171,3 +171,16 @@ def test_the_default_depth_follows_the_proposer(tiny_model_dir, drafts):
     assert LLM(str(tiny_model_dir), draft=drafts["other"], kv_memory="8MiB").engine.num_speculative_tokens == 4
     assert LLM(str(tiny_model_dir), draft="auto", kv_memory="8MiB").engine.num_speculative_tokens == 8
     assert LLM(str(tiny_model_dir), draft="ngram", num_speculative_tokens=3, kv_memory="8MiB").engine.num_speculative_tokens == 3
+
+
+def test_proposal_slots_are_dropped_before_a_request_is_ended_for_want_of_blocks(tiny_model_dir):
+    """A pool of two 4-token blocks ends a long answer when it is full; asking for 4 proposal slots on top
+    must not end it sooner: the proposals go, the tokens stay."""
+    prompt, p = [5, 6, 5, 6, 5], SamplingParams(max_tokens=10, ignore_eos=True)
+    small = dict(kv_memory=8 * 512, block_size=4)
+    plain = LLM(str(tiny_model_dir), **small).generate([prompt], p)[0]
+    spec = LLM(str(tiny_model_dir), **small, draft="ngram", num_speculative_tokens=4, adaptive_speculation=False)
+    assert spec.engine.block_manager.num_blocks == 2
+    got = spec.generate([prompt], p)[0]
+    assert plain.finish_reason == "length" and len(plain.token_ids) >= 3
+    assert (got.token_ids, got.finish_reason) == (plain.token_ids, "length")
