@@ -54,7 +54,8 @@ class EngineConfig:
     device: str = "auto"                     # one of DEVICES
     # None: an engine directory's own draft, if it has one; "auto": that, else n-gram lookup for greedy
     # requests only (their output cannot change; sampled ones keep their seeds' texts); "ngram" (every
-    # request); "none"; or the path of a draft model directory
+    # request); "none"; or the path of a draft model directory. A sampled request with its own seed never
+    # speculates (spec/controller.py: may_speculate)
     draft: Optional[str] = None
     num_speculative_tokens: Optional[int] = None  # maximum k; None: NGRAM_K for n-gram, DRAFT_K for a draft
                                                    # model (the engine resolves it once it knows which)

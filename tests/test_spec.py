@@ -184,3 +184,19 @@ def test_proposal_slots_are_dropped_before_a_request_is_ended_for_want_of_blocks
     got = spec.generate([prompt], p)[0]
     assert plain.finish_reason == "length" and len(plain.token_ids) >= 3
     assert (got.token_ids, got.finish_reason) == (plain.token_ids, "length")
+
+
+def test_a_seeded_sampled_request_gives_its_seeds_text_with_a_draft_alone_or_in_a_batch(tiny_model_dir, drafts):
+    """Speculation keeps a sampled request's distribution, but which text a seed gives would follow how
+    deep each step speculated (which follows the batch): a request with its own seed does not speculate,
+    so its text is the seed's text with or without a draft, alone or beside others."""
+    ps = prompts()
+    seeded = SamplingParams(max_tokens=24, temperature=0.9, seed=11, ignore_eos=True)
+    want = run(tiny_model_dir, ps[:1], seeded)[0][0]
+    kw = dict(draft=drafts["same"], num_speculative_tokens=4)
+    assert run(tiny_model_dir, ps[:1], seeded, **kw)[0][0] == want
+    mixed = [seeded] + [SamplingParams(max_tokens=24, ignore_eos=True)] * 5
+    llm = LLM(str(tiny_model_dir), kv_memory="8MiB", **kw)
+    outs = llm.generate(ps[:6], mixed)
+    assert outs[0].token_ids == want
+    assert llm.stats()["spec_proposed"] > 0           # the greedy neighbours did speculate

@@ -117,7 +117,7 @@ class SpecController:
     def __init__(self, max_k: int, max_model_len: int, adaptive: bool = True, proposer_is_free: bool = False,
                  greedy_only: bool = False):
         self.max_k = max_k
-        self.greedy_only = greedy_only            # sampled requests never speculate (their seeds' texts stay)
+        self.greedy_only = greedy_only            # sampled requests never speculate (n-gram lookup, draft "auto")
         self.max_model_len = max_model_len
         self.adaptive = adaptive
         self.proposer_is_free = proposer_is_free      # n-gram lookup costs no forward
@@ -138,15 +138,22 @@ class SpecController:
         self.disabled_steps = 0
         self.last_plan: dict = {}
 
+    def may_speculate(self, r: Request) -> bool:
+        """Greedy requests always: their output cannot change. A sampled one keeps the target's
+        distribution under speculation, but which text a seed gives would then depend on how deep each
+        step speculated, which follows the batch; so a request with its own seed never speculates (its
+        seed gives the same text alone or in any batch), nor any sampled one where ``greedy_only``."""
+        p = r.params
+        return p.greedy or (not self.greedy_only and p.seed is None)
+
     def plan(self, decoding: list[Request], other_tokens: int) -> None:
         """Set ``spec_k`` on each decoding request (0 = no speculation this step)."""
-        if self.greedy_only:
-            sampled = [r for r in decoding if not r.params.greedy]
-            for r in sampled:
-                r.spec_k = 0
-            if sampled:     # they decode one row each, as prompt chunks add rows: planned as other tokens
-                decoding = [r for r in decoding if r.params.greedy]
-                other_tokens += len(sampled)
+        held = [r for r in decoding if not self.may_speculate(r)]
+        for r in held:
+            r.spec_k = 0
+        if held:            # they decode one row each, as prompt chunks add rows: planned as other tokens
+            decoding = [r for r in decoding if self.may_speculate(r)]
+            other_tokens += len(held)
         b = len(decoding)
         self._step = (b, other_tokens)
         # what an "off" choice rests on: the requests (no acceptance is observed while off) and the
