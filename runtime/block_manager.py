@@ -3,16 +3,19 @@
     pool:   | b0 | b1 | b2 | ... | bN-1 |        each block holds `block_size` token slots
     request.block_ids = [b7, b2, b9]            its tokens 0..15 live in b7, 16..31 in b2, ...
 
-A full block is keyed by a hash chained over its parent's key, its token ids and the request's cache
-salt, and stays keyed after it is freed. The free list *is* the LRU: a block whose reference count
+A full block is keyed by a 128-bit BLAKE2b digest chained over its parent's key, its token ids and
+the request's cache salt, and stays keyed after it is freed. The free list *is* the LRU: a block whose reference count
 drops to zero joins the free list (unkeyed blocks at the evict-first end, keyed ones at the other end,
 a request's tail before its head), and a keyed block is only forgotten when it is handed out again.
-A lookup compares the stored tokens and parent key, so a hash collision can never serve wrong KV.
+A lookup also compares the stored tokens and parent key. The digest is cryptographic so that
+nobody can make two keys meet on purpose: a request can only hit blocks written under its own salt.
 
 The block manager is the only writer of reference counts, keys, the free list and request.block_ids.
 """
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional
@@ -46,7 +49,11 @@ ROOT_KEY = 0
 
 
 def block_key(parent_key: int, tokens: tuple, salt: Optional[str]) -> int:
-    return hash((parent_key, salt, tokens))
+    h = hashlib.blake2b(parent_key.to_bytes(16, "little"), digest_size=16)
+    s = b"" if salt is None else salt.encode("utf-8", "surrogatepass")
+    h.update((0 if salt is None else len(s) + 1).to_bytes(8, "little") + s)    # no salt differs from ""
+    h.update(array("q", tokens).tobytes())
+    return int.from_bytes(h.digest(), "little")
 
 
 class BlockManager:
