@@ -80,6 +80,44 @@ def test_malformed_config_json(tiny_model_dir, tmp_path):
         LLM(str(d))
 
 
+@pytest.mark.parametrize("change, match", [
+    ({"rope_scaling": {"rope_type": "linear", "factor": 0}}, "rope scaling's factor must be a finite positive number"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": "2"}}, "rope scaling's factor must be a finite positive"),
+    ({"rope_theta": float("inf")}, "rope_theta must be a finite positive number"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8, "low_freq_factor": 4, "high_freq_factor": 1}},
+     "high_freq_factor > low_freq_factor"),
+    ({"eos_token_id": ["</s>"]}, "'eos_token_id' must be a token id"),
+    ({"tie_word_embeddings": "false"}, "'tie_word_embeddings' must be true or false"),
+    ({"quantization_config": {"quant_method": "fp8"}}, "already quantized"),
+    ({"vocab_size": 10 ** 9}, "more than .* bytes of safetensors can hold"),
+])
+def test_inconsistent_config_values_are_refused_naming_the_file(tiny_model_dir, tmp_path, change, match):
+    d = copy_model(tiny_model_dir, tmp_path / "m")
+    cfg = {**json.loads((d / "config.json").read_text()), **change}
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=match):
+        LLM(str(d), kv_memory="4MiB")
+
+
+def test_weights_of_an_unloadable_dtype_or_found_twice_are_refused(tiny_model_dir, tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+    d = copy_model(tiny_model_dir, tmp_path / "fp8")
+    tensors = load_file(str(d / "model.safetensors"))
+    name = next(k for k in tensors if k.endswith("down_proj.weight"))
+    save_file({**tensors, name: tensors[name].to(torch.float8_e4m3fn)}, str(d / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=f"tensor '{name}' has dtype float8_e4m3fn"):
+        LLM(str(d), kv_memory="4MiB")
+    d = copy_model(tiny_model_dir, tmp_path / "twice")
+    save_file({name: tensors[name]}, str(d / "zz-extra.safetensors"))
+    with pytest.raises(ModelLoadError, match=f"tensor '{name}' is also in another safetensors file"):
+        LLM(str(d), kv_memory="4MiB")
+    d = copy_model(tiny_model_dir, tmp_path / "index")
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {name: 1}}))
+    with pytest.raises(ModelLoadError, match="weight_map values must be shard file names"):
+        LLM(str(d), kv_memory="4MiB")
+
+
 @pytest.mark.parametrize("make_params, match", [
     (lambda: SamplingParams(max_tokens=0), "max_tokens"),
     (lambda: SamplingParams(max_tokens=-5), "max_tokens"),

@@ -135,8 +135,25 @@ class ModelConfig:
             max_pos = window
 
         rope_theta, scaling = _rope(raw, fail)
-        eos = raw.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
+
+        def get_bool(key: str, default: bool) -> bool:
+            v = raw.get(key, default)
+            if not isinstance(v, bool):
+                fail(f"'{key}' must be true or false, got {v!r}")
+            return v
+
+        def token_ids(key: str) -> tuple[int, ...]:
+            v = raw.get(key)
+            ids = v if isinstance(v, list) else ([] if v is None else [v])
+            if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+                fail(f"'{key}' must be a token id or a list of them, got {v!r}")
+            return tuple(ids)
+
+        if raw.get("quantization_config"):
+            fail("this checkpoint is already quantized (quantization_config); llmd loads float32, bfloat16 or "
+                 "float16 weights and quantizes them itself with `llmd export --quant ...`")
+        eos_ids = token_ids("eos_token_id")
+        bos_ids = token_ids("bos_token_id")
         dtype = raw.get("torch_dtype") or raw.get("dtype") or "float32"
         return cls(
             architecture=arch, family=family,
@@ -144,10 +161,10 @@ class ModelConfig:
             intermediate_size=get_int("intermediate_size"), num_layers=get_int("num_hidden_layers"),
             num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, max_position_embeddings=max_pos,
             rms_norm_eps=get_float("rms_norm_eps", 1e-6), rope_theta=rope_theta, rope_scaling=scaling,
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=True if family == "qwen2" else bool(raw.get("attention_bias", False)),
-            qk_norm=family == "qwen3", mlp_bias=bool(raw.get("mlp_bias", False)),
-            torch_dtype=str(dtype), bos_token_id=raw.get("bos_token_id") if isinstance(raw.get("bos_token_id"), int) else None,
+            tie_word_embeddings=get_bool("tie_word_embeddings", False),
+            attention_bias=True if family == "qwen2" else get_bool("attention_bias", False),
+            qk_norm=family == "qwen3", mlp_bias=get_bool("mlp_bias", False),
+            torch_dtype=str(dtype), bos_token_id=bos_ids[0] if bos_ids else None,
             eos_token_ids=eos_ids,
         )
 
@@ -159,11 +176,19 @@ def _rope(raw: dict, fail) -> tuple[float, RopeScaling]:
     if not isinstance(params, dict) or not isinstance(scaling, dict):
         fail("rope_parameters / rope_scaling must be objects")
     merged = {**scaling, **params}
-    theta = merged.get("rope_theta", raw.get("rope_theta", 10000.0))
-    if not isinstance(theta, (int, float)) or theta <= 0:
-        fail(f"rope_theta must be positive, got {theta!r}")
+    def positive(name: str, v) -> float:
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
+            fail(f"{name} must be a finite positive number, got {v!r}")
+        return v
+
+    theta = positive("rope_theta", merged.get("rope_theta", raw.get("rope_theta", 10000.0)))
     rope_type = merged.get("rope_type", merged.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         fail(f"rope type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
-    fields = {k: merged[k] for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings") if k in merged}
-    return float(theta), RopeScaling(rope_type=rope_type, **fields)
+    fields = {k: positive(f"rope scaling's {k}", merged[k])
+              for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings") if k in merged}
+    scaling = RopeScaling(rope_type=rope_type, **fields)
+    if rope_type == "llama3" and not scaling.high_freq_factor > scaling.low_freq_factor:
+        fail(f"llama3 rope scaling needs high_freq_factor > low_freq_factor, got {scaling.high_freq_factor} "
+             f"and {scaling.low_freq_factor}")
+    return float(theta), scaling

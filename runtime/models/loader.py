@@ -54,6 +54,9 @@ def checkpoint_layout(cfg: ModelConfig) -> dict[str, tuple[str, int, tuple[int, 
     return out
 
 
+LOADABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def safetensors_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
@@ -62,6 +65,8 @@ def safetensors_files(path: Path) -> list[Path]:
             names = sorted(set(weight_map.values()))
         except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
             raise ModelLoadError(f"{index}: malformed shard index ({e})") from None
+        if not all(isinstance(n, str) and n for n in names):
+            raise ModelLoadError(f"{index}: weight_map values must be shard file names")
         files = [path / n for n in names]
         for f in files:
             if not f.is_file() or f.parent != path:
@@ -94,6 +99,11 @@ def load_model(path: str | Path, dtype: str = "float32", cfg: ModelConfig | None
         raise ModelLoadError(f"dtype {dtype!r} is not supported; choose one of {sorted(DTYPES)}")
     torch_dtype = DTYPES[dtype]
     layout = checkpoint_layout(cfg)
+    files = safetensors_files(path)
+    stored = sum(f.stat().st_size for f in files)
+    if cfg.num_parameters() * 2 > stored:     # no loadable dtype takes under 2 bytes a weight
+        raise ModelLoadError(f"{path}: config.json describes {cfg.num_parameters():,} weights, more than "
+                             f"{stored:,} bytes of safetensors can hold; is config.json from this model?")
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     model.rotary = None                       # its tables are built below, in float32
@@ -101,7 +111,6 @@ def load_model(path: str | Path, dtype: str = "float32", cfg: ModelConfig | None
     model.rotary = Rotary(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)  # float32 tables
     params = dict(model.named_parameters())
     seen: set[str] = set()
-    files = safetensors_files(path)
     for n, (f, name, tensor) in enumerate(iter_tensors(files)):
         if name.endswith(IGNORED_SUFFIXES):
             continue
@@ -113,8 +122,12 @@ def load_model(path: str | Path, dtype: str = "float32", cfg: ModelConfig | None
         target, offset, shape = layout[name]
         if tuple(tensor.shape) != shape:
             raise ModelLoadError(f"{f}: tensor {name!r} has shape {tuple(tensor.shape)}, config.json implies {shape}")
-        if not tensor.is_floating_point():
-            raise ModelLoadError(f"{f}: tensor {name!r} has dtype {tensor.dtype}, expected a float type")
+        if tensor.dtype not in LOADABLE_DTYPES:
+            raise ModelLoadError(f"{f}: tensor {name!r} has dtype {str(tensor.dtype).removeprefix('torch.')}; llmd "
+                                 "loads float32, bfloat16 and float16 weights (a quantized checkpoint is not one)")
+        if name in seen:
+            raise ModelLoadError(f"{f}: tensor {name!r} is also in another safetensors file; remove the "
+                                 "stale file (a leftover model.safetensors beside shards?)")
         if not torch.isfinite(tensor).all():
             raise ModelLoadError(f"{f}: tensor {name!r} contains NaN or infinity")
         params[target].data[offset:offset + shape[0]].copy_(tensor)
