@@ -9,6 +9,7 @@ The manifest is written last, and only when the gate passes: without it the dire
 """
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import sys
@@ -40,6 +41,15 @@ class ExportOptions:
     force: bool = False
     shape_buckets: dict = field(default_factory=lambda: {"batch": [1, 2, 4, 8, 16, 32, 64],
                                                          "tokens": [1, 16, 64, 256, 512]})
+
+    def __post_init__(self):
+        if self.eval_windows < 1:
+            raise ValueError(f"--eval-windows must be at least 1, got {self.eval_windows}")
+        if self.eval_tokens < 2:
+            raise ValueError(f"--eval-tokens must be at least 2 (a window predicts its tokens after the first), "
+                             f"got {self.eval_tokens}")
+        if self.max_ppl_increase is not None and not math.isfinite(self.max_ppl_increase):
+            raise ValueError(f"--max-ppl-increase must be a finite percentage, got {self.max_ppl_increase}")
 
 
 class QualityGateFailed(Exception):
@@ -78,8 +88,8 @@ def add_export_parser(sub) -> None:
 def run_export(args) -> int:
     from llmd.runtime.errors import LLMDError
     keys = ExportOptions.__dataclass_fields__
-    opts = ExportOptions(**{k: v for k, v in vars(args).items() if k in keys})
     try:
+        opts = ExportOptions(**{k: v for k, v in vars(args).items() if k in keys})
         summary = export_engine(opts, TqdmProgress())
     except QualityGateFailed as e:
         print(f"llmd export: quality gate failed: {e}", file=sys.stderr)
@@ -147,6 +157,7 @@ def export_engine(opts: ExportOptions, progress: TqdmProgress | None = None) -> 
 
 
 def _export_into(out: Path, opts: ExportOptions, spec, parts: dict, progress) -> dict:
+    from llmd.runtime.loading import check_vocab
     from llmd.runtime.models.loader import load_model
     from llmd.runtime.tokenizer import Tokenizer
 
@@ -165,6 +176,10 @@ def _export_into(out: Path, opts: ExportOptions, spec, parts: dict, progress) ->
         models[name] = load_model(src, "float32")
         progress.advance()
     tokenizer = Tokenizer.from_dir(target)
+    check_vocab(target, tokenizer, models["target"].config)
+    if opts.eval_tokens > models["target"].config.max_position_embeddings:
+        raise ValueError(f"--eval-tokens {opts.eval_tokens} is longer than the target's context window "
+                         f"({models['target'].config.max_position_embeddings} positions)")
     texts, source = quality.heldout_texts(opts.eval_file)
     windows = quality.token_windows(tokenizer, texts, opts.eval_tokens, opts.eval_windows,
                                     models["target"].config.vocab_size)

@@ -16,6 +16,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from llmd.runtime.errors import EngineDirError, ModelLoadError
+from llmd.runtime.loading import check_vocab
 from llmd.runtime.models.config import ModelConfig
 from llmd.runtime.models.layers import Rotary
 from llmd.runtime.models.llama import LlamaForCausalLM
@@ -112,10 +113,14 @@ def load_engine_part(path: Path, manifest: dict, part: str, dtype: str = "float3
     if not isinstance(entry, dict) or not isinstance(entry.get("dir"), str):
         raise EngineDirError(f"{path / 'manifest.json'}: no {part} model recorded")
     sub = path / entry["dir"]
+    if not sub.resolve().is_relative_to(path.resolve()) or sub.resolve() == path.resolve():
+        raise EngineDirError(f"{path / 'manifest.json'}: the {part} directory {entry['dir']!r} is not inside the "
+                             "engine directory")
     spec = QuantSpec.from_dict(entry.get("quantization", manifest["quantization"]))
     model, cfg = load_model_dir(sub, spec, dtype)
     try:
         tokenizer = Tokenizer.from_dir(sub)
+        check_vocab(sub, tokenizer, cfg)
     except ModelLoadError as e:
         raise EngineDirError(f"{sub}: {e}") from None
     return model, cfg, tokenizer

@@ -66,8 +66,10 @@ def token_windows(tokenizer, texts: list[str], window: int, count: int, vocab_si
     n = min(count, len(ids) // window)
     if n == 0:
         raise ValueError(f"held-out text too short: {len(ids)} tokens, need at least {window}")
-    out = torch.tensor(ids[:n * window], dtype=torch.long).view(n, window)
-    return out.clamp(max=vocab_size - 1)
+    if max(ids[:n * window]) >= vocab_size:
+        raise ValueError(f"the tokenizer gives id {max(ids[:n * window])}, outside the model's vocabulary of "
+                         f"{vocab_size}")
+    return torch.tensor(ids[:n * window], dtype=torch.long).view(n, window)
 
 
 @dataclass(frozen=True)

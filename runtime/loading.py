@@ -107,12 +107,17 @@ def engine_backend(path: Path, manifest: dict, device: str = "auto"):
 def load_hf_model(path: Path, dtype: str, progress=None) -> tuple[LlamaForCausalLM, ModelConfig, Tokenizer]:
     cfg = ModelConfig.from_dir(path)
     tokenizer = Tokenizer.from_dir(path)
-    if tokenizer.vocab_size > cfg.vocab_size:
-        raise ModelLoadError(f"{path / 'tokenizer.json'}: tokenizer has {tokenizer.vocab_size} tokens but "
-                             f"config.json says vocab_size {cfg.vocab_size}")
+    check_vocab(path, tokenizer, cfg)
     model = load_model(path, dtype, cfg, progress=progress)
     model.prepare_for_inference()
     return model, cfg, tokenizer
+
+
+def check_vocab(path: Path, tokenizer: Tokenizer, cfg: ModelConfig) -> None:
+    """A tokenizer with more tokens than the model's embedding would feed it ids it has no row for."""
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise ModelLoadError(f"{Path(path) / 'tokenizer.json'}: tokenizer has {tokenizer.vocab_size} tokens but "
+                             f"config.json says vocab_size {cfg.vocab_size}")
 
 
 def kv_blocks(cfgs: list[ModelConfig], config: EngineConfig, kv_dtype: str = "auto") -> int:

@@ -15,6 +15,7 @@ from llmd.export.quality import heldout_texts
 from llmd.runtime.config import EngineConfig
 from llmd.runtime.errors import EngineDirError
 
+REPO = Path(__file__).resolve().parents[1]
 FAST = dict(eval_windows=2, eval_tokens=64)
 
 
@@ -226,3 +227,25 @@ def test_a_compiled_backend_with_another_kv_dtype_is_refused_before_any_work(sou
         export_engine(ExportOptions(str(source), str(out), quant="none", backend="onnxruntime", kv_dtype="bfloat16",
                                     **FAST))
     assert not out.exists()
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--eval-tokens", "0"], "--eval-tokens must be at least 2"),
+    (["--eval-windows", "0"], "--eval-windows must be at least 1"),
+    (["--max-ppl-increase", "nan"], "--max-ppl-increase must be a finite percentage"),
+    (["--eval-tokens", "100000"], "longer than the target's context window"),
+])
+def test_bad_export_flags_are_refused_with_a_message(source, tmp_path, capsys, flags, match):
+    assert main(["export", "--target", str(source), "--out", str(tmp_path / "e"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert match in err and "Traceback" not in err and not (tmp_path / "e").exists()
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused_by_export(source, tmp_path, capsys):
+    import shutil
+    src = tmp_path / "src"
+    shutil.copytree(source, src)
+    shutil.copyfile(REPO / "models" / "code-target" / "tokenizer.json", src / "tokenizer.json")   # 8,192 tokens
+    assert main(["export", "--target", str(src), "--out", str(tmp_path / "e")]) == 2
+    err = capsys.readouterr().err
+    assert "tokenizer has 8192 tokens but config.json says vocab_size" in err and not (tmp_path / "e").exists()
