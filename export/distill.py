@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 
-from ..runtime.errors import ModelLoadError
+from ..runtime.errors import LLMDError, ModelLoadError
 from ..runtime.models.config import ModelConfig
 from ..runtime.models.llama import LlamaForCausalLM
 from ..runtime.models.loader import load_model
@@ -141,7 +144,17 @@ def distill(target_dir: Path, out: Path, tokens: np.ndarray, cfg: TrainConfig, w
               f"speculation pays best under {MAX_FLOPS_RATIO:.2f}")
     sampler = DocSampler(tokens, cfg.seq_len, cfg.batch_size, cfg.seed, end_of_text_id(target_dir))
     state = train(draft, sampler, cfg, work, loss_fn=kl_loss(target), desc="distill", session_steps=session_steps)
-    write_model_dir(draft, config, target_dir, out)      # the tokenizer files come from the target
+    # the tokenizer files come from the target; written beside ``out`` and renamed into place whole
+    partial = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        write_model_dir(draft, config, target_dir, partial)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(partial, out)
     return state
 
 
@@ -257,6 +270,19 @@ def add_distill_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def main(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        print("llmd distill: interrupted; the same command resumes from the last checkpoint", file=sys.stderr)
+        return 130
+    except (LLMDError, OSError, ValueError) as e:
+        print(f"llmd distill: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.on_policy < 0:
+        raise ValueError(f"--on-policy takes a number of samples >= 0, got {args.on_policy}")
     if args.threads:
         torch.set_num_threads(args.threads)
     work = args.work or args.out.with_name(args.out.name + ".ckpt")
@@ -266,8 +292,6 @@ def main(args: argparse.Namespace) -> int:
                       warmup_steps=min(30, max(1, args.steps // 10)), budget_s=args.minutes * 60, seed=args.seed)
     preflight(args.target, args.out, args.init)
     tokens = corpus_tokens(args.target, args.corpus, work, args.seed)
-    if args.on_policy < 0:
-        raise ValueError(f"--on-policy takes a number of samples >= 0, got {args.on_policy}")
     if args.on_policy:
         tokens = with_on_policy(args.target, tokens, args.on_policy, work, args.seed, args.seq_len)
     state = distill(args.target, args.out, tokens, cfg, work, shape=shape, init=args.init,

@@ -76,7 +76,7 @@ def write_model_dir(model: LlamaForCausalLM, config: dict, tokenizer_dir: Path, 
                   metadata={"format": "pt"})
         config = {**config, "torch_dtype": "bfloat16"}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    gen = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"], "do_sample": False}
+    gen = {k: config[k] for k in ("bos_token_id", "eos_token_id") if config.get(k) is not None} | {"do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     for name in TOKENIZER_FILES:
         shutil.copyfile(tokenizer_dir / name, out / name)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +16,6 @@ from llmd.export import bpe, corpus
 from llmd.export.distill import add_distill_parser, kl_loss
 from llmd.export.train_demo import hf_config, new_model, write_model_dir
 from llmd.export.train_loop import DocSampler
-from llmd.runtime.errors import ModelLoadError
 from llmd.runtime.models.loader import load_model
 
 SOURCE = '''
@@ -72,16 +72,17 @@ def run_distill(*argv: str) -> int:
     return args.func(args)
 
 
-def test_refuses_a_draft_with_another_tokenizer(setup):
+def test_refuses_a_draft_with_another_tokenizer(setup, capsys):
     tmp, src = setup
     other_tok = make_tokenizer(src, tmp / "other-tok", vocab_size=300)
     other = tmp / "other-draft"
     other.mkdir()
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (other / name).write_bytes((other_tok / name).read_bytes())
-    with pytest.raises(ModelLoadError, match="different tokenizers.*vocabulary sizes differ"):
-        run_distill("--target", str(tmp / "target"), "--out", str(other), "--corpus", str(src),
-                    "--steps", "2", *DRAFT_ARGS)
+    assert run_distill("--target", str(tmp / "target"), "--out", str(other), "--corpus", str(src),
+                       "--steps", "2", *DRAFT_ARGS) == 2
+    err = capsys.readouterr().err
+    assert re.search("llmd distill: .*different tokenizers.*vocabulary sizes differ", err) and "Traceback" not in err
     assert not (other / "model.safetensors").exists()
 
 
@@ -145,6 +146,5 @@ def test_on_policy_samples_are_the_targets_greedy_continuations(setup):
         want = llm.generate([prompt], SamplingParams(max_tokens=10, temperature=0.0))[0].token_ids
         assert doc.tolist() == prompt + want + ([] if want[-1] == end else [end])
     assert json.loads((tmp / "onp.ckpt" / "train_state.json").read_text())["step"] == 2
-    with pytest.raises(ValueError, match="--on-policy"):
-        run_distill("--target", str(tmp / "target"), "--out", str(out), "--corpus", str(src), "--on-policy", "-1",
-                    *DRAFT_ARGS)
+    assert run_distill("--target", str(tmp / "target"), "--out", str(out), "--corpus", str(src), "--on-policy", "-1",
+                       *DRAFT_ARGS) == 2
