@@ -10,8 +10,6 @@ The manifest is written last, and only when the gate passes: without it the dire
 from __future__ import annotations
 
 import math
-import os
-import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -133,6 +131,7 @@ class NoProgress(TqdmProgress):
 def export_engine(opts: ExportOptions, progress: TqdmProgress | None = None) -> dict:
     """Run the four phases; returns the summary (also stored in the manifest)."""
     from .quantize import QuantSpec
+    from .whole_dir import write_whole
 
     progress = progress or NoProgress()
     check_backend(opts)
@@ -140,19 +139,8 @@ def export_engine(opts: ExportOptions, progress: TqdmProgress | None = None) -> 
     final, target = Path(opts.out), Path(opts.target)
     parts = {"target": target} | ({"draft": Path(opts.draft)} if opts.draft else {})
     check_out(final, opts.force, list(parts.values()))
-    # Built beside its destination and renamed into place once complete: a failure, a failed quality
-    # gate or Ctrl-C leaves the destination as it was.
-    out = final.parent / f".{final.name}.partial-{os.getpid()}"
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
-    try:
-        summary = _export_into(out, opts, spec, parts, progress)
-    except BaseException:
-        shutil.rmtree(out, ignore_errors=True)
-        raise
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(out, final)
+    # a failure, a failed quality gate or Ctrl-C leaves the destination as it was
+    summary = write_whole(final, lambda out: _export_into(out, opts, spec, parts, progress))
     return summary | {"out": str(final), "quantization": spec.to_dict(), "backend": opts.backend}
 
 

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -32,6 +30,7 @@ from ..runtime.models.llama import LlamaForCausalLM
 from ..runtime.models.loader import load_model
 from . import bpe, corpus
 from .train_demo import write_model_dir
+from .whole_dir import write_whole
 from .train_loop import PAD, DocSampler, TrainConfig, init_weights, train
 
 DEFAULT_SHAPE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=5,
@@ -144,17 +143,7 @@ def distill(target_dir: Path, out: Path, tokens: np.ndarray, cfg: TrainConfig, w
               f"speculation pays best under {MAX_FLOPS_RATIO:.2f}")
     sampler = DocSampler(tokens, cfg.seq_len, cfg.batch_size, cfg.seed, end_of_text_id(target_dir))
     state = train(draft, sampler, cfg, work, loss_fn=kl_loss(target), desc="distill", session_steps=session_steps)
-    # the tokenizer files come from the target; written beside ``out`` and renamed into place whole
-    partial = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(partial, ignore_errors=True)
-    try:
-        write_model_dir(draft, config, target_dir, partial)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(partial, out)
+    write_whole(out, lambda d: write_model_dir(draft, config, target_dir, d))   # tokenizer files: the target's
     return state
 
 
