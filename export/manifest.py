@@ -86,9 +86,18 @@ def read_manifest(root: Path, verify_hashes: bool = True) -> dict:
 
 
 def check_files(root: Path, files: dict, verify_hashes: bool) -> None:
-    for name in files:
+    for name, entry in files.items():
         if Path(name).is_absolute() or ".." in Path(name).parts:
             raise EngineDirError(f"{root / MANIFEST}: file entry {name!r} points outside the engine directory")
+        if not isinstance(entry, dict):
+            raise EngineDirError(f"{root / MANIFEST}: file entry {name!r} is malformed; re-export")
+    # Everything the export wrote is listed: a file added since could be read unverified.
+    extra = sorted(p.relative_to(root).as_posix() for p in root.rglob("*")
+                   if p.is_file() and p.name != MANIFEST and p.relative_to(root).as_posix() not in files)
+    if extra:
+        more = f" and {len(extra) - 3} more" if len(extra) > 3 else ""
+        raise EngineDirError(f"{root}: files the manifest does not list: {', '.join(extra[:3])}{more}; they were "
+                             "added after export: remove them or re-export")
     missing = [name for name in files if not (root / name).is_file()]
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""

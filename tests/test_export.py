@@ -249,3 +249,11 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused_by_export(sour
     assert main(["export", "--target", str(src), "--out", str(tmp_path / "e")]) == 2
     err = capsys.readouterr().err
     assert "tokenizer has 8192 tokens but config.json says vocab_size" in err and not (tmp_path / "e").exists()
+
+
+def test_a_file_added_to_an_engine_directory_after_export_is_refused(source, tmp_path):
+    out = tmp_path / "eng"
+    export_engine(ExportOptions(str(source), str(out), **FAST))
+    (out / "target" / "extra.safetensors").write_bytes(b"\0" * 16)
+    with pytest.raises(EngineDirError, match="files the manifest does not list: target/extra.safetensors"):
+        read_manifest(out)
