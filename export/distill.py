@@ -89,6 +89,12 @@ def preflight(target_dir: Path, out: Path, init: Path | None) -> None:
     for d in (target_dir, init):
         if d is not None:
             ModelConfig.from_dir(d)
+    out, target_dir = Path(out), Path(target_dir)
+    if out.resolve() in (target_dir.resolve(), *target_dir.resolve().parents):
+        raise ValueError(f"--out {out} would replace the target model ({target_dir}) or a directory holding it")
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not any((out / f).is_file() for f in ("config.json", "tokenizer.json")))):
+        raise ValueError(f"--out {out} exists and is not a model directory; the draft replaces --out when it is "
+                         "written, so choose a new or empty directory (or an earlier draft)")
     end_of_text_id(target_dir)
     for other in (init, out if (out / "tokenizer.json").is_file() else None):
         if other is not None:
@@ -225,14 +231,16 @@ def add_distill_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("distill", help="train a draft model from a target (KL distillation)",
                               description=__doc__.split("\n\n")[0])
     p.add_argument("--target", type=Path, required=True, help="target model directory (Hugging Face layout)")
-    p.add_argument("--out", type=Path, required=True, help="where the draft model directory is written")
+    p.add_argument("--out", type=Path, required=True,
+                   help="where the draft model directory is written (new, empty, or an earlier draft it replaces)")
     p.add_argument("--corpus", type=Path, default=None, help="directory of .py files (default: the stdlib)")
     p.add_argument("--work", type=Path, default=None, help="checkpoint directory (default: <out>.ckpt)")
     p.add_argument("--init", type=Path, default=None, help="start from this draft model instead of random")
     p.add_argument("--on-policy", type=int, default=0, metavar="N",
                    help="also train on the target's greedy continuations of N corpus windows (half the data; "
                         "generated once with llmd, cached in the work directory). Raises acceptance, which is "
-                        "agreement on text the target writes: three runs of it took the bundled draft from 0.40 to 0.63")
+                        "agreement on text the target writes: the bundled draft (8,000 windows) accepts 0.63 of "
+                        "proposals, the same shape trained without the target 0.38")
     p.add_argument("--minutes", type=float, default=20.0, help="wall-clock budget")
     p.add_argument("--steps", type=int, default=3000, help="at most this many optimizer steps")
     p.add_argument("--session-steps", type=int, default=None,

@@ -148,3 +148,16 @@ def test_on_policy_samples_are_the_targets_greedy_continuations(setup):
     assert json.loads((tmp / "onp.ckpt" / "train_state.json").read_text())["step"] == 2
     assert run_distill("--target", str(tmp / "target"), "--out", str(out), "--corpus", str(src), "--on-policy", "-1",
                        *DRAFT_ARGS) == 2
+
+
+def test_out_must_be_new_empty_or_an_earlier_draft(setup, capsys):
+    tmp, src = setup
+    notes = tmp / "notes"
+    notes.mkdir(exist_ok=True)
+    (notes / "keep.txt").write_text("mine")
+    for out in (notes, tmp / "target"):
+        assert run_distill("--target", str(tmp / "target"), "--out", str(out), "--corpus", str(src),
+                           "--steps", "2", *DRAFT_ARGS) == 2
+    err = capsys.readouterr().err
+    assert "is not a model directory" in err and "would replace the target model" in err
+    assert (notes / "keep.txt").read_text() == "mine" and (tmp / "target" / "config.json").is_file()
