@@ -24,7 +24,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
       help="model directory (Hugging Face layout) or engine directory from `llmd export` (setting `model`)")
     a("--socket", help="ipc socket path (default $XDG_RUNTIME_DIR/llmd/llmd.sock, or /run/llmd/llmd.sock)")
     a("--group", help="let this group's members connect: socket 0660 in a 0750 directory, both the group's "
-                      "(default: no group, the socket is the owner's alone, 0600 in 0700)")
+                      "(default: no group, the socket is the owner's alone, 0600 in 0700); a directory that "
+                      "already exists is left as it is")
     a("--tcp", metavar="tcp://HOST:PORT", help="also listen on this TCP endpoint (off unless given)")
     a("--dtype", help="weight and activation dtype, e.g. float32, bfloat16")
     a("--device", choices=DEVICES,

@@ -300,7 +300,7 @@ on a stream that is half the target's own greedy continuations of {DRAFT_ON_POLI
 ({ON_POLICY_GEN} tokens after {ON_POLICY_PROMPT}; speculation is judged on text the target writes) and half training text; the raw draft has the
 draft's shape and is trained on the training stream with plain cross-entropy, for comparison only (it is
 not committed). The draft stage is `llmd distill` called on the data stage's stream; as a command of its
-own (which reads one arrangement of the training files instead of two) it is
+own (which reads one arrangement of the training files instead of two, and warms up over 30 steps instead of 50) it is
 {_distill_command(runs.get("draft"), DRAFT_ON_POLICY)}.
 
 | run | steps | window positions | wall time | final train loss (EMA) | peak lr | seed |
