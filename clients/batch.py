@@ -14,18 +14,27 @@ fatal; a duplicate id is recorded as an error under ``line-N``.
 
 Resuming: ids already in OUT are skipped. Output is appended one whole line at a time and
 flushed; a partial last line left by a killed run is cut off before resuming, so every id
-appears exactly once. If the daemon goes away the run stops (exit 1) and can be resumed.
+appears exactly once. If the daemon goes away, drains for a restart, or fails inside its engine
+twice on one request, the run stops (exit 1) without writing that line and can be resumed: only
+answers and errors that a retry would repeat are written. One run at a time holds OUT (a lock);
+ids of the form ``line-N`` are reserved for lines without one.
 """
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
 from .client import SAMPLING_KEYS, AsyncClient, DaemonUnavailable, RequestError
+
+STOP_CODES = {"draining"}           # the daemon is going away: stop, write nothing, resume later
+RETRY_CODES = {"internal"}          # retried once; a second failure stops the run like STOP_CODES
+GENERATED_ID = re.compile(r"line-\d+")
 from .events import Done, Error, Token
 
 KINDS = {"prompt": "generate", "messages": "chat", "prefix": "infill"}
@@ -52,9 +61,13 @@ def parse_line(line: str, number: int) -> BatchItem:
         raise BadLine(f"not JSON: {e.msg} at column {e.colno}") from None
     if not isinstance(obj, dict):
         raise BadLine(f"expected a JSON object, got {type(obj).__name__}")
-    rid = obj.pop("id", f"line-{number}")
-    if not isinstance(rid, str) or not rid:
+    rid = obj.pop("id", None)
+    if rid is None:
+        rid = f"line-{number}"
+    elif not isinstance(rid, str) or not rid:
         raise BadLine("id must be a non-empty string")
+    elif GENERATED_ID.fullmatch(rid):
+        raise BadLine(f"id {rid!r} is reserved for lines without an id (line-N); choose another")
     kinds = [k for k in KINDS if k in obj]
     if len(kinds) != 1:
         raise BadLine("give exactly one of prompt, messages or prefix")
@@ -75,28 +88,32 @@ def done_ids(out_path: Path) -> set[str]:
     """Ids already answered in ``out_path``; cuts off a partial last line left by a killed run."""
     if not out_path.exists():
         return set()
-    data = out_path.read_bytes()
-    end = data.rfind(b"\n") + 1
-    if end < len(data):
-        with open(out_path, "r+b") as f:
-            f.truncate(end)
-    ids = set()
-    for raw in data[:end].splitlines():
-        try:
-            ids.add(json.loads(raw)["id"])
-        except (ValueError, KeyError, TypeError):
-            continue
+    ids, end = set(), 0
+    with open(out_path, "r+b") as f:
+        for raw in f:                        # line by line: OUT may be large
+            if not raw.endswith(b"\n"):
+                break                        # a partial last line
+            end += len(raw)
+            try:
+                ids.add(json.loads(raw)["id"])
+            except (ValueError, KeyError, TypeError):
+                continue
+        f.truncate(end)
     return ids
 
 
 def pending_items(in_path: Path, skip: set[str]) -> Iterator[tuple[str, object]]:
     """(id, BatchItem or BadLine) for every input line not yet answered; blank lines are ignored."""
     seen: set[str] = set()
-    with open(in_path, encoding="utf-8", errors="replace") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
+    with open(in_path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            if not raw.strip():
                 continue
             try:
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise BadLine(f"not UTF-8 ({e.reason} at byte {e.start})") from None
                 item = parse_line(line, number)
             except BadLine as e:
                 yield f"line-{number}", e
@@ -121,6 +138,10 @@ class BatchConfig:
     busy_retry_s: float = 0.2
 
 
+class BatchBusy(RuntimeError):
+    pass
+
+
 class BatchRunner:
     """Runs the pending lines with at most ``concurrency`` requests in flight; one writer (``_write``)."""
 
@@ -133,6 +154,14 @@ class BatchRunner:
         self._bar = None
 
     async def run(self) -> int:
+        with open(self.out_path, "a", encoding="utf-8") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise BatchBusy(f"{self.out_path} is being written by another llmd batch run") from None
+            return await self._run()
+
+    async def _run(self) -> int:
         skip = done_ids(self.out_path)
         from tqdm import tqdm
         self._bar = tqdm(total=count_lines(self.in_path), initial=len(skip), unit="req", file=sys.stderr,
@@ -168,13 +197,18 @@ class BatchRunner:
     async def _answer(self, client: AsyncClient, rid: str, item) -> dict:
         if isinstance(item, BadLine):
             return {"id": rid, "error": {"code": item.code, "message": str(item)}}
+        retried = False
         while True:
             try:
                 return await self._run_one(client, item)
             except RequestError as e:
-                if e.code != "busy":
+                if e.code in STOP_CODES or (e.code in RETRY_CODES and retried):
+                    raise DaemonUnavailable(f"the daemon answered {rid!r} with {e.code} ({e.event.message})") from None
+                if e.code in RETRY_CODES:
+                    retried = True
+                elif e.code != "busy":
                     return {"id": rid, "error": {"code": e.code, "message": e.event.message}}
-            except TypeError as e:           # a sampling value the client refuses
+            except (TypeError, ValueError) as e:   # a value the client cannot send (type, size, encoding)
                 return {"id": rid, "error": {"code": "invalid_request", "message": str(e)}}
             await asyncio.sleep(self.config.busy_retry_s)
 
@@ -209,10 +243,16 @@ def run_batch(args) -> int:
     if not in_path.is_file():
         print(f"llmd batch: {in_path}: no such file", file=sys.stderr)
         return 2
+    if args.concurrency < 1:
+        print(f"llmd batch: --concurrency must be at least 1, got {args.concurrency}", file=sys.stderr)
+        return 2
     config = BatchConfig(socket=args.socket, concurrency=args.concurrency,
                          progress=not args.no_progress and sys.stderr.isatty() or args.progress)
     try:
         written = asyncio.run(BatchRunner(config, in_path, out_path).run())
+    except BatchBusy as e:
+        print(f"llmd batch: {e}; wait for it or choose another output file", file=sys.stderr)
+        return 2
     except ClientError as e:
         print(f"llmd batch: {e}; rerun the same command to resume", file=sys.stderr)
         return 1

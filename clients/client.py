@@ -32,7 +32,7 @@ from llmd.daemon.paths import default_socket_path
 from .events import TERMINAL, Ack, Done, Error, Keepalive, Sentence, Token, from_wire
 
 __all__ = ["Client", "AsyncClient", "Stream", "AsyncStream", "ClientError", "DaemonUnavailable",
-           "ConnectionLost", "Timeout", "RequestError", "Token", "Sentence", "Done", "Error"]
+           "ConnectionLost", "Timeout", "RequestError", "RequestTooLarge", "Token", "Sentence", "Done", "Error"]
 
 log = logging.getLogger("llmd.client")
 
@@ -55,6 +55,12 @@ class ConnectionLost(DaemonUnavailable):
 
 class Timeout(ClientError, TimeoutError):
     code = "timeout"
+
+
+class RequestTooLarge(ClientError, ValueError):
+    """The encoded request is over the daemon's ``max_message_bytes``: it was not sent (the daemon
+    would drop the whole connection for it)."""
+    code = "too_large"
 
 
 class RequestError(ClientError):
@@ -109,6 +115,16 @@ class _Base:
             log.warning("ignoring a message from %s that cannot be read: %s", self.address, e)
             return
         self._route(event)
+
+    def _frame(self, message: dict) -> bytes:
+        """The encoded message, refused here when the daemon would not take it (CodecError for a value
+        msgpack cannot hold, RequestTooLarge over its message size)."""
+        frame = codec.pack(message)
+        limit = self.server_info.get("max_message_bytes") or codec.MAX_MESSAGE_BYTES
+        if len(frame) > limit:
+            raise RequestTooLarge(f"the request is {len(frame):,} bytes; the daemon takes at most {limit:,} "
+                                  "a message (max_message_bytes)")
+        return frame
 
     def _unavailable(self, why: str) -> DaemonUnavailable:
         return DaemonUnavailable(f"no llmd daemon at {self.address} ({why}): start one with `llmd serve`")
@@ -249,7 +265,7 @@ class Client(_Base):
 
     def _send(self, message: dict) -> None:
         self._connect()
-        self._sock.send(codec.pack(message))
+        self._sock.send(self._frame(message))
 
     def _send_quiet(self, message: dict) -> None:
         if self._sock is not None:
@@ -500,7 +516,7 @@ class AsyncClient(_Base):
 
     async def _send(self, message: dict) -> None:
         await self._connect()
-        await self._sock.send(codec.pack(message))
+        await self._sock.send(self._frame(message))
 
     async def _call(self, message: dict, timeout: Optional[float] = None):
         fut = asyncio.get_running_loop().create_future()

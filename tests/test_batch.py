@@ -30,6 +30,7 @@ def test_lines_parse_into_typed_items():
     ('{"prompt": "x", "messages": []}', "exactly one of"),
     ('{"prompt": "x", "colour": "red"}', "unknown key"),
     ('{"prefix": "x", "files": [["only-a-path"]]}', "files must be"),
+    ('{"id": "line-3", "prompt": "x"}', "reserved for lines without an id"),
 ])
 def test_bad_lines_name_the_problem(line, message):
     with pytest.raises(BadLine, match=message):
@@ -101,3 +102,62 @@ def test_a_killed_batch_resumes_with_every_line_answered_once(daemon, tmp_path):
         for rid in ("r0", "r29", "r59"):
             expected = c.generate(requests[rid]["prompt"], max_tokens=24).text()
             assert by_id[rid]["text"] == expected and by_id[rid]["usage"]["completion_tokens"] == 24
+
+
+def run_cli(src, dst, socket, *extra, timeout=120):
+    cmd = [sys.executable, "-m", "llmd.clients.cli", "batch", str(src), str(dst), "--socket", socket, *extra]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def test_lines_the_client_cannot_send_are_error_lines_and_the_run_goes_on(daemon, tmp_path):
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_bytes(b"\n".join([
+        json.dumps({"id": "ok", "prompt": "def f(x):", "max_tokens": 4}).encode(),
+        json.dumps({"id": "huge-seed", "prompt": "x", "seed": 10 ** 30}).encode(),
+        json.dumps({"id": "too-big", "prompt": "x" * (2 << 20)}).encode(),
+        b'{"id": "latin-1", "prompt": "caf\xe9"}',
+        json.dumps({"id": "ok2", "prompt": "def g(x):", "max_tokens": 4}).encode()]) + b"\n")
+    done = run_cli(src, dst, daemon.settings.socket)
+    assert done.returncode == 0, done.stderr
+    by_id = {r["id"]: r for r in map(json.loads, dst.read_text().splitlines())}
+    assert set(by_id) == {"ok", "huge-seed", "too-big", "line-4", "ok2"}
+    assert by_id["ok"]["finish_reason"] and by_id["ok2"]["finish_reason"]
+    assert by_id["huge-seed"]["error"]["code"] == "invalid_request"
+    assert "max_message_bytes" in by_id["too-big"]["error"]["message"]
+    assert "not UTF-8" in by_id["line-4"]["error"]["message"]
+
+
+def test_a_second_run_on_the_same_output_is_refused(daemon, tmp_path):
+    import fcntl
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(json.dumps({"prompt": "x", "max_tokens": 2}) + "\n")
+    with open(dst, "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        refused = run_cli(src, dst, daemon.settings.socket)
+    assert refused.returncode == 2 and "being written by another llmd batch run" in refused.stderr
+    assert dst.read_text() == ""
+    bad = run_cli(src, dst, daemon.settings.socket, "--concurrency", "0")
+    assert bad.returncode == 2 and "--concurrency must be at least 1" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_a_daemon_draining_for_a_restart_stops_the_run_without_writing_its_refusals(tiny_model_dir, tmp_path):
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps({"id": f"r{i}", "prompt": f"def f{i}(x):", "max_tokens": 24}) + "\n"
+                           for i in range(60)))
+    settings = daemon_settings(tiny_model_dir, tmp_path / "d", drain_grace_s=5.0)
+    cmd = [sys.executable, "-m", "llmd.clients.cli", "batch", str(src), str(dst), "--concurrency", "2",
+           "--socket", settings.socket]
+    with running_daemon(settings) as server:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert wait_until(lambda: count(dst) >= 5 or proc.poll() is not None, 60)
+        server.request_stop()                 # draining: running requests end, new ones are refused
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and "rerun the same command to resume" in err
+    first = [json.loads(line) for line in dst.read_text().splitlines()]
+    assert first and all("error" not in r for r in first)
+    with running_daemon(settings):
+        rerun = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert rerun.returncode == 0, rerun.stderr
+    records = [json.loads(line) for line in dst.read_text().splitlines()]
+    assert sorted(r["id"] for r in records) == sorted(f"r{i}" for i in range(60))
+    assert all("error" not in r for r in records)
