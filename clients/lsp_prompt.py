@@ -57,14 +57,17 @@ ANCHOR_LINES = 32
 
 
 def stable_tail(text: str, limit: int, anchor_lines: int = ANCHOR_LINES) -> str:
-    """Like ``tail_at_line``, but the kept text starts at a line whose number is a multiple of
-    ``anchor_lines``: while the user types, the start stays put for many keystrokes, so the daemon's
-    prefix cache keeps serving the prompt up to the cursor instead of missing whenever the window slides."""
+    """Like ``tail_at_line``, but the kept text starts at a line whose number is a multiple of an anchor
+    step: while the user types, the start stays put for many keystrokes, so the daemon's prefix cache
+    keeps serving the prompt up to the cursor instead of missing whenever the window slides. The step is
+    ``anchor_lines``, or a quarter of the lines the budget holds when that is less, so rounding the start
+    up never gives away more than a quarter of a small budget."""
     if len(text) <= limit:
         return text
     first = len(text) - limit                                  # earliest character the budget allows
     line = text.count("\n", 0, first) + (0 if first == 0 or text[first - 1] == "\n" else 1)
-    line = -(-line // anchor_lines) * anchor_lines             # round up to an anchor line
+    step = max(1, min(anchor_lines, text.count("\n", first) // 4))
+    line = -(-line // step) * step                             # round up to an anchor line
     pos = 0
     for _ in range(line):
         pos = text.find("\n", pos) + 1

@@ -231,3 +231,14 @@ def test_prefix_start_is_stable_while_typing():
         assert start_line % ANCHOR_LINES == 0
         starts.add(start_line)
     assert len(starts) <= 2                                  # the window jumped at most once
+
+
+def test_a_small_budget_never_loses_more_than_a_quarter_of_its_prefix():
+    """With the bundled models' 512-token context the prefix budget is a few hundred characters: rounding
+    its start up to a 32-line anchor used to leave an empty prefix every 32 lines."""
+    from llmd.clients.lsp_prompt import stable_tail
+    doc = "".join(f"value_{i:04d} = compute({i}) + 1\n" for i in range(400))     # 32 characters a line
+    for line in range(20, 400):
+        text = doc[:doc.index(f"value_{line:04d}")]
+        kept = stable_tail(text, 648)
+        assert text.endswith(kept) and 0.75 * 648 - 32 <= len(kept) <= 648, (line, len(kept))
