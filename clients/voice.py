@@ -86,6 +86,14 @@ class VoiceConfig:
     max_conversations: int = 256
     language: str = "en"
 
+    def __post_init__(self):
+        if self.history_turns < 0 or self.max_conversations < 1 or self.max_tokens < 1:
+            raise ValueError("history_turns must be >= 0, max_conversations and max_tokens >= 1 "
+                             f"(got {self.history_turns}, {self.max_conversations}, {self.max_tokens})")
+
+
+MAX_TRANSCRIPT_CHARS = 8192     # a spoken request; longer is refused (NotHandled), not sent
+
 
 class Conversations:
     """Chat history per conversation id, the last ``turns`` exchanges each, least recently used dropped."""
@@ -98,6 +106,16 @@ class Conversations:
         past = list(self._history.get(cid, ()))
         return ([{"role": "system", "content": system}] if system else []) + past + \
             [{"role": "user", "content": user_text}]
+
+    def forget_oldest(self, cid: str) -> bool:
+        """Drop the conversation's oldest exchange (to fit the model's context); False when none is left."""
+        turns = self._history.get(cid)
+        if not turns:
+            return False
+        turns.popleft()
+        if turns:
+            turns.popleft()
+        return True
 
     def add(self, cid: str, user_text: str, answer: str) -> None:
         turns = self._history.pop(cid, None) or collections.deque(maxlen=2 * self.turns)
@@ -144,12 +162,21 @@ class VoiceBridge:
         spoken: list[str] = []
         await write(HandledStart(context=context).event())
         try:
-            stream = await self.client.chat(self.conversations.messages(cid, c.system_prompt, text),
-                                            max_tokens=c.max_tokens, priority="interactive",
-                                            temperature=c.temperature, **c.sampling)
-            async for sentence in sentences(stream):
-                await write(HandledChunk(text=(" " if spoken else "") + sentence).event())
-                spoken.append(sentence)
+            while True:
+                try:
+                    stream = await self.client.chat(self.conversations.messages(cid, c.system_prompt, text),
+                                                    max_tokens=c.max_tokens, priority="interactive",
+                                                    temperature=c.temperature, **c.sampling)
+                    async for sentence in sentences(stream):
+                        await write(HandledChunk(text=(" " if spoken else "") + sentence).event())
+                        spoken.append(sentence)
+                    break
+                except RequestError as e:
+                    # a history grown past the model's context: drop the oldest exchange and ask again
+                    if (spoken or e.code != "invalid_request" or "context window" not in e.event.message
+                            or not self.conversations.forget_oldest(cid)):
+                        raise
+                    log.info("conversation %s outgrew the context window: dropped its oldest exchange", cid)
         except asyncio.CancelledError:
             log.info("barge-in: stopped an answer after %d sentence(s)", len(spoken))
             self.conversations.add(cid, text, " ".join(spoken))
@@ -188,11 +215,17 @@ class VoiceHandler(AsyncEventHandler):
         if Describe.is_type(event.type):
             await self.write_event(self.bridge.info(self.bridge.client.server_info.get("model") or "llmd").event())
         elif Transcript.is_type(event.type):
-            t = Transcript.from_event(event)
-            ctx = t.context or {}
+            data = event.data if isinstance(event.data, dict) else {}
+            text, ctx = data.get("text"), data.get("context") or {}
+            if not isinstance(text, str) or not isinstance(ctx, dict) or len(text) > MAX_TRANSCRIPT_CHARS:
+                why = (f"a transcript of at most {MAX_TRANSCRIPT_CHARS} characters" if isinstance(text, str)
+                       else "a transcript with a text")
+                log.warning("refused a malformed transcript from %s", self.name)
+                await self.write_event(NotHandled(text=f"llmd: expected {why}").event())
+                return True
             satellite = str(ctx.get("satellite_id") or self.name)
             cid = str(ctx.get("conversation_id") or satellite)
-            task = await self.bridge.answer(satellite, cid, t.text, self.write_event)
+            task = await self.bridge.answer(satellite, cid, text, self.write_event)
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         return True
@@ -218,10 +251,10 @@ async def serve_voice(uri: str, config: VoiceConfig, started: Optional[asyncio.E
 
 def run_voice(args) -> int:
     logging.basicConfig(level="INFO", format="llmd voice: %(levelname)s %(message)s")
-    config = VoiceConfig(socket=args.socket, system_prompt=args.system_prompt or VoiceConfig.system_prompt,
-                         max_tokens=args.max_tokens,
-                         temperature=args.temperature, history_turns=args.history_turns, language=args.language)
     try:
+        config = VoiceConfig(socket=args.socket, system_prompt=args.system_prompt or VoiceConfig.system_prompt,
+                             max_tokens=args.max_tokens, temperature=args.temperature,
+                             history_turns=args.history_turns, language=args.language)
         asyncio.run(serve_voice(args.uri, config))
     except KeyboardInterrupt:
         pass

@@ -165,3 +165,38 @@ def test_iter_sentences_yields_what_the_splitter_cuts(daemon, sampling):
     expected = split(direct_answer(daemon, messages, **sampling))
     with Client(daemon.settings.socket) as c:
         assert list(iter_sentences(c.chat(messages, **sampling))) == expected
+
+
+def test_a_conversation_that_outgrows_the_context_drops_its_oldest_exchanges(model_factory, tmp_path):
+    """A 192-position model and 100-token answers: within a few questions the history no longer fits;
+    the bridge drops the oldest exchanges and still answers, instead of refusing every later question."""
+    settings = daemon_settings(model_factory("voice-short", max_pos=192), tmp_path / "d")
+
+    async def session(server):
+        async with bridge(server, tmp_path, max_tokens=100, ignore_eos=True) as client:
+            out = []
+            for q in ("One?", "Two?", "Three?", "Four?", "Five?", "Six?"):
+                await client.write_event(Transcript(text=q, context={"conversation_id": "long"}).event())
+                out.append([e.type for e in await answer_events(client)])
+            return out
+
+    with running_daemon(settings) as server:
+        turns = asyncio.run(session(server))
+    assert all(t[0] == "handled-start" and t[-2:] == ["handled", "handled-stop"] for t in turns), turns
+
+
+def test_a_malformed_transcript_is_not_handled_and_the_connection_goes_on(daemon, tmp_path):
+    from wyoming.event import Event
+
+    async def session():
+        async with bridge(daemon, tmp_path, max_tokens=4) as client:
+            await client.write_event(Event(type="transcript", data={"context": {"conversation_id": "x"}}))
+            missing = await client.read_event()
+            await client.write_event(Transcript(text="x" * 10_000).event())
+            too_long = await client.read_event()
+            await client.write_event(Transcript(text="Hi.").event())
+            return missing, too_long, [e.type for e in await answer_events(client)]
+
+    missing, too_long, after = asyncio.run(session())
+    assert missing.type == too_long.type == "not-handled"
+    assert after[0] == "handled-start" and after[-1] == "handled-stop"
