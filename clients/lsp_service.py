@@ -44,6 +44,8 @@ class LspConfig:
             raise ValueError("max_tokens and max_lines must be >= 1")
         if self.debounce_ms < 0 or self.timeout_s <= 0:
             raise ValueError("debounce_ms must be >= 0 and timeout_s > 0")
+        if self.cache_size < 0:
+            raise ValueError(f"--cache-size must be >= 0, got {self.cache_size}")
 
 
 def replace_key(uri: str) -> str:

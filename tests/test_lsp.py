@@ -44,6 +44,14 @@ def test_budgets_shrink_to_the_models_context_window():
     assert fit_budget(b, None, 16) == b
 
 
+def test_a_negative_cache_size_is_a_message_not_a_traceback():
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-m", "llmd.clients.cli", "lsp", "--cache-size", "-1"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--cache-size must be >= 0" in done.stderr and "Traceback" not in done.stderr
+
+
 def test_bad_budgets_and_cursors_are_refused():
     with pytest.raises(ValueError, match="prefix_tokens"):
         FimBudget(prefix_tokens=-1)
