@@ -1,9 +1,10 @@
 """Scheduler: who runs this step and how many tokens each gets.
 
 One rule instead of phases: each request's ``num_computed_tokens`` chases ``num_tokens`` (plus its
-speculative tokens), within a per-step token budget. Running requests go first, in priority order, so
-a decode is never starved by a prompt; waiting requests then take what budget is left, a prompt
-possibly split into chunks across steps. A waiting request more important than some running one is
+speculative tokens), within a per-step token budget. Running requests go first, in priority order, and
+every decoding stream keeps one token of the budget (up to half of it) whatever comes before it, so a
+prompt, however important, never stalls a running stream; waiting requests then take what budget is
+left, a prompt possibly split into chunks across steps. A waiting request more important than some running one is
 admitted first, before the running requests take the budget, preempting less important running ones
 when it needs their blocks or their sequence slot. When the pool runs out, the least important running
 request (lowest priority, latest arrival) is preempted: its blocks are freed and it is recomputed later
@@ -20,6 +21,11 @@ from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
 from .request import FinishReason, Priority, Request, Status
+
+
+def _decoding(r: Request) -> bool:
+    """Past its prompt: one token to feed this step (its proposals aside)."""
+    return r.num_tokens - r.num_computed_tokens == 1
 
 
 @dataclass
@@ -95,13 +101,20 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_batch_tokens
         self.running.sort(key=lambda r: (r.priority, r.arrival_seq))
+        # Each decoding stream keeps one token of the budget (up to half of it), so that no prompt, however
+        # important, stalls running streams: a prompt chunk takes what the decodes leave.
+        reserve = min(sum(1 for r in self.running if _decoding(r)), budget // 2)
         if self.running:              # more important than some running request: admitted first
-            budget = self._admit(out, budget, more_important_than=self.running[-1].priority)
+            budget = self._admit(out, budget - reserve, more_important_than=self.running[-1].priority) + reserve
         admitted = {id(s.request) for s in out.scheduled}
         candidates = [r for r in self.running if id(r) not in admitted]
         while candidates and budget > 0:
             req = candidates.pop(0)
-            n, spec = self._wanted(req, budget)
+            if _decoding(req) and reserve:
+                reserve -= 1          # its own token comes out of the reserve
+            if budget - reserve <= 0:
+                continue              # a prompt chunk waits: the rest of the budget is the decodes'
+            n, spec = self._wanted(req, budget - reserve)
             while not self.bm.can_append(req, req.num_computed_tokens + n):
                 if spec:                  # proposal slots are optional: dropped before anyone is preempted
                     n, spec = n - spec, 0

@@ -196,3 +196,33 @@ def test_bfloat16_kv_cache_halves_the_pool_and_keeps_greedy_output(tiny_model_di
     assert got == ref
     same = sum(g == a for g, a in zip(got, alone))
     assert same >= 7, f"only {same}/8 prompts keep their greedy tokens over a bfloat16 KV pool"
+
+
+def test_an_important_long_prompt_never_stalls_running_streams(tiny_model_dir):
+    """A 600-token interactive prompt arrives while batch streams decode, with a 64-token step budget:
+    it is computed in chunks of what the decodes leave, and every running stream gains a token at
+    every step meanwhile (its output unchanged)."""
+    long = SamplingParams(max_tokens=40, ignore_eos=True)
+    alone = [c.token_ids for c in LLM(str(tiny_model_dir), kv_memory="8MiB").generate([[5] * 8, [6] * 8], long)]
+    e = LLM(str(tiny_model_dir), kv_memory="8MiB", max_batch_tokens=64).engine
+    e.add_request("b1", [5] * 8, long, priority="batch")
+    e.add_request("b2", [6] * 8, long, priority="batch")
+    outs: dict[str, list[int]] = {}
+
+    def step() -> set[str]:
+        got = set()
+        for o in e.step():
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.new_token_ids:
+                got.add(o.request_id)
+        return got
+    step(); step()
+    e.add_request("i", [7 + i % 300 for i in range(600)], SamplingParams(max_tokens=2), priority="interactive")
+    prompt_steps = 0
+    while "i" not in outs:
+        assert {"b1", "b2"} <= step(), "a running stream got no token while the prompt was computed"
+        prompt_steps += 1
+    assert prompt_steps >= 600 // 64
+    while e.has_unfinished():
+        step()
+    assert [outs["b1"], outs["b2"]] == alone
