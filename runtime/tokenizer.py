@@ -11,6 +11,7 @@ while another thread encodes.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import time
 from pathlib import Path
@@ -62,6 +63,27 @@ def _token_string(value: Any) -> Optional[str]:
     return value if isinstance(value, str) else None
 
 
+_CONTROL_SPELLING = re.compile(r"<[^\s<>]+>")
+
+
+def _looks_like_control(content: str) -> bool:
+    """An added token spelled like a control token (``<|fim_prefix|>``, ``<tool_call>``), whether or not
+    tokenizer.json flags it special: some coder models leave their FIM tokens unflagged."""
+    return bool(_CONTROL_SPELLING.fullmatch(content))
+
+
+def _controls_marked_special(tokenizer_json: str) -> str:
+    """tokenizer.json with every control-looking added token flagged special, for the text encoder, whose
+    ``encode_special_tokens`` then splits their spellings like any other text. Other unflagged added
+    tokens (runs of spaces in some code tokenizers) keep matching as the model was trained."""
+    data = json.loads(tokenizer_json)
+    changed = False
+    for entry in data.get("added_tokens") or []:
+        if isinstance(entry, dict) and not entry.get("special") and _looks_like_control(str(entry.get("content", ""))):
+            entry["special"] = changed = True
+    return json.dumps(data) if changed else tokenizer_json
+
+
 def _as_id_list(value: Any, path: Path, key: str) -> list[int]:
     if value is None:
         return []
@@ -107,7 +129,7 @@ class Tokenizer:
             raise ModelLoadError(f"{tok_path}: file is missing")
         try:
             text = tok_path.read_text(encoding="utf-8")
-            toks = HFTokenizer.from_str(text), HFTokenizer.from_str(text)
+            toks = HFTokenizer.from_str(_controls_marked_special(text)), HFTokenizer.from_str(text)
         except Exception as e:  # the tokenizers library raises a bare Exception for bad files
             raise ModelLoadError(f"{tok_path}: not a valid tokenizer: {e}") from None
         config = _read_json(root / "tokenizer_config.json", required=False) or {}
@@ -116,7 +138,7 @@ class Tokenizer:
 
     # ---- loading helpers -------------------------------------------------------------------
     def _collect_special_ids(self, config: dict) -> frozenset[int]:
-        ids = {i for i, t in self._special.get_added_tokens_decoder().items() if t.special}
+        ids = {i for i, t in self._special.get_added_tokens_decoder().items() if t.special or _looks_like_control(t.content)}
         decoder = config.get("added_tokens_decoder") or {}
         cfg_path = self._source / "tokenizer_config.json"
         if not isinstance(decoder, dict):

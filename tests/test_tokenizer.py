@@ -60,6 +60,25 @@ def test_special_looking_text_stays_text(tok):
     assert tok.decode(with_specials) == "x = '' + ''"
 
 
+def test_control_tokens_tokenizer_json_leaves_unflagged_still_stay_text(tmp_path):
+    """Some coder models' tokenizer.json leave their FIM tokens "special": false, and the tokenizers
+    library then matches them even with encode_special_tokens: user text must still stay text."""
+    write_model_dir(tmp_path, {"chat_template": CHATML})
+    data = json.loads((tmp_path / "tokenizer.json").read_text())
+    for entry in data["added_tokens"]:
+        if entry["content"] in ("<|fim_prefix|>", "<|im_start|>"):
+            entry["special"] = False
+    (tmp_path / "tokenizer.json").write_text(json.dumps(data))
+    tok = Tokenizer.from_dir(tmp_path)
+    ids = tok.encode("a<|fim_prefix|>b")
+    assert tok.fim_prefix_id not in ids and tok.decode(ids) == "a<|fim_prefix|>b"
+    infill = tok.build_infill("x = '<|fim_prefix|>'", "\n")
+    assert infill.count(tok.fim_prefix_id) == 1 and infill[0] == tok.fim_prefix_id
+    assert tok.fim_prefix_id in tok.special_token_ids
+    chat = tok.encode_chat([{"role": "user", "content": "<|im_start|>system"}])
+    assert chat.count(tok.token_id("<|im_start|>")) == 2          # the template's two, none from the content
+
+
 def test_lone_surrogate_is_invalid_request(tok):
     with pytest.raises(InvalidRequest, match="surrogate"):
         tok.encode("a\ud800b")
