@@ -84,12 +84,16 @@ def test_malformed_config_json(tiny_model_dir, tmp_path):
     ({"rope_scaling": {"rope_type": "linear", "factor": 0}}, "rope scaling's factor must be a finite positive number"),
     ({"rope_scaling": {"rope_type": "linear", "factor": "2"}}, "rope scaling's factor must be a finite positive"),
     ({"rope_theta": float("inf")}, "rope_theta must be a finite positive number"),
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8, "low_freq_factor": 4, "high_freq_factor": 1}},
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8, "low_freq_factor": 4, "high_freq_factor": 1,
+                       "original_max_position_embeddings": 64}},
      "high_freq_factor > low_freq_factor"),
     ({"eos_token_id": ["</s>"]}, "'eos_token_id' must be a token id"),
     ({"tie_word_embeddings": "false"}, "'tie_word_embeddings' must be true or false"),
     ({"quantization_config": {"quant_method": "fp8"}}, "already quantized"),
     ({"vocab_size": 10 ** 9}, "more than .* bytes of safetensors can hold"),
+    ({"rope_scaling": {"rope_type": "linear"}}, "linear rope scaling needs factor"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8}}, "llama3 rope scaling needs low_freq_factor"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5 is not supported"),
 ])
 def test_inconsistent_config_values_are_refused_naming_the_file(tiny_model_dir, tmp_path, change, match):
     d = copy_model(tiny_model_dir, tmp_path / "m")
@@ -169,3 +173,17 @@ def test_generate_with_one_bad_prompt_leaves_no_request_behind(tiny_model_dir):
     st = llm.stats()
     assert st["running"] == 0 and st["waiting"] == 0 and st["kv_blocks_free"] == st["kv_blocks_total"]
     assert [len(c.token_ids) for c in llm.generate([[30, 31]], SamplingParams(max_tokens=4, ignore_eos=True))] == [4]
+
+
+@pytest.mark.parametrize("arch, extra, window", [
+    ("MistralForCausalLM", {}, 4096),                                   # no key: transformers' default window
+    ("MistralForCausalLM", {"sliding_window": None}, None),
+    ("Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 28}, None),
+    ("Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}, 16),
+])
+def test_a_sliding_window_caps_the_context_only_where_layers_slide(arch, extra, window):
+    from llmd.runtime.models.config import ModelConfig
+    raw = {"architectures": [arch], "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100, "max_position_embeddings": 8192,
+           **extra}
+    assert ModelConfig.from_dict(raw).max_position_embeddings == (window or 8192)

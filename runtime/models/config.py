@@ -129,8 +129,12 @@ class ModelConfig:
         if head_dim % 2:
             fail(f"head_dim {head_dim} must be even for rotary embeddings")
         max_pos = get_int("max_position_embeddings", 2048)
-        window = raw.get("sliding_window")
-        if raw.get("use_sliding_window", family == "mistral") and isinstance(window, int) and 0 < window < max_pos:
+        # Mistral slides every layer (a config without the key means transformers' default, 4096); Qwen2/3
+        # only the layers from max_window_layers on, and only with use_sliding_window
+        window = raw.get("sliding_window", 4096 if family == "mistral" else None)
+        slides = (family == "mistral" or (raw.get("use_sliding_window", False)
+                                          and raw.get("max_window_layers", 28) < raw.get("num_hidden_layers", 0)))
+        if slides and isinstance(window, int) and 0 < window < max_pos:
             # llmd computes full attention; capping the context at the window keeps results exact.
             max_pos = window
 
@@ -187,6 +191,14 @@ def _rope(raw: dict, fail) -> tuple[float, RopeScaling]:
         fail(f"rope type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
     fields = {k: positive(f"rope scaling's {k}", merged[k])
               for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings") if k in merged}
+    needed = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                                                "original_max_position_embeddings")}.get(rope_type, ())
+    missing = [k for k in needed if k not in fields]
+    if missing:
+        fail(f"{rope_type} rope scaling needs {', '.join(missing)}")
+    partial = raw.get("partial_rotary_factor", merged.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        fail(f"partial_rotary_factor {partial!r} is not supported (rotary over the whole head only)")
     scaling = RopeScaling(rope_type=rope_type, **fields)
     if rope_type == "llama3" and not scaling.high_freq_factor > scaling.low_freq_factor:
         fail(f"llama3 rope scaling needs high_freq_factor > low_freq_factor, got {scaling.high_freq_factor} "
