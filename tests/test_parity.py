@@ -68,3 +68,32 @@ def test_greedy_64_tokens_identical(pair):
     llm = LLM(str(path), kv_memory="4MiB")
     ours = llm.generate([ids], SamplingParams(max_tokens=64, ignore_eos=True))[0].token_ids
     assert ours == ref
+
+
+@pytest.mark.parametrize("arch, extra", [
+    ("LlamaForCausalLM", {"attention_bias": True, "mlp_bias": True}),
+    ("Qwen3ForCausalLM", {"attention_bias": True, "head_dim": 32}),
+    ("LlamaForCausalLM", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}, "head_dim": 32}),
+])
+def test_checkpoints_written_by_transformers_load_and_match(model_factory, arch, extra):
+    """Weights saved by transformers itself (every tensor it writes, e.g. o_proj's bias under
+    attention_bias), not by llmd: the names llmd expects are the names checkpoints hold."""
+    import json
+    path = model_factory(f"hf-{arch}-{len(extra)}", architecture=arch, heads=4, kv_heads=2, layers=2, tie=False)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(extra)
+    (path / "config.json").write_text(json.dumps(cfg))
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(str(path)),
+                                                       dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.5)
+    hf.save_pretrained(str(path))
+    ids = list(range(10, 43))
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0, -1]
+    out = LLM(str(path), kv_memory="4MiB").generate([ids], SamplingParams(max_tokens=1, logprobs=5))[0]
+    ref_top = torch.log_softmax(ref, -1).topk(5)
+    assert [t for t, _ in out.logprobs[0]["top"]] == ref_top.indices.tolist()
+    assert torch.allclose(torch.tensor([lp for _, lp in out.logprobs[0]["top"]]), ref_top.values, atol=ATOL)

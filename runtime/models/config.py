@@ -49,6 +49,7 @@ class ModelConfig:
     torch_dtype: str
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple[int, ...] = ()
+    o_proj_bias: bool = False     # Llama and Qwen3 with attention_bias bias o_proj too (Qwen2 never does)
 
     @property
     def q_size(self) -> int:
@@ -170,6 +171,7 @@ class ModelConfig:
             qk_norm=family == "qwen3", mlp_bias=get_bool("mlp_bias", False),
             torch_dtype=str(dtype), bos_token_id=bos_ids[0] if bos_ids else None,
             eos_token_ids=eos_ids,
+            o_proj_bias=family in ("llama", "qwen3") and get_bool("attention_bias", False),
         )
 
 

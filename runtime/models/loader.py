@@ -38,6 +38,8 @@ def checkpoint_layout(cfg: ModelConfig) -> dict[str, tuple[str, int, tuple[int, 
             if cfg.attention_bias:
                 out[f"{src}self_attn.{name}.bias"] = (a + "qkv_proj.bias", off, (rows,))
         out[f"{src}self_attn.o_proj.weight"] = (a + "o_proj.weight", 0, (h, q))
+        if cfg.o_proj_bias:
+            out[f"{src}self_attn.o_proj.bias"] = (a + "o_proj.bias", 0, (h,))
         if cfg.qk_norm:
             out[f"{src}self_attn.q_norm.weight"] = (a + "q_norm.weight", 0, (cfg.head_dim,))
             out[f"{src}self_attn.k_norm.weight"] = (a + "k_norm.weight", 0, (cfg.head_dim,))
