@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import json
 import logging
 import sys
 from dataclasses import dataclass, field
@@ -93,6 +94,35 @@ class VoiceConfig:
 
 
 MAX_TRANSCRIPT_CHARS = 8192     # a spoken request; longer is refused (NotHandled), not sent
+MAX_EVENT_DATA = 64 << 10       # bytes of an event's JSON data; a handle service gets no audio,
+MAX_EVENT_PAYLOAD = 1 << 20     # so a larger frame closes the connection instead of being buffered
+
+
+async def read_event_bounded(reader: asyncio.StreamReader) -> Optional[Event]:
+    """One Wyoming event, or None at the end of the stream or for a frame over the limits (the header
+    line is bounded by the reader's own line limit). The library's reader trusts the lengths it is sent."""
+    try:
+        line = await reader.readline()
+        if not line:
+            return None
+        header = json.loads(line)
+        if not isinstance(header, dict) or not isinstance(header.get("type"), str):
+            return None
+        data_len, payload_len = header.get("data_length") or 0, header.get("payload_length") or 0
+        if (not isinstance(data_len, int) or not isinstance(payload_len, int) or not 0 <= data_len <= MAX_EVENT_DATA
+                or not 0 <= payload_len <= MAX_EVENT_PAYLOAD):
+            log.warning("closing a connection that sent a frame over the size limits")
+            return None
+        data = header.get("data") or {}
+        if data_len:
+            extra = json.loads(await reader.readexactly(data_len))
+            if not isinstance(data, dict) or not isinstance(extra, dict):
+                return None
+            data = {**data, **extra}
+        payload = await reader.readexactly(payload_len) if payload_len else None
+        return Event(type=header["type"], data=data if isinstance(data, dict) else {}, payload=payload)
+    except (ValueError, asyncio.IncompleteReadError):
+        return None
 
 
 class Conversations:
@@ -210,6 +240,18 @@ class VoiceHandler(AsyncEventHandler):
         self.bridge = bridge
         self.name = f"conn-{next(_connections)}"
         self._tasks: set[asyncio.Task] = set()
+
+    async def run(self) -> None:
+        """The library's loop, reading frames with size limits (``read_event_bounded``)."""
+        self._is_running = True
+        try:
+            while self._is_running:
+                event = await read_event_bounded(self.reader)
+                if event is None or not await self.handle_event(event):
+                    break
+        finally:
+            await self.disconnect()
+            self.writer.close()
 
     async def handle_event(self, event: Event) -> bool:
         if Describe.is_type(event.type):

@@ -200,3 +200,20 @@ def test_a_malformed_transcript_is_not_handled_and_the_connection_goes_on(daemon
     missing, too_long, after = asyncio.run(session())
     assert missing.type == too_long.type == "not-handled"
     assert after[0] == "handled-start" and after[-1] == "handled-stop"
+
+
+def test_a_frame_over_the_size_limits_closes_only_its_own_connection(daemon, tmp_path):
+    import json as _json
+
+    async def session():
+        async with bridge(daemon, tmp_path, max_tokens=4) as client:
+            reader, writer = await asyncio.open_unix_connection(str(tmp_path / "voice.sock"))
+            writer.write((_json.dumps({"type": "transcript", "data_length": 10 ** 9}) + "\n").encode())
+            await writer.drain()
+            closed = await asyncio.wait_for(reader.read(), 10) == b""      # closed at once, nothing buffered
+            writer.close()
+            await client.write_event(Transcript(text="Hi.").event())
+            return closed, [e.type for e in await answer_events(client)]
+
+    closed, after = asyncio.run(session())
+    assert closed and after[0] == "handled-start" and after[-1] == "handled-stop"
