@@ -4,7 +4,9 @@ An entry remembers the document text before and after the cursor when the sugges
 A later request in the same document hits it when the text after the cursor is unchanged, the
 text before it extends the old prefix, and the extension (what the user typed since) is a proper
 start of the suggestion: the answer is the rest of the suggestion. The store is an LRU of
-``capacity`` entries, newest last; a hit moves an entry to the end.
+``capacity`` entries, newest last; a hit moves an entry to the end. Each entry holds its document's
+text, so one document keeps at most ``per_document`` entries: the suggestions being typed through are
+the last few, and a large file is not held dozens of times over or compared dozens of times a keystroke.
 """
 from __future__ import annotations
 
@@ -21,10 +23,10 @@ class _Entry:
 
 
 class CompletionCache:
-    def __init__(self, capacity: int = 64):
-        if capacity < 0:
-            raise ValueError(f"cache capacity must be >= 0, got {capacity}")
-        self.capacity = capacity
+    def __init__(self, capacity: int = 64, per_document: int = 8):
+        if capacity < 0 or per_document < 1:
+            raise ValueError(f"cache capacity must be >= 0 and per_document >= 1, got {capacity}, {per_document}")
+        self.capacity, self.per_document = capacity, per_document
         self._entries: collections.OrderedDict[tuple[str, int], _Entry] = collections.OrderedDict()
         self._serial = 0
 
@@ -36,6 +38,9 @@ class CompletionCache:
             return
         self._serial += 1
         self._entries[(uri, self._serial)] = _Entry(prefix, suffix, text)
+        mine = [k for k in self._entries if k[0] == uri]
+        for key in mine[:max(0, len(mine) - self.per_document)]:      # this document's oldest beyond its share
+            del self._entries[key]
         while len(self._entries) > self.capacity:
             self._entries.popitem(last=False)
 

@@ -250,3 +250,13 @@ def test_a_small_budget_never_loses_more_than_a_quarter_of_its_prefix():
         text = doc[:doc.index(f"value_{line:04d}")]
         kept = stable_tail(text, 648)
         assert text.endswith(kept) and 0.75 * 648 - 32 <= len(kept) <= 648, (line, len(kept))
+
+
+def test_one_document_keeps_at_most_its_share_of_the_cache():
+    c = CompletionCache(capacity=64, per_document=8)
+    c.store("other", "p", "", "x")
+    for i in range(20):
+        c.store("big", "a" * i, "", "suggestion")
+    assert len(c) == 9 and c.lookup("other", "p", "") == "x"          # another document's entry stays
+    assert c.lookup("big", "a" * 19 + "s", "") == "uggestion"       # the newest are kept
+    assert c.lookup("big", "a" * 5 + "s", "") is None               # the oldest went
