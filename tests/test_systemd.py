@@ -144,8 +144,10 @@ def test_ready_only_after_warm_up_and_pings_stop_when_the_loop_stalls(tiny_model
             server.engine.submit(Call(0, stall_for_a_second))
             assert wait_until(lambda: "end" in stall, 10.0)
             assert wait_until(lambda: len([t for t in fake.pings() if t > stall["end"]]) >= 2, 5.0)
-            # One ping may still leave as the stall begins (the loop pings at most every 0.1 s).
-            during = [t for t in fake.pings() if stall["start"] + 0.15 < t < stall["end"] - 0.05]
+            # Times are arrivals at the reader thread, which a loaded machine may delay: a ping sent as the
+            # stall began can arrive a little into it. A live loop pings every 0.1 s, four times or more
+            # in the window checked here.
+            during = [t for t in fake.pings() if stall["start"] + 0.5 < t < stall["end"] - 0.05]
             assert during == []
         assert fake.index("READY=1") < fake.index("STOPPING=1")
     finally:
