@@ -90,17 +90,30 @@ def export_float_graph(model: LlamaForCausalLM, file: Path) -> None:
     onnx.save(graph, str(file))
 
 
+def head_nodes(model) -> list[str]:
+    """The output head's product nodes: those reading the head's weight (lm_head, or the embedding it is
+    tied to), directly or through a Transpose."""
+    weights = {i.name for i in model.graph.initializer if "lm_head.weight" in i.name or "embed_tokens.weight" in i.name}
+    transposed = {o for n in model.graph.node if n.op_type == "Transpose" and n.input[0] in weights for o in n.output}
+    return [n.name for n in model.graph.node
+            if n.op_type in ("MatMul", "Gemm") and any(i in weights | transposed for i in n.input[1:2])]
+
+
 def quantize_graph(src: Path, dst: Path, spec) -> None:
+    """Quantize the graph's products as ``spec`` says; a float head (``--head float``) stays float."""
+    import onnx
+    graph = onnx.load(str(src))
+    gemm_to_matmul(graph)                 # the quantizers take MatMul; the head is then found by its weight
+    keep_float = head_nodes(graph) if spec.head == "float" else []
     if spec.method in ("int8", "w8a8"):
         from onnxruntime.quantization import QuantType, quantize_dynamic
+        onnx.save(graph, str(src))
         quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, per_channel=True,
-                         op_types_to_quantize=["MatMul"])
+                         op_types_to_quantize=["MatMul"], nodes_to_exclude=keep_float)
     elif spec.method == "int4":
-        import onnx
         from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
-        graph = onnx.load(str(src))
-        gemm_to_matmul(graph)
-        q = MatMulNBitsQuantizer(graph, block_size=spec.group_size, is_symmetric=spec.symmetric)
+        q = MatMulNBitsQuantizer(graph, block_size=spec.group_size, is_symmetric=spec.symmetric,
+                                 nodes_to_exclude=keep_float)
         q.process()
         q.model.save_model_to_file(str(dst))
     else:

@@ -127,3 +127,21 @@ def test_llm_serves_an_onnx_engine_directory_with_the_same_greedy_tokens(source,
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         with pytest.raises(EngineDirError, match="no CUDA provider"):
             LLM(str(tmp_path / "engine"), kv_memory="4MiB", device="cuda")
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_a_float_head_stays_float_in_the_graph(source, tmp_path, quant):
+    """--head float is what the manifest records, so the shipped graph's head must be a float product
+    (it used to be quantized with the rest); the default head is quantized."""
+    import onnx
+
+    def head_op(head):
+        out = tmp_path / f"{quant}-{head}"
+        export_engine(ExportOptions(str(source), str(out), quant=quant, head=head, group_size=32,
+                                    backend="onnxruntime", eval_windows=1, eval_tokens=32))
+        graph = onnx.load(str(out / read_manifest(out)["artifacts"]["onnx"]))
+        made_by = {o: n for n in graph.graph.node for o in n.output}
+        return made_by[graph.graph.output[0].name].op_type
+
+    assert head_op("float") == "MatMul"
+    assert head_op("auto") in ("DynamicQuantizeMatMul", "MatMulNBits", "MatMulInteger")
