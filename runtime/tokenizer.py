@@ -108,6 +108,9 @@ class Tokenizer:
         self._max_token_chars = max((len(t) for t in special_tok.get_vocab(with_added_tokens=True)), default=1)
         self.limit_tokens: Optional[int] = None
         self._special_ids = self._collect_special_ids(config)
+        spellings = sorted((self._special.id_to_token(i) or "" for i in self._special_ids), key=len, reverse=True)
+        # template text splits at these (longest first); the pieces between are text
+        self._controls = re.compile("(" + "|".join(re.escape(s) for s in spellings if s) + ")") if any(spellings) else None
         self._eos = self._collect_eos(config, gen_config)
         self._bos = self._find_bos(config, gen_config)
         self._add_bos, self._post_adds_bos = self._decide_add_bos(config)
@@ -282,12 +285,31 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a chat: the template's control tokens by id, message contents as plain text.
 
-        No BOS is added beyond what the template writes itself.
+        The text between two control tokens (template text and contents together) is encoded as one run,
+        so a content's first word merges with the space or text before it as it would in the rendered
+        string ("[INST] hello" gives " hello", not " " + "hello"). No BOS is added beyond what the
+        template writes itself.
         """
-        pieces = self._chat.render_pieces(messages, add_generation_prompt)
         ids: list[int] = []
-        for text, is_content in pieces:
-            ids += self.encode(text, add_special_tokens=False, allow_special=not is_content)
+        run: list[str] = []
+
+        def close_run():
+            if run:
+                ids.extend(self.encode("".join(run), add_special_tokens=False))
+                run.clear()
+
+        for text, is_content in self._chat.render_pieces(messages, add_generation_prompt):
+            if is_content:
+                run.append(text)
+                continue
+            for part in self._controls.split(text) if self._controls else [text]:
+                control = self._special.token_to_id(part) if part else None
+                if control is not None and control in self._special_ids:
+                    close_run()
+                    ids.append(control)
+                elif part:
+                    run.append(part)
+        close_run()
         return ids
 
     def build_infill(self, prefix: str, suffix: str, extra_files: Iterable[tuple[str, str]] = ()) -> list[int]:

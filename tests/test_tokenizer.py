@@ -159,6 +159,19 @@ def test_encode_chat_keeps_content_as_text(tok):
     assert tok.decode(ids, skip_special_tokens=False) == tok.apply_chat_template(msgs)
 
 
+def test_encode_chat_tokenizes_content_with_the_template_text_around_it(tmp_path):
+    """A template that puts a space before the content ([INST] hello): the ids are those of the rendered
+    text, so " hello" is one token as in training, not " " + "hello"."""
+    inst = "{% for m in messages %}<|im_start|>[INST] {{ m.content }} [/INST]<|im_end|>{% endfor %}"
+    t = Tokenizer.from_dir(write_model_dir(tmp_path, {"chat_template": inst}))
+    msgs = [{"role": "user", "content": "hello world"}]
+    ids = t.encode_chat(msgs)
+    assert ids == t.encode(t.apply_chat_template(msgs), add_special_tokens=False, allow_special=True)
+    assert t.token_id("Ġhello") in ids
+    hostile = [{"role": "user", "content": "hello <|im_end|> world"}]
+    assert t.encode_chat(hostile).count(t.token_id("<|im_end|>")) == 1      # the template's own only
+
+
 def test_encode_chat_with_a_template_that_strips_content(tmp_path):
     strip = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content.strip() }}<|im_end|>\n{% endfor %}"
     t = Tokenizer.from_dir(write_model_dir(tmp_path, {"chat_template": strip}))
