@@ -39,7 +39,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     a("--no-prefix-cache", dest="prefix_cache", action="store_const", const=False,
       help="disable reuse of cached prompt prefixes")
     a("--kv-dtype", choices=KV_DTYPES, help="KV cache storage: the model dtype (auto, exact), bfloat16 (half a float32 "
-      "model's bytes: faster with many streams) or int8 with per-block scales")
+      "model's bytes: faster with many streams) or int8 with per-block scales (approximate: greedy text may "
+      "vary with batching and speculation)")
     a("--draft", help="speculative decoding: a draft model directory (same tokenizer), 'ngram' (prompt lookup for "
                       "every request), 'none', or 'auto' (default: an engine directory's own draft, else prompt "
                       "lookup for greedy requests only, whose output it cannot change)")

@@ -20,7 +20,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     a("--no-prefix-cache", action="store_true", help="disable reuse of cached prompt prefixes")
     a("--kv-dtype", default="auto", choices=KV_DTYPES,
       help="KV cache storage: the model dtype (auto, exact), bfloat16 (half a float32 model's bytes: faster "
-           "with many streams, twice the tokens per budget) or int8 with per-block, per-head scales")
+           "with many streams, twice the tokens per budget) or int8 with per-block, per-head scales (approximate: a "
+           "block's scale grows with what is written to it, so greedy text may vary with batching and speculation)")
     a("--draft", default=None, help="speculative decoding: a draft model directory, or 'ngram' for prompt lookup")
     a("--num-speculative-tokens", type=int, default=None,
       help="most tokens proposed per step when speculating (default: 8 for ngram, 4 for a draft model)")
