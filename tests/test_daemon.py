@@ -26,7 +26,9 @@ PROMPTS = [f"def f{i}(x): return x * {i} +" for i in range(8)]
 
 @pytest.fixture(scope="module")
 def daemon(tiny_model_dir, tmp_path_factory):
-    settings = daemon_settings(tiny_model_dir, tmp_path_factory.mktemp("d"))
+    # no speculation: n-gram lookup on the random model's repetitive answers accepts ~8 tokens a step,
+    # which ends the long answers the cancel and vanished-client tests interrupt in well under a second
+    settings = daemon_settings(tiny_model_dir, tmp_path_factory.mktemp("d"), draft="none")
     with running_daemon(settings) as server:
         yield server
 

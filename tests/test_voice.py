@@ -21,9 +21,10 @@ SYSTEM = "You are a test assistant."
 
 @pytest.fixture(scope="module")
 def daemon(model_factory, tmp_path_factory):
-    # a long context, so that an answer told to run on is still running when the barge-in arrives
-    # (700 tokens of the 1,024-token tiny model were done before it on a fast machine)
-    settings = daemon_settings(model_factory("voice-long", max_pos=8192), tmp_path_factory.mktemp("voice"))
+    # a long context and no speculation, so that an answer told to run on is still running when the barge-in
+    # arrives: 700 tokens of the 1,024-token tiny model were done before it on a fast machine, and n-gram
+    # lookup on the repetitive random model's answer accepted ~8 tokens a step, ending 3,000 in about a second
+    settings = daemon_settings(model_factory("voice-long", max_pos=8192), tmp_path_factory.mktemp("voice"), draft="none")
     with running_daemon(settings) as server:
         yield server
 
