@@ -112,7 +112,8 @@ URI = "file:///work/area.py"
 
 @pytest.fixture(scope="module")
 def daemon(tiny_model_dir, tmp_path_factory):
-    settings = daemon_settings(tiny_model_dir, tmp_path_factory.mktemp("lsp"))
+    # no speculation, so that the burst test's 200-token infills are still running when replaced
+    settings = daemon_settings(tiny_model_dir, tmp_path_factory.mktemp("lsp"), draft="none")
     with running_daemon(settings) as server:
         yield server
 
