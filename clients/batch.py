@@ -31,11 +31,11 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from .client import SAMPLING_KEYS, AsyncClient, DaemonUnavailable, RequestError
+from .events import Done, Error, Token
 
 STOP_CODES = {"draining"}           # the daemon is going away: stop, write nothing, resume later
 RETRY_CODES = {"internal"}          # retried once; a second failure stops the run like STOP_CODES
 GENERATED_ID = re.compile(r"line-\d+")
-from .events import Done, Error, Token
 
 KINDS = {"prompt": "generate", "messages": "chat", "prefix": "infill"}
 EXTRA_KEYS = {"generate": {"prompt"}, "chat": {"messages"}, "infill": {"prefix", "suffix", "files"}}

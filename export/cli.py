@@ -169,8 +169,7 @@ def _export_into(out: Path, opts: ExportOptions, spec, parts: dict, progress) ->
         raise ValueError(f"--eval-tokens {opts.eval_tokens} is longer than the target's context window "
                          f"({models['target'].config.max_position_embeddings} positions)")
     texts, source = quality.heldout_texts(opts.eval_file)
-    windows = quality.token_windows(tokenizer, texts, opts.eval_tokens, opts.eval_windows,
-                                    models["target"].config.vocab_size)
+    windows = quality.token_windows(tokenizer, texts, opts.eval_tokens, opts.eval_windows)
     reference = quality.predict(models["target"], windows)
     progress.advance(2)
     times["load"] = time.perf_counter() - t

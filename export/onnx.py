@@ -101,23 +101,23 @@ def head_nodes(model) -> list[str]:
 
 def quantize_graph(src: Path, dst: Path, spec) -> None:
     """Quantize the graph's products as ``spec`` says; a float head (``--head float``) stays float."""
+    if spec.method not in ("int8", "w8a8", "int4"):
+        dst.write_bytes(src.read_bytes())
+        return
     import onnx
     graph = onnx.load(str(src))
     gemm_to_matmul(graph)                 # the quantizers take MatMul; the head is then found by its weight
     keep_float = head_nodes(graph) if spec.head == "float" else []
-    if spec.method in ("int8", "w8a8"):
-        from onnxruntime.quantization import QuantType, quantize_dynamic
-        onnx.save(graph, str(src))
-        quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, per_channel=True,
-                         op_types_to_quantize=["MatMul"], nodes_to_exclude=keep_float)
-    elif spec.method == "int4":
+    if spec.method == "int4":
         from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
         q = MatMulNBitsQuantizer(graph, block_size=spec.group_size, is_symmetric=spec.symmetric,
                                  nodes_to_exclude=keep_float)
         q.process()
         q.model.save_model_to_file(str(dst))
     else:
-        dst.write_bytes(src.read_bytes())
+        from onnxruntime.quantization import QuantType, quantize_dynamic
+        quantize_dynamic(graph, str(dst), weight_type=QuantType.QInt8, per_channel=True,
+                         op_types_to_quantize=["MatMul"], nodes_to_exclude=keep_float)
 
 
 def gemm_to_matmul(model) -> None:

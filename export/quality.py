@@ -56,8 +56,9 @@ def heldout_texts(eval_file: str | None = None, max_files: int = 8) -> tuple[lis
     return [f.read_text(encoding="utf-8", errors="ignore") for f in files], "stdlib files"
 
 
-def token_windows(tokenizer, texts: list[str], window: int, count: int, vocab_size: int) -> torch.Tensor:
-    """Up to ``count`` windows of ``window`` tokens cut from the texts in order -> [n, window]."""
+def token_windows(tokenizer, texts: list[str], window: int, count: int) -> torch.Tensor:
+    """Up to ``count`` windows of ``window`` tokens cut from the texts in order -> [n, window]. The ids
+    are within the model's vocabulary: the caller checked the tokenizer against it (``check_vocab``)."""
     ids: list[int] = []
     for t in texts:
         ids.extend(tokenizer.encode(t, add_special_tokens=False))
@@ -66,9 +67,6 @@ def token_windows(tokenizer, texts: list[str], window: int, count: int, vocab_si
     n = min(count, len(ids) // window)
     if n == 0:
         raise ValueError(f"held-out text too short: {len(ids)} tokens, need at least {window}")
-    if max(ids[:n * window]) >= vocab_size:
-        raise ValueError(f"the tokenizer gives id {max(ids[:n * window])}, outside the model's vocabulary of "
-                         f"{vocab_size}")
     return torch.tensor(ids[:n * window], dtype=torch.long).view(n, window)
 
 

@@ -108,9 +108,9 @@ class Tokenizer:
         self._max_token_chars = max((len(t) for t in special_tok.get_vocab(with_added_tokens=True)), default=1)
         self.limit_tokens: Optional[int] = None
         self._special_ids = self._collect_special_ids(config)
-        spellings = sorted((self._special.id_to_token(i) or "" for i in self._special_ids), key=len, reverse=True)
+        spellings = sorted(filter(None, (self._special.id_to_token(i) for i in self._special_ids)), key=len, reverse=True)
         # template text splits at these (longest first); the pieces between are text
-        self._controls = re.compile("(" + "|".join(re.escape(s) for s in spellings if s) + ")") if any(spellings) else None
+        self._controls = re.compile("(" + "|".join(map(re.escape, spellings)) + ")") if spellings else None
         self._eos = self._collect_eos(config, gen_config)
         self._bos = self._find_bos(config, gen_config)
         self._add_bos, self._post_adds_bos = self._decide_add_bos(config)
@@ -119,7 +119,7 @@ class Tokenizer:
             self._template_source(config), source,
             bos_token=_token_string(config.get("bos_token")) or self._token_text(self._bos),
             eos_token=_token_string(config.get("eos_token")) or self._token_text(self._eos[0] if self._eos else None),
-            special_tokens=[self._special.id_to_token(i) or "" for i in self._special_ids],
+            special_tokens=spellings,
             chatml=self._special.token_to_id("<|im_start|>") is not None
             and self._special.token_to_id("<|im_end|>") is not None)
 

@@ -159,6 +159,7 @@ class ModelConfig:
                  "float16 weights and quantizes them itself with `llmd export --quant ...`")
         eos_ids = token_ids("eos_token_id")
         bos_ids = token_ids("bos_token_id")
+        attention_bias = get_bool("attention_bias", False)
         dtype = raw.get("torch_dtype") or raw.get("dtype") or "float32"
         return cls(
             architecture=arch, family=family,
@@ -167,11 +168,11 @@ class ModelConfig:
             num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, max_position_embeddings=max_pos,
             rms_norm_eps=get_float("rms_norm_eps", 1e-6), rope_theta=rope_theta, rope_scaling=scaling,
             tie_word_embeddings=get_bool("tie_word_embeddings", False),
-            attention_bias=True if family == "qwen2" else get_bool("attention_bias", False),
+            attention_bias=True if family == "qwen2" else attention_bias,
             qk_norm=family == "qwen3", mlp_bias=get_bool("mlp_bias", False),
             torch_dtype=str(dtype), bos_token_id=bos_ids[0] if bos_ids else None,
             eos_token_ids=eos_ids,
-            o_proj_bias=family in ("llama", "qwen3") and get_bool("attention_bias", False),
+            o_proj_bias=family in ("llama", "qwen3") and attention_bias,
         )
 
 
