@@ -10,6 +10,7 @@ while another thread encodes.
 """
 from __future__ import annotations
 
+import contextvars
 import json
 import re
 import secrets
@@ -20,7 +21,7 @@ from typing import Any, Iterable, Optional
 import jinja2
 import jinja2.ext
 from jinja2.exceptions import SecurityError, TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
 from tokenizers import Tokenizer as HFTokenizer
 
 from .errors import InvalidRequest, ModelLoadError
@@ -29,6 +30,7 @@ MAX_MESSAGES = 1024
 MAX_MESSAGE_CHARS = 1 << 20
 MAX_TEXT_CHARS = 1 << 23
 MAX_PATH_CHARS = 4096
+RENDER_SECONDS = 2.0    # a chat template still rendering after this long is stopped
 TEXT_SLACK = 4          # margin over the longest token, for normalizers that drop characters
 
 # Fill-in-the-middle control tokens: the Qwen-coder spelling first, then the StarCoder one.
@@ -354,11 +356,77 @@ _FALLBACK_PLAIN = (
     "{% if add_generation_prompt %}assistant:{% endif %}")
 
 
+class _RenderLimit(Exception):
+    """A rendering ran past RENDER_SECONDS or 2 x MAX_TEXT_CHARS characters."""
+
+
+# The deadline of the rendering in progress on this thread (None: not rendering).
+_DEADLINE: contextvars.ContextVar[Optional[float]] = contextvars.ContextVar("llmd_render_deadline", default=None)
+
+
+def _check_deadline() -> None:
+    deadline = _DEADLINE.get()
+    if deadline is not None and time.monotonic() > deadline:
+        raise _RenderLimit(f"the chat template took longer than {RENDER_SECONDS:g} s to render")
+
+
+def _checked(items: Iterable) -> Iterable:
+    """Iterates ``items``, checking the render deadline every 256 items."""
+    for i, item in enumerate(items):
+        if not i & 255:
+            _check_deadline()
+        yield item
+
+
+class _Messages(list):
+    """The messages a template sees: a list whose iteration checks the render deadline, so nested
+    loops over them cannot run unbounded."""
+
+    def __iter__(self):
+        return iter(_checked(list.__iter__(self)))
+
+
+class _Range:
+    """``range`` for templates: jinja's bound on the length, and iteration that checks the deadline."""
+
+    def __init__(self, *args: int):
+        self._r = safe_range(*args)
+
+    def __iter__(self):
+        return iter(_checked(self._r))
+
+    def __reversed__(self):
+        return iter(_checked(reversed(self._r)))
+
+    def __len__(self) -> int:
+        return len(self._r)
+
+    def __getitem__(self, i):
+        return self._r[i]
+
+    def __contains__(self, x) -> bool:
+        return x in self._r
+
+
 class _Sandbox(ImmutableSandboxedEnvironment):
-    """Jinja's immutable sandbox, failing loudly (not with an empty string) on unsafe attributes."""
+    """Jinja's immutable sandbox, failing loudly (not with an empty string) on unsafe attributes, and
+    checking the render deadline on every attribute access and call (a template is a program: one
+    from an untrusted model directory must not hold the engine forever)."""
 
     def unsafe_undefined(self, obj: Any, attribute: str):
         raise SecurityError(f"access to attribute {attribute!r} of a {type(obj).__name__} is not allowed")
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        _check_deadline()
+        return super().getattr(obj, attribute)
+
+    def getitem(self, obj: Any, argument: Any) -> Any:
+        _check_deadline()
+        return super().getitem(obj, argument)
+
+    def call(self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
+        _check_deadline()
+        return super().call(__context, __obj, *args, **kwargs)
 
 
 def _raise_exception(message: str):
@@ -379,7 +447,7 @@ class ChatTemplate:
         env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
         env.filters["tojson"] = _tojson
         env.globals.update(raise_exception=_raise_exception, bos_token=bos_token, eos_token=eos_token,
-                           strftime_now=lambda fmt: time.strftime(fmt))
+                           strftime_now=lambda fmt: time.strftime(fmt), range=_Range)
         self._compile_error: Optional[str] = None
         try:
             self._template = env.from_string(source or (_FALLBACK_CHATML if chatml else _FALLBACK_PLAIN))
@@ -417,17 +485,31 @@ class ChatTemplate:
     def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
         if self._template is None:
             raise InvalidRequest(self._compile_error)
+        token = _DEADLINE.set(time.monotonic() + RENDER_SECONDS)
         try:
-            out = self._template.render(messages=messages, add_generation_prompt=bool(add_generation_prompt))
+            out = self._bounded(_Messages(messages), bool(add_generation_prompt))
+        except _RenderLimit as e:
+            raise InvalidRequest(str(e)) from None
         except SecurityError as e:
             raise InvalidRequest(f"the chat template did something unsafe and was stopped: {e}") from None
         except TemplateError as e:
             raise InvalidRequest(f"the chat template rejected the messages: {e}") from None
         except Exception as e:  # template code can raise anything (TypeError on bad data ...)
             raise InvalidRequest(f"the chat template failed: {type(e).__name__}: {e}") from None
-        if len(out) > 2 * MAX_TEXT_CHARS:
-            raise InvalidRequest("the rendered chat is too long")
+        finally:
+            _DEADLINE.reset(token)
         return out
+
+    def _bounded(self, messages: list, add_generation_prompt: bool) -> str:
+        """The rendering, stopped once it runs past 2 x MAX_TEXT_CHARS characters or the deadline."""
+        parts, size = [], 0
+        for chunk in self._template.generate(messages=messages, add_generation_prompt=add_generation_prompt):
+            size += len(chunk)
+            if size > 2 * MAX_TEXT_CHARS:
+                raise _RenderLimit("the rendered chat is too long")
+            _check_deadline()
+            parts.append(chunk)
+        return "".join(parts)
 
 
 def _split_at_marks(marked: str, marks: list[str], contents: list[str]) -> Optional[list[tuple[str, bool]]]:

@@ -1,10 +1,12 @@
 """Tokenizer: loading a model directory, special-token safety, chat templates, infill prompts."""
 import json
+import time
 
 import pytest
 from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from llmd.runtime.errors import InvalidRequest, ModelLoadError
+from llmd.runtime import tokenizer as tokenizer_mod
 from llmd.runtime.tokenizer import Tokenizer
 
 SPECIALS = ["<|endoftext|>", "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|fim_pad|>",
@@ -254,3 +256,36 @@ def test_build_infill_bad_input(tok):
         tok.build_infill("a", "b", [("two\nlines", "x")])
     with pytest.raises(InvalidRequest):
         tok.build_infill("a", None)
+
+
+@pytest.mark.parametrize("template", [
+    "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",            # silent loops
+    "{% for a in messages %}{% for b in messages %}{% for c in messages %}{% for d in messages %}"
+    "{% endfor %}{% endfor %}{% endfor %}{% endfor %}",
+    "{% for i in range(100000) %}{% for j in range(100000) %}{{ messages[0].role }}{% endfor %}{% endfor %}",
+])
+def test_a_chat_template_that_never_ends_is_stopped(tmp_path, template):
+    """A template is a program from the model directory: one that would run for hours fails its request
+    within the render deadline, and the tokenizer goes on working."""
+    t = Tokenizer.from_dir(write_model_dir(tmp_path, {"chat_template": template}))
+    start = time.monotonic()
+    with pytest.raises(InvalidRequest, match="longer than"):
+        t.apply_chat_template([{"role": "user", "content": "hi"}] * 1024)
+    assert time.monotonic() - start < tokenizer_mod.RENDER_SECONDS + 3
+    assert t.encode("still works")
+
+
+def test_a_chat_template_that_writes_too_much_is_stopped(tmp_path):
+    t = Tokenizer.from_dir(write_model_dir(tmp_path, {"chat_template":
+        "{% for i in range(100000) %}{% for j in range(100000) %}{{ 'x' * 1000 }}{% endfor %}{% endfor %}"}))
+    with pytest.raises(InvalidRequest, match="too long"):
+        t.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_templates_still_use_range_and_message_lists_freely(tmp_path):
+    tpl = ("{% for m in messages|reverse %}{{ loop.index }}{{ m.role }}{% if loop.last %}!{% endif %}{% endfor %}"
+           "{{ range(3)|list|join(',') }}{{ range(5)[2] }}{{ range(4)|length }}{{ messages|length }}"
+           "{% for i in range(3)|reverse %}{{ i }}{% endfor %}{{ messages[-1].content }}")
+    t = Tokenizer.from_dir(write_model_dir(tmp_path, {"chat_template": tpl}))
+    msgs = [{"role": "a", "content": "x"}, {"role": "b", "content": "y"}]
+    assert t.apply_chat_template(msgs) == "1b2a!0,1,2242210y"
