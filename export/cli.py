@@ -4,7 +4,9 @@ Phases, each with its own progress bar:
     load      the float models and the held-out windows; the reference's predictions are kept
     quantize  module swap per --quant
     compile   weights written; backend artifacts (ONNX graph, TensorRT engine, AOT package)
-    validate  the written weights are loaded back and measured against the reference (quality gate)
+    validate  the target is measured against the reference through what the engine will run (the
+              ONNX graph on onnxruntime, the AOT packages; else the written weights loaded back):
+              the quality gate
 The manifest is written last, and only when the gate passes: without it the directory is refused.
 """
 from __future__ import annotations
@@ -197,9 +199,10 @@ def _export_into(out: Path, opts: ExportOptions, spec, parts: dict, progress) ->
     for name in parts:
         loaded[name], _ = load_model_dir(out / name, spec, "float32")
         progress.advance()
-    quant_pred = quality.predict(loaded["target"], windows)
+    target_runs, measured_on = gate_target(out, artifacts, loaded["target"])
+    quant_pred = quality.predict(target_runs, windows)
     draft_pred = quality.predict(loaded["draft"], windows) if "draft" in loaded else None
-    measured = quality.compare(reference, quant_pred, draft_pred, source)
+    measured = quality.compare(reference, quant_pred, draft_pred, source, measured_on)
     times["validate"] = time.perf_counter() - t
     progress.close()
 
@@ -216,6 +219,20 @@ def _export_into(out: Path, opts: ExportOptions, spec, parts: dict, progress) ->
         "tokenizer": {"dir": "target", "files": sorted(p.name for p in (out / "target").glob("tokenizer*"))},
         "artifacts": artifacts, **summary})
     return summary
+
+
+def gate_target(out: Path, artifacts: dict, torch_model):
+    """What the quality gate measures the target through, and its name: the compiled graph the engine
+    will run (ONNX on onnxruntime, AOT packages), else the written weights loaded back into torch.
+    TensorRT engines are GPU-only and built from the float graph, so the gate stays on the weights."""
+    from llmd.runtime.backends.base import create_backend
+
+    from . import quality
+    name = "onnxruntime" if "onnx" in artifacts and "tensorrt" not in artifacts else "aot" if "aot" in artifacts else None
+    if name is None:
+        return torch_model, "torch weights"
+    backend = create_backend(name, out, {"artifacts": artifacts}, device="cpu")
+    return quality.BackendModel(backend, torch_model.config), f"{name} graph"
 
 
 def check_out(out: Path, force: bool, sources: list[Path]) -> None:
@@ -293,6 +310,7 @@ def format_summary(s: dict) -> str:
     rows.append(("time", ", ".join(f"{k} {v:.1f} s" for k, v in s["times_s"].items())))
     rows.append(("perplexity", f"{q['ppl_reference']:.3f} -> {q['ppl_quantized']:.3f} ({100 * q['ppl_increase']:+.2f} %)"))
     rows.append(("top-1 agreement", f"{100 * q['top1_agreement']:.2f} % of {q['num_tokens']} tokens ({q['source']})"))
+    rows.append(("measured on", q.get("measured_on", "torch weights")))
     if q["draft_acceptance"] is not None:
         rows.append(("draft acceptance", f"{100 * q['draft_acceptance']:.2f} % (greedy, one token)"))
     width = max(len(k) for k, _ in rows)

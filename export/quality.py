@@ -28,6 +28,7 @@ class Quality:
     draft_acceptance: float | None
     num_tokens: int
     source: str
+    measured_on: str = "torch weights"     # what computed the quantized target's figures
 
     @property
     def ppl_increase(self) -> float:
@@ -37,7 +38,8 @@ class Quality:
     def to_dict(self) -> dict:
         return {"ppl_reference": self.ppl_reference, "ppl_quantized": self.ppl_quantized,
                 "ppl_increase": self.ppl_increase, "top1_agreement": self.top1_agreement,
-                "draft_acceptance": self.draft_acceptance, "num_tokens": self.num_tokens, "source": self.source}
+                "draft_acceptance": self.draft_acceptance, "num_tokens": self.num_tokens, "source": self.source,
+                "measured_on": self.measured_on}
 
 
 def heldout_texts(eval_file: str | None = None, max_files: int = 8) -> tuple[list[str], str]:
@@ -89,8 +91,24 @@ def predict(model, windows: torch.Tensor, batch: int = 4) -> Predictions:
     return Predictions(torch.cat(nll), torch.cat(top1))
 
 
-def compare(reference: Predictions, quantized: Predictions, draft: Predictions | None, source: str) -> Quality:
+class BackendModel:
+    """``forward_dense`` through a compiled step backend (an ONNX graph, AOT packages): each window is
+    one sequence with no past, so the gate measures the artifact the engine will run, not the torch
+    weights it was built from."""
+
+    def __init__(self, backend, config):
+        self.backend = backend
+        self.empty = torch.zeros(config.num_layers, 0, config.num_kv_heads, config.head_dim)
+
+    def forward_dense(self, windows: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(windows.shape[1])
+        return torch.stack([self.backend.forward(w.contiguous(), positions, self.empty, self.empty)[0]
+                            for w in windows])
+
+
+def compare(reference: Predictions, quantized: Predictions, draft: Predictions | None, source: str,
+            measured_on: str = "torch weights") -> Quality:
     acceptance = None if draft is None else (draft.top1 == quantized.top1).float().mean().item()
     return Quality(math.exp(reference.nll.mean().item()), math.exp(quantized.nll.mean().item()),
                    (reference.top1 == quantized.top1).float().mean().item(), acceptance,
-                   reference.top1.numel(), source)
+                   reference.top1.numel(), source, measured_on)

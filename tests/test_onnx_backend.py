@@ -145,3 +145,29 @@ def test_a_float_head_stays_float_in_the_graph(source, tmp_path, quant):
 
     assert head_op("float") == "MatMul"
     assert head_op("auto") in ("DynamicQuantizeMatMul", "MatMulNBits", "MatMulInteger")
+
+
+def test_the_quality_gate_measures_the_onnx_graph_that_ships(source, tmp_path):
+    """The gate's quantized figures are those of the graph onnxruntime runs (which quantizes activations
+    too), not of llmd's torch modules built from the same weights."""
+    import math
+
+    from llmd.export.engine_dir import load_model_dir
+    from llmd.export.quality import heldout_texts, predict, token_windows
+    from llmd.export.quantize import QuantSpec
+    from llmd.runtime.tokenizer import Tokenizer
+    out = tmp_path / "int8"
+    q = export_engine(ExportOptions(str(source), str(out), quant="int8", backend="onnxruntime",
+                                    eval_windows=2, eval_tokens=32))["quality"]
+    assert q["measured_on"] == "onnxruntime graph"
+    assert read_manifest(out)["quality"]["measured_on"] == "onnxruntime graph"
+    windows = token_windows(Tokenizer.from_dir(source), heldout_texts()[0], 32, 2)
+    backend = create_backend("onnxruntime", out, read_manifest(out), device="cpu")
+    cfg = ModelConfig.from_dir(source)
+    empty = torch.zeros(cfg.num_layers, 0, cfg.num_kv_heads, cfg.head_dim)
+    logits = torch.stack([backend.forward(w, torch.arange(32), empty, empty)[0] for w in windows])
+    nll = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), windows[:, 1:])
+    assert math.isclose(q["ppl_quantized"], math.exp(nll.item()), rel_tol=1e-5)
+    torch_weights, _ = load_model_dir(out / "target", QuantSpec.from_dict(read_manifest(out)["quantization"]))
+    torch_ppl = math.exp(predict(torch_weights, windows).nll.mean().item())
+    assert not math.isclose(q["ppl_quantized"], torch_ppl, rel_tol=1e-5)   # the check tells the two apart
