@@ -218,7 +218,7 @@ def _export_into(out: Path, opts: ExportOptions, spec, parts: dict, progress) ->
         "models": {name: {"dir": name, "source": source_hashes(src)} for name, src in parts.items()},
         "tokenizer": {"dir": "target", "files": sorted(p.name for p in (out / "target").glob("tokenizer*"))},
         "artifacts": artifacts, **summary})
-    return summary
+    return summary | ({"graph_quantization": artifacts["onnx_quantization"]} if "onnx_quantization" in artifacts else {})
 
 
 def gate_target(out: Path, artifacts: dict, torch_model):
@@ -278,8 +278,9 @@ def compile_backend(opts: ExportOptions, out: Path, spec) -> dict:
     """Backend artifacts, paths relative to the engine directory."""
     artifacts = {}
     if opts.backend == "onnxruntime":
-        from .onnx import export_onnx
+        from .onnx import export_onnx, graph_quantization
         artifacts["onnx"] = export_onnx(Path(opts.target), out, spec)
+        artifacts["onnx_quantization"] = graph_quantization(spec)
     if opts.backend == "tensorrt":
         from llmd.runtime.models.config import ModelConfig
 
@@ -305,6 +306,8 @@ def format_summary(s: dict) -> str:
     q = s["quality"]
     rows = [("engine directory", s["out"]),
             ("quantization", f"{s['quantization']['method']} (head {s['quantization']['head']}), backend {s['backend']}")]
+    if s.get("graph_quantization"):
+        rows.append(("onnx graph", s["graph_quantization"]))
     for name, sz in s["sizes"].items():
         rows.append((f"{name} size", f"{sz['source_bytes'] / 2**20:.1f} MiB -> {sz['engine_bytes'] / 2**20:.1f} MiB"))
     rows.append(("time", ", ".join(f"{k} {v:.1f} s" for k, v in s["times_s"].items())))

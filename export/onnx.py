@@ -120,6 +120,20 @@ def quantize_graph(src: Path, dst: Path, spec) -> None:
                          op_types_to_quantize=["MatMul"], nodes_to_exclude=keep_float)
 
 
+def graph_quantization(spec) -> str:
+    """What ``quantize_graph`` does to the products, in words, for the manifest: onnxruntime's
+    quantizers differ from llmd's torch modules of the same --quant (int8 there also quantizes the
+    activations, and the head is quantized like every other product unless it is kept float)."""
+    if spec.method in ("int8", "w8a8"):
+        body = "int8 weights per output channel, int8 activations per call (DynamicQuantizeLinear + MatMulInteger)"
+    elif spec.method == "int4":
+        body = (f"{'symmetric' if spec.symmetric else 'asymmetric'} int4 weights in blocks of {spec.group_size} "
+                "(MatMulNBits), float activations")
+    else:
+        return "float"
+    return body + ("; head float" if spec.head == "float" else "; head quantized the same way")
+
+
 def gemm_to_matmul(model) -> None:
     """Rewrite Gemm(x, W, b; transB=1) with a constant W as MatMul(x, W^T) + b: the n-bit
     quantizer handles MatMul only. Other Gemms are left alone."""

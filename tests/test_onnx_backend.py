@@ -161,6 +161,8 @@ def test_the_quality_gate_measures_the_onnx_graph_that_ships(source, tmp_path):
                                     eval_windows=2, eval_tokens=32))["quality"]
     assert q["measured_on"] == "onnxruntime graph"
     assert read_manifest(out)["quality"]["measured_on"] == "onnxruntime graph"
+    # and the manifest says how the graph was quantized, which is not llmd's weight-only int8
+    assert "int8 activations" in read_manifest(out)["artifacts"]["onnx_quantization"]
     windows = token_windows(Tokenizer.from_dir(source), heldout_texts()[0], 32, 2)
     backend = create_backend("onnxruntime", out, read_manifest(out), device="cpu")
     cfg = ModelConfig.from_dir(source)
