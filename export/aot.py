@@ -12,10 +12,12 @@ from pathlib import Path
 
 import torch
 
+from .onnx import MAX_STEP_TOKENS
+
 PACKAGES = {"decode": "aot/decode.pt2", "prefill": "aot/prefill.pt2"}
 
 
-def build_aot_package(source: Path, out: Path, spec, max_tokens: int = 8192) -> dict:
+def build_aot_package(source: Path, out: Path, spec, max_tokens: int = MAX_STEP_TOKENS) -> dict:
     from torch.export import Dim
 
     from llmd.runtime.models.loader import load_model

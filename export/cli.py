@@ -154,6 +154,7 @@ def _export_into(out: Path, opts: ExportOptions, spec, parts: dict, progress) ->
     from . import quality
     from .engine_dir import load_model_dir, save_model_dir, source_hashes
     from .manifest import write_manifest
+    from .onnx import MAX_STEP_TOKENS
     from .quantize import quantize_model
 
     target = parts["target"]
@@ -170,6 +171,9 @@ def _export_into(out: Path, opts: ExportOptions, spec, parts: dict, progress) ->
     if opts.eval_tokens > models["target"].config.max_position_embeddings:
         raise ValueError(f"--eval-tokens {opts.eval_tokens} is longer than the target's context window "
                          f"({models['target'].config.max_position_embeddings} positions)")
+    if opts.eval_tokens > MAX_STEP_TOKENS and (opts.backend != "torch" or opts.aot):
+        raise ValueError(f"--eval-tokens {opts.eval_tokens} is longer than a compiled graph takes in one call "
+                         f"({MAX_STEP_TOKENS}); choose at most that")
     texts, source = quality.heldout_texts(opts.eval_file)
     windows = quality.token_windows(tokenizer, texts, opts.eval_tokens, opts.eval_windows)
     reference = quality.predict(models["target"], windows)
@@ -223,16 +227,20 @@ def _export_into(out: Path, opts: ExportOptions, spec, parts: dict, progress) ->
 
 def gate_target(out: Path, artifacts: dict, torch_model):
     """What the quality gate measures the target through, and its name: the compiled graph the engine
-    will run (ONNX on onnxruntime, AOT packages), else the written weights loaded back into torch.
-    TensorRT engines are GPU-only and built from the float graph, so the gate stays on the weights."""
+    will run (the ONNX graph on onnxruntime; the AOT decode package, which writes every generated
+    token), else the written weights loaded back into torch. TensorRT engines are GPU-only and built
+    from the float graph, so the gate stays on the weights."""
     from llmd.runtime.backends.base import create_backend
 
     from . import quality
-    name = "onnxruntime" if "onnx" in artifacts and "tensorrt" not in artifacts else "aot" if "aot" in artifacts else None
-    if name is None:
-        return torch_model, "torch weights"
-    backend = create_backend(name, out, {"artifacts": artifacts}, device="cpu")
-    return quality.BackendModel(backend, torch_model.config), f"{name} graph"
+    if "onnx" in artifacts and "tensorrt" not in artifacts:
+        backend = create_backend("onnxruntime", out, {"artifacts": artifacts}, device="cpu")
+        return quality.BackendModel(backend, torch_model.config), "onnxruntime graph"
+    if "aot" in artifacts:
+        backend = create_backend("aot", out, {"artifacts": artifacts}, device="cpu")
+        return (quality.BackendModel(backend, torch_model.config, chunk=backend.small_m),
+                f"aot decode package ({backend.small_m} tokens a step)")
+    return torch_model, "torch weights"
 
 
 def check_out(out: Path, force: bool, sources: list[Path]) -> None:
@@ -275,7 +283,8 @@ def check_backend(opts: ExportOptions) -> None:
 
 
 def compile_backend(opts: ExportOptions, out: Path, spec) -> dict:
-    """Backend artifacts, paths relative to the engine directory."""
+    """Backend artifacts: paths relative to the engine directory, and (``onnx_quantization``) how the
+    ONNX graph's products are quantized."""
     artifacts = {}
     if opts.backend == "onnxruntime":
         from .onnx import export_onnx, graph_quantization

@@ -12,8 +12,8 @@
      "models": {"target": {"dir": "target", "source": {"path": ..., "sha256": {file: hash}}}, "draft": {...}},
      "tokenizer": {"dir": "target", "files": [...]},
      "shape_buckets": {"batch": [...], "tokens": [...]},
-     "artifacts": {"onnx": "onnx/target.onnx", ...},
-     "quality": {...},
+     "artifacts": {"onnx": "onnx/target.onnx", "onnx_quantization": "how its products are quantized", ...},
+     "quality": {..., "measured_on": "onnxruntime graph" | "aot decode package (...)" | "torch weights"},
      "files": {"target/weights.safetensors": {"sha256": "...", "bytes": 123}, ...}}
 
 Every file listed under "files" must exist with that size and hash. The format version is the

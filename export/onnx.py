@@ -23,6 +23,7 @@ from torch import nn
 from llmd.runtime.models.llama import LlamaForCausalLM
 
 INPUTS = ("input_ids", "positions", "past_k", "past_v")
+MAX_STEP_TOKENS = 8192      # the most new tokens one call of a compiled step takes (ONNX graph, AOT prefill)
 OUTPUTS = ("logits", "new_k", "new_v")
 
 
@@ -76,7 +77,7 @@ def example_inputs(model: LlamaForCausalLM, t: int = 3, p: int = 2):
 def export_float_graph(model: LlamaForCausalLM, file: Path) -> None:
     from torch.export import Dim
     step = OnnxStep(model).eval()
-    t, p = Dim("T", min=1, max=8192), Dim("P", min=0, max=model.config.max_position_embeddings)
+    t, p = Dim("T", min=1, max=MAX_STEP_TOKENS), Dim("P", min=0, max=model.config.max_position_embeddings)
     dynamic = {"input_ids": {0: t}, "positions": {0: t}, "past_k": {1: p}, "past_v": {1: p}}
     with torch.no_grad():
         torch.onnx.export(step, example_inputs(model), str(file), input_names=list(INPUTS),
@@ -125,13 +126,14 @@ def graph_quantization(spec) -> str:
     quantizers differ from llmd's torch modules of the same --quant (int8 there also quantizes the
     activations, and the head is quantized like every other product unless it is kept float)."""
     if spec.method in ("int8", "w8a8"):
-        body = "int8 weights per output channel, int8 activations per call (DynamicQuantizeLinear + MatMulInteger)"
+        body = ("int8 weights per output channel, activations quantized to uint8 per tensor at "
+                "each call (DynamicQuantizeLinear + MatMulInteger)")
     elif spec.method == "int4":
         body = (f"{'symmetric' if spec.symmetric else 'asymmetric'} int4 weights in blocks of {spec.group_size} "
                 "(MatMulNBits), float activations")
     else:
         return "float"
-    return body + ("; head float" if spec.head == "float" else "; head quantized the same way")
+    return body + ("; head float" if spec.head == "float" else "; head quantized the same way") + "; embedding float"
 
 
 def gemm_to_matmul(model) -> None:

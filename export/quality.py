@@ -92,18 +92,29 @@ def predict(model, windows: torch.Tensor, batch: int = 4) -> Predictions:
 
 
 class BackendModel:
-    """``forward_dense`` through a compiled step backend (an ONNX graph, AOT packages): each window is
-    one sequence with no past, so the gate measures the artifact the engine will run, not the torch
-    weights it was built from."""
+    """``forward_dense`` through a compiled step backend (an ONNX graph, AOT packages), so the gate
+    measures the artifact the engine will run, not the torch weights it was built from. Each window is
+    one sequence: in one call, or with ``chunk`` in steps of that many tokens over the keys and values
+    the earlier steps returned (the AOT decode package, which writes every generated token, takes at
+    most ``small_m`` tokens a step)."""
 
-    def __init__(self, backend, config):
-        self.backend = backend
+    def __init__(self, backend, config, chunk: int | None = None):
+        self.backend, self.chunk = backend, chunk
         self.empty = torch.zeros(config.num_layers, 0, config.num_kv_heads, config.head_dim)
 
     def forward_dense(self, windows: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(windows.shape[1])
-        return torch.stack([self.backend.forward(w.contiguous(), positions, self.empty, self.empty)[0]
-                            for w in windows])
+        return torch.stack([self._sequence(w.contiguous()) for w in windows])
+
+    def _sequence(self, ids: torch.Tensor) -> torch.Tensor:
+        step = self.chunk or len(ids)
+        past_k = past_v = self.empty
+        logits = []
+        for at in range(0, len(ids), step):
+            out, k, v = self.backend.forward(ids[at:at + step], torch.arange(at, min(at + step, len(ids))),
+                                             past_k, past_v)
+            logits.append(out)
+            past_k, past_v = torch.cat([past_k, k], dim=1), torch.cat([past_v, v], dim=1)
+        return torch.cat(logits)
 
 
 def compare(reference: Predictions, quantized: Predictions, draft: Predictions | None, source: str,

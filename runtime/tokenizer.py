@@ -21,7 +21,9 @@ from typing import Any, Iterable, Optional
 import jinja2
 import jinja2.ext
 from jinja2.exceptions import SecurityError, TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
+from jinja2 import nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.visitor import NodeTransformer
 from tokenizers import Tokenizer as HFTokenizer
 
 from .errors import InvalidRequest, ModelLoadError
@@ -378,40 +380,44 @@ def _checked(items: Iterable) -> Iterable:
         yield item
 
 
-class _Messages(list):
-    """The messages a template sees: a list whose iteration checks the render deadline, so nested
-    loops over them cannot run unbounded."""
+def _concat(*parts: Any) -> str:
+    """The template's ``~`` operator, refusing a result longer than the output bound."""
+    strings = [str(p) for p in parts]
+    if sum(map(len, strings)) > 2 * MAX_TEXT_CHARS:
+        raise _RenderLimit("the chat template built a string longer than the output bound")
+    return "".join(strings)
 
-    def __iter__(self):
-        return iter(_checked(list.__iter__(self)))
 
+class _Bounded(NodeTransformer):
+    """Rewrites a parsed template so that every ``for`` loop iterates through ``_checked`` (the deadline
+    then holds whatever the loop runs over: messages, slices, filters' results, range) and every ``~``
+    goes through ``_concat``."""
 
-class _Range:
-    """``range`` for templates: jinja's bound on the length, and iteration that checks the deadline."""
+    def visit_For(self, node: nodes.For) -> nodes.For:
+        node = self.generic_visit(node)
+        node.iter = nodes.Call(nodes.EnvironmentAttribute("llmd_checked"), [node.iter], [], None, None,
+                               lineno=node.lineno)
+        return node
 
-    def __init__(self, *args: int):
-        self._r = safe_range(*args)
-
-    def __iter__(self):
-        return iter(_checked(self._r))
-
-    def __reversed__(self):
-        return iter(_checked(reversed(self._r)))
-
-    def __len__(self) -> int:
-        return len(self._r)
-
-    def __getitem__(self, i):
-        return self._r[i]
-
-    def __contains__(self, x) -> bool:
-        return x in self._r
+    def visit_Concat(self, node: nodes.Concat) -> nodes.Call:
+        node = self.generic_visit(node)
+        return nodes.Call(nodes.EnvironmentAttribute("llmd_concat"), list(node.nodes), [], None, None,
+                          lineno=node.lineno)
 
 
 class _Sandbox(ImmutableSandboxedEnvironment):
-    """Jinja's immutable sandbox, failing loudly (not with an empty string) on unsafe attributes, and
-    checking the render deadline on every attribute access and call (a template is a program: one
-    from an untrusted model directory must not hold the engine forever)."""
+    """Jinja's immutable sandbox, failing loudly (not with an empty string) on unsafe attributes, with
+    bounds for a template from an untrusted model directory: every loop iteration (checked every 256
+    items), attribute or item access and call checks the render deadline, and ``*``, ``+`` and ``~``
+    refuse to build a string or list longer than the output bound. A single filter call can still
+    allocate much (``'x'|center(10**9)``): the bounds are against runaway loops, not a memory sandbox."""
+
+    intercepted_binops = frozenset({"*", "+"})
+    llmd_checked = staticmethod(_checked)
+    llmd_concat = staticmethod(_concat)
+
+    def _parse(self, source: str, name: Optional[str], filename: Optional[str]) -> nodes.Template:
+        return _Bounded().visit(super()._parse(source, name, filename))
 
     def unsafe_undefined(self, obj: Any, attribute: str):
         raise SecurityError(f"access to attribute {attribute!r} of a {type(obj).__name__} is not allowed")
@@ -424,9 +430,20 @@ class _Sandbox(ImmutableSandboxedEnvironment):
         _check_deadline()
         return super().getitem(obj, argument)
 
-    def call(self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805 (jinja's own naming: a template may pass self=)
         _check_deadline()
         return super().call(__context, __obj, *args, **kwargs)
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        _check_deadline()
+        if operator == "*":
+            seq, times = (left, right) if isinstance(right, int) else (right, left)
+            if isinstance(seq, (str, list, tuple)) and isinstance(times, int) and len(seq) * times > 2 * MAX_TEXT_CHARS:
+                raise _RenderLimit("the chat template built a value longer than the output bound")
+        out = super().call_binop(context, operator, left, right)
+        if operator == "+" and isinstance(out, (str, list, tuple)) and len(out) > 2 * MAX_TEXT_CHARS:
+            raise _RenderLimit("the chat template built a value longer than the output bound")
+        return out
 
 
 def _raise_exception(message: str):
@@ -447,7 +464,7 @@ class ChatTemplate:
         env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
         env.filters["tojson"] = _tojson
         env.globals.update(raise_exception=_raise_exception, bos_token=bos_token, eos_token=eos_token,
-                           strftime_now=lambda fmt: time.strftime(fmt), range=_Range)
+                           strftime_now=lambda fmt: time.strftime(fmt))
         self._compile_error: Optional[str] = None
         try:
             self._template = env.from_string(source or (_FALLBACK_CHATML if chatml else _FALLBACK_PLAIN))
@@ -468,10 +485,14 @@ class ChatTemplate:
         token are refused, since they could not be kept as text.
         """
         msgs = _validate_messages(messages)
-        real = self._render(msgs, add_generation_prompt)
         nonce = secrets.token_hex(8)
         marks = [f"[[llmd-{nonce}-{i}]]" for i in range(len(msgs))]   # no whitespace: survives strip()
-        marked = self._render([{**m, "content": k} for m, k in zip(msgs, marks)], add_generation_prompt)
+        token = _DEADLINE.set(time.monotonic() + RENDER_SECONDS)       # one deadline for both renderings
+        try:
+            real = self._render(msgs, add_generation_prompt)
+            marked = self._render([{**m, "content": k} for m, k in zip(msgs, marks)], add_generation_prompt)
+        finally:
+            _DEADLINE.reset(token)
         for transform in (str, str.strip):     # templates commonly strip message contents
             pieces = _split_at_marks(marked, marks, [transform(m["content"]) for m in msgs])
             if pieces is not None and "".join(t for t, _ in pieces) == real:
@@ -485,9 +506,9 @@ class ChatTemplate:
     def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
         if self._template is None:
             raise InvalidRequest(self._compile_error)
-        token = _DEADLINE.set(time.monotonic() + RENDER_SECONDS)
+        token = _DEADLINE.set(_DEADLINE.get() or time.monotonic() + RENDER_SECONDS)    # render_pieces' if set
         try:
-            out = self._bounded(_Messages(messages), bool(add_generation_prompt))
+            out = self._bounded(messages, bool(add_generation_prompt))
         except _RenderLimit as e:
             raise InvalidRequest(str(e)) from None
         except SecurityError as e:

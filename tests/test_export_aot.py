@@ -12,6 +12,7 @@ def export_aot(source, out, quant):
     export_engine(ExportOptions(str(source), str(out), quant=quant, aot=True, eval_windows=1, eval_tokens=32))
     manifest = read_manifest(out)
     assert manifest["artifacts"]["aot"]["decode"] in manifest["files"]     # hashed like the weights
+    assert manifest["quality"]["measured_on"].startswith("aot decode package")   # the gate ran the package
     return create_backend("aot", out, manifest)
 
 

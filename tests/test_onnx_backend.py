@@ -162,7 +162,7 @@ def test_the_quality_gate_measures_the_onnx_graph_that_ships(source, tmp_path):
     assert q["measured_on"] == "onnxruntime graph"
     assert read_manifest(out)["quality"]["measured_on"] == "onnxruntime graph"
     # and the manifest says how the graph was quantized, which is not llmd's weight-only int8
-    assert "int8 activations" in read_manifest(out)["artifacts"]["onnx_quantization"]
+    assert "activations quantized" in read_manifest(out)["artifacts"]["onnx_quantization"]
     windows = token_windows(Tokenizer.from_dir(source), heldout_texts()[0], 32, 2)
     backend = create_backend("onnxruntime", out, read_manifest(out), device="cpu")
     cfg = ModelConfig.from_dir(source)
@@ -173,3 +173,16 @@ def test_the_quality_gate_measures_the_onnx_graph_that_ships(source, tmp_path):
     torch_weights, _ = load_model_dir(out / "target", QuantSpec.from_dict(read_manifest(out)["quantization"]))
     torch_ppl = math.exp(predict(torch_weights, windows).nll.mean().item())
     assert not math.isclose(q["ppl_quantized"], torch_ppl, rel_tol=1e-5)   # the check tells the two apart
+
+
+def test_the_gate_steps_a_backend_through_a_window_as_the_engine_would(source, tmp_path):
+    """BackendModel in steps of 3 tokens over the keys and values of the earlier steps (the AOT decode
+    package's way) gives the logits of one call over the whole window."""
+    from llmd.export.quality import BackendModel
+    backend = export(source, tmp_path / "none", "none")
+    cfg = ModelConfig.from_dir(source)
+    windows = torch.tensor([[(5 * i * i + 7) % 300 + 1 for i in range(20)], list(range(40, 60))])
+    whole = BackendModel(backend, cfg).forward_dense(windows)
+    stepped = BackendModel(backend, cfg, chunk=3).forward_dense(windows)
+    assert whole.shape == stepped.shape == (2, 20, cfg.vocab_size)
+    assert torch.allclose(whole, stepped, atol=1e-4, rtol=1e-4)

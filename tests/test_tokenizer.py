@@ -263,6 +263,10 @@ def test_build_infill_bad_input(tok):
     "{% for a in messages %}{% for b in messages %}{% for c in messages %}{% for d in messages %}"
     "{% endfor %}{% endfor %}{% endfor %}{% endfor %}",
     "{% for i in range(100000) %}{% for j in range(100000) %}{{ messages[0].role }}{% endfor %}{% endfor %}",
+    "{% set m = messages[1:] %}{% for a in m %}{% for b in m %}{% for c in m %}{% for d in m %}"       # a slice
+    "{% endfor %}{% endfor %}{% endfor %}{% endfor %}",
+    "{% for a in messages|reverse %}{% for b in messages|reverse %}{% for c in messages|reverse %}"   # a filter
+    "{% for d in messages|reverse %}{% endfor %}{% endfor %}{% endfor %}{% endfor %}",
 ])
 def test_a_chat_template_that_never_ends_is_stopped(tmp_path, template):
     """A template is a program from the model directory: one that would run for hours fails its request
@@ -275,17 +279,23 @@ def test_a_chat_template_that_never_ends_is_stopped(tmp_path, template):
     assert t.encode("still works")
 
 
-def test_a_chat_template_that_writes_too_much_is_stopped(tmp_path):
-    t = Tokenizer.from_dir(write_model_dir(tmp_path, {"chat_template":
-        "{% for i in range(100000) %}{% for j in range(100000) %}{{ 'x' * 1000 }}{% endfor %}{% endfor %}"}))
-    with pytest.raises(InvalidRequest, match="too long"):
+@pytest.mark.parametrize("template", [
+    "{% for i in range(100000) %}{% for j in range(100000) %}{{ 'x' * 1000 }}{% endfor %}{% endfor %}",
+    "{% set s = 'x' * 100000000 %}{{ s|length }}",                                         # built, not written
+    "{% set ns = namespace(s='xx') %}{% for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+    "{% set ns = namespace(s='xx') %}{% for i in range(60) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
+])
+def test_a_chat_template_that_builds_too_much_is_stopped(tmp_path, template):
+    t = Tokenizer.from_dir(write_model_dir(tmp_path, {"chat_template": template}))
+    with pytest.raises(InvalidRequest, match="too long|longer than the output bound"):
         t.apply_chat_template([{"role": "user", "content": "hi"}])
 
 
 def test_templates_still_use_range_and_message_lists_freely(tmp_path):
     tpl = ("{% for m in messages|reverse %}{{ loop.index }}{{ m.role }}{% if loop.last %}!{% endif %}{% endfor %}"
            "{{ range(3)|list|join(',') }}{{ range(5)[2] }}{{ range(4)|length }}{{ messages|length }}"
-           "{% for i in range(3)|reverse %}{{ i }}{% endfor %}{{ messages[-1].content }}")
+           "{% for i in range(3)|reverse %}{{ i }}{% endfor %}{{ messages[-1].content }}"
+           "{{ dict(self=1)|length }}{{ 'ab' ~ 'c' }}{{ (messages[1:]|length) * 2 }}")
     t = Tokenizer.from_dir(write_model_dir(tmp_path, {"chat_template": tpl}))
     msgs = [{"role": "a", "content": "x"}, {"role": "b", "content": "y"}]
-    assert t.apply_chat_template(msgs) == "1b2a!0,1,2242210y"
+    assert t.apply_chat_template(msgs) == "1b2a!0,1,2242210y1abc2"
