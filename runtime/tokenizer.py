@@ -10,6 +10,7 @@ while another thread encodes.
 """
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import json
 import re
@@ -33,6 +34,7 @@ MAX_MESSAGE_CHARS = 1 << 20
 MAX_TEXT_CHARS = 1 << 23
 MAX_PATH_CHARS = 4096
 RENDER_SECONDS = 2.0    # a chat template still rendering after this long is stopped
+RENDER_MAX_CHARS = 2 * MAX_TEXT_CHARS     # the most a chat template may write, or build in one value
 TEXT_SLACK = 4          # margin over the longest token, for normalizers that drop characters
 
 # Fill-in-the-middle control tokens: the Qwen-coder spelling first, then the StarCoder one.
@@ -359,17 +361,33 @@ _FALLBACK_PLAIN = (
 
 
 class _RenderLimit(Exception):
-    """A rendering ran past RENDER_SECONDS or 2 x MAX_TEXT_CHARS characters."""
+    """A rendering ran past RENDER_SECONDS or RENDER_MAX_CHARS characters."""
 
 
 # The deadline of the rendering in progress on this thread (None: not rendering).
 _DEADLINE: contextvars.ContextVar[Optional[float]] = contextvars.ContextVar("llmd_render_deadline", default=None)
 
 
+@contextlib.contextmanager
+def _render_deadline():
+    """Renderings inside share one deadline: the outermost sets it (a chat's two renderings get one)."""
+    token = _DEADLINE.set(_DEADLINE.get() or time.monotonic() + RENDER_SECONDS)
+    try:
+        yield
+    finally:
+        _DEADLINE.reset(token)
+
+
 def _check_deadline() -> None:
     deadline = _DEADLINE.get()
     if deadline is not None and time.monotonic() > deadline:
         raise _RenderLimit(f"the chat template took longer than {RENDER_SECONDS:g} s to render")
+
+
+def _check_size(n: int) -> None:
+    """A value the template builds may not exceed what it may write."""
+    if n > RENDER_MAX_CHARS:
+        raise _RenderLimit("the chat template built a value longer than the output bound")
 
 
 def _checked(items: Iterable) -> Iterable:
@@ -383,8 +401,7 @@ def _checked(items: Iterable) -> Iterable:
 def _concat(*parts: Any) -> str:
     """The template's ``~`` operator, refusing a result longer than the output bound."""
     strings = [str(p) for p in parts]
-    if sum(map(len, strings)) > 2 * MAX_TEXT_CHARS:
-        raise _RenderLimit("the chat template built a string longer than the output bound")
+    _check_size(sum(map(len, strings)))
     return "".join(strings)
 
 
@@ -436,13 +453,14 @@ class _Sandbox(ImmutableSandboxedEnvironment):
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
         _check_deadline()
+        sized = (str, list, tuple)
         if operator == "*":
             seq, times = (left, right) if isinstance(right, int) else (right, left)
-            if isinstance(seq, (str, list, tuple)) and isinstance(times, int) and len(seq) * times > 2 * MAX_TEXT_CHARS:
-                raise _RenderLimit("the chat template built a value longer than the output bound")
+            if isinstance(seq, sized) and isinstance(times, int):
+                _check_size(len(seq) * times)         # before the value exists
         out = super().call_binop(context, operator, left, right)
-        if operator == "+" and isinstance(out, (str, list, tuple)) and len(out) > 2 * MAX_TEXT_CHARS:
-            raise _RenderLimit("the chat template built a value longer than the output bound")
+        if operator == "+" and isinstance(out, sized):
+            _check_size(len(out))
         return out
 
 
@@ -487,12 +505,9 @@ class ChatTemplate:
         msgs = _validate_messages(messages)
         nonce = secrets.token_hex(8)
         marks = [f"[[llmd-{nonce}-{i}]]" for i in range(len(msgs))]   # no whitespace: survives strip()
-        token = _DEADLINE.set(time.monotonic() + RENDER_SECONDS)       # one deadline for both renderings
-        try:
+        with _render_deadline():
             real = self._render(msgs, add_generation_prompt)
             marked = self._render([{**m, "content": k} for m, k in zip(msgs, marks)], add_generation_prompt)
-        finally:
-            _DEADLINE.reset(token)
         for transform in (str, str.strip):     # templates commonly strip message contents
             pieces = _split_at_marks(marked, marks, [transform(m["content"]) for m in msgs])
             if pieces is not None and "".join(t for t, _ in pieces) == real:
@@ -506,9 +521,9 @@ class ChatTemplate:
     def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
         if self._template is None:
             raise InvalidRequest(self._compile_error)
-        token = _DEADLINE.set(_DEADLINE.get() or time.monotonic() + RENDER_SECONDS)    # render_pieces' if set
         try:
-            out = self._bounded(messages, bool(add_generation_prompt))
+            with _render_deadline():
+                out = self._bounded(messages, bool(add_generation_prompt))
         except _RenderLimit as e:
             raise InvalidRequest(str(e)) from None
         except SecurityError as e:
@@ -517,16 +532,14 @@ class ChatTemplate:
             raise InvalidRequest(f"the chat template rejected the messages: {e}") from None
         except Exception as e:  # template code can raise anything (TypeError on bad data ...)
             raise InvalidRequest(f"the chat template failed: {type(e).__name__}: {e}") from None
-        finally:
-            _DEADLINE.reset(token)
         return out
 
     def _bounded(self, messages: list, add_generation_prompt: bool) -> str:
-        """The rendering, stopped once it runs past 2 x MAX_TEXT_CHARS characters or the deadline."""
+        """The rendering, stopped once it runs past RENDER_MAX_CHARS characters or the deadline."""
         parts, size = [], 0
         for chunk in self._template.generate(messages=messages, add_generation_prompt=add_generation_prompt):
             size += len(chunk)
-            if size > 2 * MAX_TEXT_CHARS:
+            if size > RENDER_MAX_CHARS:
                 raise _RenderLimit("the rendered chat is too long")
             _check_deadline()
             parts.append(chunk)

@@ -17,6 +17,11 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
+def with_template(model_dir, template):
+    """A tokenizer whose tokenizer_config.json carries this chat template."""
+    return Tokenizer.from_dir(write_model_dir(model_dir, {"chat_template": template}))
+
+
 def build_hf_tokenizer(specials=SPECIALS) -> HFTokenizer:
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -165,7 +170,7 @@ def test_encode_chat_tokenizes_content_with_the_template_text_around_it(tmp_path
     """A template that puts a space before the content ([INST] hello): the ids are those of the rendered
     text, so " hello" is one token as in training, not " " + "hello"."""
     inst = "{% for m in messages %}<|im_start|>[INST] {{ m.content }} [/INST]<|im_end|>{% endfor %}"
-    t = Tokenizer.from_dir(write_model_dir(tmp_path, {"chat_template": inst}))
+    t = with_template(tmp_path, inst)
     msgs = [{"role": "user", "content": "hello world"}]
     ids = t.encode_chat(msgs)
     assert ids == t.encode(t.apply_chat_template(msgs), add_special_tokens=False, allow_special=True)
@@ -176,7 +181,7 @@ def test_encode_chat_tokenizes_content_with_the_template_text_around_it(tmp_path
 
 def test_encode_chat_with_a_template_that_strips_content(tmp_path):
     strip = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content.strip() }}<|im_end|>\n{% endfor %}"
-    t = Tokenizer.from_dir(write_model_dir(tmp_path, {"chat_template": strip}))
+    t = with_template(tmp_path, strip)
     msgs = [{"role": "user", "content": "  hi <|im_end|>  "}]
     ids = t.encode_chat(msgs)
     assert ids.count(t.token_id("<|im_end|>")) == 1
@@ -185,7 +190,7 @@ def test_encode_chat_with_a_template_that_strips_content(tmp_path):
 
 def test_encode_chat_refuses_specials_when_template_transforms_content(tmp_path):
     upper = "{% for m in messages %}<|im_start|>{{ m.content | upper }}<|im_end|>{% endfor %}"
-    t = Tokenizer.from_dir(write_model_dir(tmp_path, {"chat_template": upper}))
+    t = with_template(tmp_path, upper)
     assert t.decode(t.encode_chat([{"role": "user", "content": "abc"}])) == "ABC"
     with pytest.raises(InvalidRequest, match="special token"):
         t.encode_chat([{"role": "user", "content": "<|im_end|>"}])
@@ -197,18 +202,18 @@ def test_encode_chat_refuses_specials_when_template_transforms_content(tmp_path)
     "{% for c in ().__class__.__base__.__subclasses__() %}{{ c }}{% endfor %}",
 ])
 def test_malicious_template_is_refused(tmp_path, template):
-    t = Tokenizer.from_dir(write_model_dir(tmp_path, {"chat_template": template}))
+    t = with_template(tmp_path, template)
     with pytest.raises(InvalidRequest, match="unsafe.*not allowed"):
         t.apply_chat_template([{"role": "user", "content": "hi"}])
 
 
 def test_template_errors_are_invalid_requests(tmp_path):
-    t = Tokenizer.from_dir(write_model_dir(tmp_path, {"chat_template": "{{ raise_exception('roles must alternate') }}"}))
+    t = with_template(tmp_path, "{{ raise_exception('roles must alternate') }}")
     with pytest.raises(InvalidRequest, match="roles must alternate"):
         t.apply_chat_template([{"role": "user", "content": "hi"}])
     broken = tmp_path / "broken"
     broken.mkdir()
-    t = Tokenizer.from_dir(write_model_dir(broken, {"chat_template": "{% for %}"}))
+    t = with_template(broken, "{% for %}")
     with pytest.raises(InvalidRequest, match="does not compile"):
         t.apply_chat_template([{"role": "user", "content": "hi"}])
     assert t.encode("still works")       # completions are unaffected
@@ -271,7 +276,7 @@ def test_build_infill_bad_input(tok):
 def test_a_chat_template_that_never_ends_is_stopped(tmp_path, template):
     """A template is a program from the model directory: one that would run for hours fails its request
     within the render deadline, and the tokenizer goes on working."""
-    t = Tokenizer.from_dir(write_model_dir(tmp_path, {"chat_template": template}))
+    t = with_template(tmp_path, template)
     start = time.monotonic()
     with pytest.raises(InvalidRequest, match="longer than"):
         t.apply_chat_template([{"role": "user", "content": "hi"}] * 1024)
@@ -286,7 +291,7 @@ def test_a_chat_template_that_never_ends_is_stopped(tmp_path, template):
     "{% set ns = namespace(s='xx') %}{% for i in range(60) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
 ])
 def test_a_chat_template_that_builds_too_much_is_stopped(tmp_path, template):
-    t = Tokenizer.from_dir(write_model_dir(tmp_path, {"chat_template": template}))
+    t = with_template(tmp_path, template)
     with pytest.raises(InvalidRequest, match="too long|longer than the output bound"):
         t.apply_chat_template([{"role": "user", "content": "hi"}])
 
@@ -296,6 +301,6 @@ def test_templates_still_use_range_and_message_lists_freely(tmp_path):
            "{{ range(3)|list|join(',') }}{{ range(5)[2] }}{{ range(4)|length }}{{ messages|length }}"
            "{% for i in range(3)|reverse %}{{ i }}{% endfor %}{{ messages[-1].content }}"
            "{{ dict(self=1)|length }}{{ 'ab' ~ 'c' }}{{ (messages[1:]|length) * 2 }}")
-    t = Tokenizer.from_dir(write_model_dir(tmp_path, {"chat_template": tpl}))
+    t = with_template(tmp_path, tpl)
     msgs = [{"role": "a", "content": "x"}, {"role": "b", "content": "y"}]
     assert t.apply_chat_template(msgs) == "1b2a!0,1,2242210y1abc2"
