@@ -408,8 +408,11 @@ class AsyncStream:
         if self.final is not None:
             raise StopAsyncIteration
         try:
-            event = await asyncio.wait_for(self._queue.get(), self._client.timeout)
-        except asyncio.TimeoutError:
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for returns the event and drops a cancel
+            # that lands as the event arrives, so a barge-in or aclose() mid-stream was lost
+            async with asyncio.timeout(self._client.timeout):
+                event = await self._queue.get()
+        except TimeoutError:
             await self.aclose()
             raise Timeout(f"no event for request {self.id} within {self._client.timeout}s") from None
         if isinstance(event, Exception):
@@ -523,8 +526,9 @@ class AsyncClient(_Base):
         self._replies[message["id"]] = fut
         try:
             await self._send(message)
-            reply = await asyncio.wait_for(fut, timeout or self.timeout)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(timeout or self.timeout):     # keeps a cancel (see AsyncStream)
+                reply = await fut
+        except TimeoutError:
             raise Timeout(f"no answer to {message['type']} within {timeout or self.timeout}s") from None
         finally:
             self._replies.pop(message["id"], None)

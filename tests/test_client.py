@@ -9,7 +9,7 @@ import time
 import pytest
 
 from daemon_fixtures import daemon_settings, running_daemon, wait_until
-from llmd.clients.client import (AsyncClient, Client, ConnectionLost, DaemonUnavailable, RequestError, Timeout)
+from llmd.clients.client import (AsyncClient, AsyncStream, Client, ConnectionLost, DaemonUnavailable, RequestError, Timeout)
 from llmd.clients.events import Done, Token
 from llmd.daemon.engine_thread import Call
 
@@ -92,6 +92,37 @@ def test_async_client_streams_and_cancels(daemon):
     texts = asyncio.run(main())
     with Client(daemon.settings.socket) as c:
         assert texts == [c.generate(f"async {i}", max_tokens=6).text() for i in range(4)]
+
+
+def test_a_cancel_that_lands_as_an_event_arrives_is_not_lost(tmp_path):
+    """A barge-in cancels the task reading an answer; tokens arrive every few milliseconds, so the cancel
+    often lands just as one is routed to the stream. It must still end the task: a lost cancel let the
+    whole interrupted answer run on (seen as a voice bridge test failing under load)."""
+    async def main():
+        client = AsyncClient(str(tmp_path / "unused.sock"))
+        lost = 0
+        for attempt in range(50):
+            rid = f"r{attempt}"
+            stream = client._streams[rid] = AsyncStream(client, rid)
+
+            async def read_all():
+                return [event async for event in stream]
+
+            reader = asyncio.create_task(read_all())
+            await asyncio.sleep(0)                           # the reader waits for an event
+            client._route(Token(id=rid, seq=0, text="a", token_ids=[1]))
+            for _ in range(attempt % 3):
+                await asyncio.sleep(0)
+            reader.cancel()
+            client._route(Done(id=rid, finish_reason="length", usage={}, timings={}))
+            try:
+                await reader
+                lost += 1
+            except asyncio.CancelledError:
+                pass
+        return lost
+
+    assert asyncio.run(main()) == 0
 
 
 def test_a_message_the_client_cannot_read_is_skipped_and_the_rest_still_arrive(tmp_path):
