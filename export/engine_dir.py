@@ -18,7 +18,6 @@ from safetensors.torch import save_file
 from llmd.runtime.errors import EngineDirError, ModelLoadError
 from llmd.runtime.loading import check_vocab
 from llmd.runtime.models.config import ModelConfig
-from llmd.runtime.models.layers import Rotary
 from llmd.runtime.models.llama import LlamaForCausalLM
 from llmd.runtime.tokenizer import Tokenizer
 
@@ -48,10 +47,7 @@ def source_hashes(source: Path) -> dict:
 
 
 def build_empty(cfg: ModelConfig, spec: QuantSpec, dtype: torch.dtype) -> LlamaForCausalLM:
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
-    model.to_empty(device="cpu").to(dtype)
-    model.rotary = Rotary(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+    model = LlamaForCausalLM.empty(cfg, dtype)
     return quantize_model(model, spec, from_weights=False)
 
 

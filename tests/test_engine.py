@@ -226,3 +226,17 @@ def test_an_important_long_prompt_never_stalls_running_streams(tiny_model_dir):
     while e.has_unfinished():
         step()
     assert [outs["b1"], outs["b2"]] == alone
+
+
+def test_loading_a_model_does_not_import_torch_compiler_machinery(tiny_model_dir):
+    """Building the model on the meta device used to run ops through torch's Python reference code,
+    importing torch._dynamo and sympy on every load (1 s of each daemon start here, for nothing)."""
+    import subprocess
+    import sys
+    code = ("import sys; from llmd import LLM, SamplingParams; "
+            f"llm = LLM({str(tiny_model_dir)!r}, kv_memory='16MiB'); "
+            "assert llm.generate(['x'], SamplingParams(max_tokens=2))[0].token_ids; "
+            "print(sorted(m for m in ('torch._dynamo', 'sympy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

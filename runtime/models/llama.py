@@ -147,17 +147,35 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, rotary: bool = True):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # built around an empty weight: nn.Embedding's random init is wasted on weights a checkpoint
+        # overwrites, and on the meta device (see ``empty``) it would run a Python-level op
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
-        self.rotary = Rotary(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = Rotary(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                             cfg.rope_scaling) if rotary else None
         self._tied_head: Linear | None = None      # the tied embedding, once prepared (see below)
         self._interleaved = False
 
+
+    @classmethod
+    def empty(cls, cfg: ModelConfig, dtype: torch.dtype) -> "LlamaForCausalLM":
+        """The model with uninitialised weights in ``dtype`` on the CPU and float32 rotary tables: what
+        a loader fills. Built on the meta device without running an op there: ops on meta go through
+        torch's Python reference code, whose first use imports torch._dynamo (1.3 s of every load)."""
+        with torch.device("meta"):
+            model = cls(cfg, rotary=False)
+        for module in model.modules():     # not to_empty(): its empty_like on meta is such an op
+            for name, p in module._parameters.items():
+                if p is not None:
+                    module._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=dtype), p.requires_grad)
+        model.rotary = Rotary(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        return model
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
         """Packed tokens [T] -> final hidden states [T, hidden]."""
         x = self.embed(input_ids)

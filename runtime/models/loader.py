@@ -16,7 +16,6 @@ from safetensors.torch import save_file
 
 from ..errors import ModelLoadError
 from .config import ModelConfig
-from .layers import Rotary
 from .llama import LlamaForCausalLM
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -106,11 +105,7 @@ def load_model(path: str | Path, dtype: str = "float32", cfg: ModelConfig | None
     if cfg.num_parameters() * 2 > stored:     # no loadable dtype takes under 2 bytes a weight
         raise ModelLoadError(f"{path}: config.json describes {cfg.num_parameters():,} weights, more than "
                              f"{stored:,} bytes of safetensors can hold; is config.json from this model?")
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
-    model.rotary = None                       # its tables are built below, in float32
-    model.to_empty(device="cpu").to(torch_dtype)
-    model.rotary = Rotary(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)  # float32 tables
+    model = LlamaForCausalLM.empty(cfg, torch_dtype)
     params = dict(model.named_parameters())
     seen: set[str] = set()
     for n, (f, name, tensor) in enumerate(iter_tensors(files)):
