@@ -1,0 +1,109 @@
+"""llmd's CPU kernels as they are now against the same kernels at another git revision, in one process:
+single-stream and 16-stream decode on one random model, rounds alternating between the two builds.
+
+    .venv/bin/python bench/bench_kernels.py --against HEAD~1 --shape tiny --threads 2 --rounds 7
+
+The kernels of ``--against`` are compiled from that revision's sources (``git show``) with the flags
+llmd uses; the engine is built once and each round swaps the loaded library, so the model, the KV pool
+and the prompts are the same for both. Reported: medians of each build's decode tokens/s (prompts
+cached, counted from the first token, as ``llmd bench`` does), the 16-stream / one-stream ratio, and
+whether both builds produced the same tokens (a kernel change must not change greedy output).
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import random
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from llmd.runtime import kernels
+from llmd.runtime.llm import LLM
+from llmd.runtime.models.random_model import SHAPES, write_random_model
+from llmd.runtime.request import SamplingParams
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def build_at(rev: str, out_dir: Path) -> Path:
+    """The kernel library compiled from ``rev``'s sources."""
+    src = out_dir / "src"
+    src.mkdir()
+    names = [p.name for p in kernels._SOURCES] + [kernels._HEADER.name]
+    for name in names:
+        text = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:runtime/kernels/{name}"],
+                              capture_output=True, text=True, check=True).stdout
+        (src / name).write_text(text)
+    cc = shutil.which("cc") or shutil.which("gcc")
+    lib = out_dir / "kernels.so"
+    subprocess.run([cc, "-O3", "-fopenmp", "-shared", "-fPIC", "-o", str(lib),
+                    *[str(src / p.name) for p in kernels._SOURCES], "-lm"], check=True)
+    return lib
+
+
+def load(path: Path) -> ctypes.CDLL:
+    so = ctypes.CDLL(str(path))
+    for name, args in kernels._SIGNATURES.items():
+        fn = getattr(so, name)
+        fn.argtypes, fn.restype = args, ctypes.c_int
+    return so
+
+
+def decode_rate(llm: LLM, prompts: list, params: SamplingParams) -> tuple[float, list]:
+    llm.generate(prompts, params)                 # prompts cached, as in llmd bench
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    wall = time.perf_counter() - t0
+    first = max(o.metrics["ttft_s"] for o in outs)
+    return sum(len(o.token_ids) - 1 for o in outs) / (wall - first), [o.token_ids for o in outs]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--against", default="HEAD", help="git revision whose kernels are the baseline (default HEAD)")
+    ap.add_argument("--shape", default="tiny", choices=sorted(SHAPES), help="random model shape (default tiny)")
+    ap.add_argument("--threads", type=int, default=2, help="torch and kernel threads (default 2)")
+    ap.add_argument("--streams", type=int, default=16, help="concurrent streams (default 16)")
+    ap.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per stream (default 128)")
+    ap.add_argument("--gen", type=int, default=64, help="tokens generated per stream (default 64)")
+    ap.add_argument("--rounds", type=int, default=7, help="alternating rounds; medians reported (default 7)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if kernels.lib() is None:
+        raise SystemExit(f"llmd's kernels are unavailable here: {kernels.why()}")
+    with tempfile.TemporaryDirectory() as tmp:
+        builds = {"now": kernels.lib(), args.against: load(build_at(args.against, Path(tmp)))}
+        model = write_random_model(Path(tmp) / "model", args.shape)
+        llm = LLM(str(model), dtype="float32", kv_memory="1GiB")
+        vocab = SHAPES[args.shape]["vocab_size"]
+        rng = random.Random(0)
+        prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(args.streams)]
+        params = SamplingParams(max_tokens=args.gen, ignore_eos=True)
+        rates = {k: ([], []) for k in builds}
+        tokens = {}
+        for _ in range(args.rounds):
+            for name, so in builds.items():
+                kernels._lib = so
+                one, _ = decode_rate(llm, prompts[:1], params)
+                many, tokens[name] = decode_rate(llm, prompts, params)
+                rates[name][0].append(one)
+                rates[name][1].append(many)
+    result = {"shape": args.shape, "threads": args.threads, "streams": args.streams, "rounds": args.rounds,
+              "same_tokens": tokens["now"] == tokens[args.against]}
+    for name, (one, many) in rates.items():
+        a, b = statistics.median(one), statistics.median(many)
+        result[name] = {"one_stream_tok_s": round(a, 1), "streams_tok_s": round(b, 1), "ratio": round(b / a, 2)}
+    result["streams_now_over_baseline"] = round(result["now"]["streams_tok_s"] / result[args.against]["streams_tok_s"], 3)
+    print(json.dumps(result, indent=1))
+    return 0 if result["same_tokens"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
