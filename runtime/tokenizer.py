@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import json
 import re
 import secrets
@@ -405,6 +406,46 @@ def _concat(*parts: Any) -> str:
     return "".join(strings)
 
 
+_NUMBER = re.compile(r"\d+")
+
+
+def _check_args(args: Iterable, fmt: Any = None) -> None:
+    """Before a call that may allocate in proportion to its arguments (``center(10**9)``,
+    ``'%1000000000s'|format(x)``, ``'{:>1000000000}'.format(x)``): no integer argument, and no number in
+    a format string, may exceed the output bound."""
+    for a in args:
+        if isinstance(a, int) and not isinstance(a, bool) and abs(a) > RENDER_MAX_CHARS:
+            raise _RenderLimit(f"the chat template asked for a size of {a}, more than the output bound")
+    if isinstance(fmt, str) and any(len(n) > 7 and int(n) > RENDER_MAX_CHARS for n in _NUMBER.findall(fmt)):
+        raise _RenderLimit("the chat template's format string asks for a width larger than the output bound")
+
+
+def _check_replace(text: Any, old: Any, new: Any) -> None:
+    """``replace`` grows its text by (len(new) - len(old)) per occurrence: checked before it runs."""
+    if isinstance(text, str) and isinstance(old, str) and isinstance(new, str):
+        grows = (len(text) + 1) * len(new) if not old else text.count(old) * (len(new) - len(old))
+        _check_size(len(text) + grows)
+
+
+def _check_result(out: Any) -> Any:
+    if isinstance(out, (str, list, tuple)):
+        _check_size(len(out))
+    return out
+
+
+def _bounded_filter(name: str, fn):
+    """A filter with the checks of a call: sizes and format widths before, the result's length after."""
+    @functools.wraps(fn)       # keeps jinja's pass_context / pass_environment marks
+    def run(*args: Any, **kwargs: Any) -> Any:
+        _check_deadline()
+        values = [a for a in args if not isinstance(a, (jinja2.runtime.Context, jinja2.Environment))]
+        _check_args([*values, *kwargs.values()], values[0] if name == "format" and values else None)
+        if name == "replace" and len(values) >= 3:
+            _check_replace(str(values[0]), values[1], values[2])
+        return _check_result(fn(*args, **kwargs))
+    return run
+
+
 class _Bounded(NodeTransformer):
     """Rewrites a parsed template so that every ``for`` loop iterates through ``_checked`` (the deadline
     then holds whatever the loop runs over: messages, slices, filters' results, range) and every ``~``
@@ -426,10 +467,13 @@ class _Sandbox(ImmutableSandboxedEnvironment):
     """Jinja's immutable sandbox, failing loudly (not with an empty string) on unsafe attributes, with
     bounds for a template from an untrusted model directory: every loop iteration (checked every 256
     items), attribute or item access and call checks the render deadline, and ``*``, ``+`` and ``~``
-    refuse to build a string or list longer than the output bound. A single filter call can still
-    allocate much (``'x'|center(10**9)``): the bounds are against runaway loops, not a memory sandbox."""
+    refuse to build a string or list longer than the output bound. Calls and filters (``center``,
+    ``format``, ``replace``, ...) are refused before they run when an integer argument or a format width
+    exceeds that bound, or a replacement would; their results are held to it after. Against runaway
+    templates, not a memory sandbox: a filter can still build a value up to the bound before it is
+    refused."""
 
-    intercepted_binops = frozenset({"*", "+"})
+    intercepted_binops = frozenset({"*", "+", "%"})
     llmd_checked = staticmethod(_checked)
     llmd_concat = staticmethod(_concat)
 
@@ -449,7 +493,12 @@ class _Sandbox(ImmutableSandboxedEnvironment):
 
     def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805 (jinja's own naming: a template may pass self=)
         _check_deadline()
-        return super().call(__context, __obj, *args, **kwargs)
+        bound = getattr(__obj, "__self__", None)            # a str method: 'x'.center(n), '{}'.format(...)
+        name = getattr(__obj, "__name__", "")
+        _check_args([*args, *kwargs.values()], bound if isinstance(bound, str) and "format" in name else None)
+        if isinstance(bound, str) and name == "replace" and len(args) >= 2:
+            _check_replace(bound, args[0], args[1])
+        return _check_result(super().call(__context, __obj, *args, **kwargs))
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
         _check_deadline()
@@ -458,8 +507,10 @@ class _Sandbox(ImmutableSandboxedEnvironment):
             seq, times = (left, right) if isinstance(right, int) else (right, left)
             if isinstance(seq, sized) and isinstance(times, int):
                 _check_size(len(seq) * times)         # before the value exists
+        elif operator == "%" and isinstance(left, str):
+            _check_args(right if isinstance(right, tuple) else [right], left)
         out = super().call_binop(context, operator, left, right)
-        if operator == "+" and isinstance(out, sized):
+        if operator in "+%" and isinstance(out, sized):
             _check_size(len(out))
         return out
 
@@ -481,6 +532,7 @@ class ChatTemplate:
         self._specials = [t for t in special_tokens if t]
         env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
         env.filters["tojson"] = _tojson
+        env.filters = {name: _bounded_filter(name, fn) for name, fn in env.filters.items()}
         env.globals.update(raise_exception=_raise_exception, bos_token=bos_token, eos_token=eos_token,
                            strftime_now=lambda fmt: time.strftime(fmt))
         self._compile_error: Optional[str] = None

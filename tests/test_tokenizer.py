@@ -289,11 +289,22 @@ def test_a_chat_template_that_never_ends_is_stopped(tmp_path, template):
     "{% set s = 'x' * 100000000 %}{{ s|length }}",                                         # built, not written
     "{% set ns = namespace(s='xx') %}{% for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
     "{% set ns = namespace(s='xx') %}{% for i in range(60) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
+    # one call or filter asked for gigabytes (each allocated them before it was checked)
+    "{{ 'x'|center(10**10) }}",
+    "{{ 'x'.center(10**10) }}",
+    "{{ 'x'.ljust(width=10**10) }}",
+    "{{ 'ab'|indent(10**10) }}",
+    "{{ '%10000000000s'|format('x') }}",
+    "{{ '%10000000000s' % 'x' }}",
+    "{{ '{:>10000000000}'.format('x') }}",
+    "{{ ('x' * 100000)|replace('x', 'y' * 1000) }}",
+    "{{ ('x' * 100000).replace('x', 'y' * 1000) }}",
 ])
 def test_a_chat_template_that_builds_too_much_is_stopped(tmp_path, template):
     t = with_template(tmp_path, template)
-    with pytest.raises(InvalidRequest, match="too long|longer than the output bound"):
+    with pytest.raises(InvalidRequest, match="too long|output bound"):
         t.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert t.encode("still works")
 
 
 def test_templates_still_use_range_and_message_lists_freely(tmp_path):
@@ -304,3 +315,7 @@ def test_templates_still_use_range_and_message_lists_freely(tmp_path):
     t = with_template(tmp_path, tpl)
     msgs = [{"role": "a", "content": "x"}, {"role": "b", "content": "y"}]
     assert t.apply_chat_template(msgs) == "1b2a!0,1,2242210y1abc2"
+    sized = ("{{ 'x'|center(5) }}|{{ '%s-%03d'|format('a', 7) }}|{{ 'a-b'|replace('-', '+') }}|{{ '{}!'.format('hi') }}"
+             "|{{ '%d' % 3 }}|{{ 'ab'.ljust(4) }}|{{ messages[0].content|upper }}|{{ 'a b'|indent(2, true) }}")
+    (tmp_path / "sized").mkdir()
+    assert with_template(tmp_path / "sized", sized).apply_chat_template(msgs) == "  x  |a-007|a+b|hi!|3|ab  |X|  a b"
