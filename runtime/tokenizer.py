@@ -433,12 +433,15 @@ def _check_result(out: Any) -> Any:
     return out
 
 
+_PASSED = (jinja2.runtime.Context, jinja2.nodes.EvalContext, jinja2.Environment)   # what jinja passes filters first
+
+
 def _bounded_filter(name: str, fn):
     """A filter with the checks of a call: sizes and format widths before, the result's length after."""
     @functools.wraps(fn)       # keeps jinja's pass_context / pass_environment marks
     def run(*args: Any, **kwargs: Any) -> Any:
         _check_deadline()
-        values = [a for a in args if not isinstance(a, (jinja2.runtime.Context, jinja2.Environment))]
+        values = [a for a in args if not isinstance(a, _PASSED)]      # the value, then the template's arguments
         _check_args([*values, *kwargs.values()], values[0] if name == "format" and values else None)
         if name == "replace" and len(values) >= 3:
             _check_replace(str(values[0]), values[1], values[2])
