@@ -6,7 +6,7 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from llmd.runtime.errors import InvalidRequest, ModelLoadError
-from llmd.runtime import tokenizer as tokenizer_mod
+from llmd.runtime import template_sandbox
 from llmd.runtime.tokenizer import Tokenizer
 
 SPECIALS = ["<|endoftext|>", "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|fim_pad|>",
@@ -280,16 +280,18 @@ def test_a_chat_template_that_never_ends_is_stopped(tmp_path, template):
     start = time.monotonic()
     with pytest.raises(InvalidRequest, match="longer than"):
         t.apply_chat_template([{"role": "user", "content": "hi"}] * 1024)
-    assert time.monotonic() - start < tokenizer_mod.RENDER_SECONDS + 3
+    assert time.monotonic() - start < template_sandbox.RENDER_SECONDS + 3
     assert t.encode("still works")
 
 
-@pytest.mark.parametrize("template", [
+RUNAWAY = [   # loops and values built step by step: stopped by the deadline or the size of what they built
     "{% for i in range(100000) %}{% for j in range(100000) %}{{ 'x' * 1000 }}{% endfor %}{% endfor %}",
     "{% set s = 'x' * 100000000 %}{{ s|length }}",                                         # built, not written
     "{% set ns = namespace(s='xx') %}{% for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
     "{% set ns = namespace(s='xx') %}{% for i in range(60) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
-    # one call or filter asked for gigabytes (each allocated them before it was checked)
+]
+ONE_CALL = [
+    # one call or filter asked for gigabytes (each allocated them before it was checked): refused before it runs
     "{{ 'x'|center(10**10) }}",
     "{{ 'x'.center(10**10) }}",
     "{{ 'x'.ljust(width=10**10) }}",
@@ -299,10 +301,31 @@ def test_a_chat_template_that_never_ends_is_stopped(tmp_path, template):
     "{{ '{:>10000000000}'.format('x') }}",
     "{{ ('x' * 100000)|replace('x', 'y' * 100000) }}",                                  # 10**10 characters
     "{{ ('x' * 100000).replace('x', 'y' * 100000) }}",
-])
+    # widths that each pass but add up, or come from arguments
+    "{{ '%9000000s%9000000s'|format('a', 'b') }}",
+    "{{ '%9000000s%9000000s' % ('a', 'b') }}",
+    "{{ '%*s' % (17000000, 'x') }}",
+    "{{ '{:>{}}'.format('a', 17000000) }}",
+    "{{ '{:>{w}}'.format_map({'w': 17000000}) }}",
+    # growing with the input: tabs, separators, lines, wrap points, slices, fill, powers, json indent
+    "{{ ('\t' * 100000).expandtabs(1000) }}",
+    "{{ range(1000)|list|join('x' * 100000) }}",
+    "{{ ('x' * 100000).join(range(1000)|map('string')|list) }}",
+    "{{ ('a\n' * 100000)|indent(1000) }}",
+    "{{ ('a\n' * 100000)|indent('x' * 1000) }}",
+    "{{ ('a ' * 100000)|wordwrap(1, wrapstring='x' * 1000) }}",
+    "{{ [1]|slice(10000000)|list|length }}",
+    "{{ [1]|batch(10000000, 0)|list|length }}",
+    "{{ 2 ** 100000000 }}",
+    "{{ messages|tojson(indent=100000) }}",
+]
+
+
+@pytest.mark.parametrize("template", RUNAWAY + ONE_CALL)
 def test_a_chat_template_that_builds_too_much_is_stopped(tmp_path, template):
     t = with_template(tmp_path, template)
-    with pytest.raises(InvalidRequest, match="too long|output bound"):
+    refusal = "asked .* for a value|power too large|indent of" if template in ONE_CALL else "too long|output bound"
+    with pytest.raises(InvalidRequest, match=refusal):
         t.apply_chat_template([{"role": "user", "content": "hi"}])
     assert t.encode("still works")
 
@@ -316,6 +339,11 @@ def test_templates_still_use_range_and_message_lists_freely(tmp_path):
     msgs = [{"role": "a", "content": "x"}, {"role": "b", "content": "y"}]
     assert t.apply_chat_template(msgs) == "1b2a!0,1,2242210y1abc2"
     sized = ("{{ 'x'|center(5) }}|{{ '%s-%03d'|format('a', 7) }}|{{ 'a-b'|replace('-', '+') }}|{{ '{}!'.format('hi') }}"
-             "|{{ '%d' % 3 }}|{{ 'ab'.ljust(4) }}|{{ messages[0].content|upper }}|{{ 'a b'|indent(2, true) }}")
+             "|{{ '%d' % 3 }}|{{ 'ab'.ljust(4) }}|{{ messages[0].content|upper }}|{{ 'a b'|indent(2, true) }}"
+             "|{{ 'cutoff 20240726 %s'|format('x') }}|{{ 'day 20240726: %s' % 'y' }}|{{ (1732972800 * 1000)|string }}"
+             "|{{ 'a-b-c'.replace('-', '+', 1) }}|{{ '{:>4}|{:.2f}'.format('x', 1.5) }}|{{ [1, 2]|tojson(indent=1) }}"
+             "|{{ 2 ** 10 }}|{{ [1, 2, 3]|slice(2)|list|length }}|{{ ['a', 'b']|join(', ') }}")
     (tmp_path / "sized").mkdir()
-    assert with_template(tmp_path / "sized", sized).apply_chat_template(msgs) == "  x  |a-007|a+b|hi!|3|ab  |X|  a b"
+    assert with_template(tmp_path / "sized", sized).apply_chat_template(msgs) == (
+        "  x  |a-007|a+b|hi!|3|ab  |X|  a b|cutoff 20240726 x|day 20240726: y|1732972800000"
+        "|a+b-c|   x|1.50|[\n 1,\n 2\n]|1024|2|a, b")
