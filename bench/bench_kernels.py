@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import os
 import random
 import shutil
 import statistics
@@ -41,7 +42,7 @@ def build_at(rev: str, out_dir: Path) -> Path:
         text = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:runtime/kernels/{name}"],
                               capture_output=True, text=True, check=True).stdout
         (src / name).write_text(text)
-    cc = shutil.which("cc") or shutil.which("gcc")
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")     # as llmd's own build
     lib = out_dir / "kernels.so"
     subprocess.run([cc, "-O3", "-fopenmp", "-shared", "-fPIC", "-o", str(lib),
                     *[str(src / p.name) for p in kernels._SOURCES], "-lm"], check=True)
@@ -51,8 +52,9 @@ def build_at(rev: str, out_dir: Path) -> Path:
 def load(path: Path) -> ctypes.CDLL:
     so = ctypes.CDLL(str(path))
     for name, args in kernels._SIGNATURES.items():
-        fn = getattr(so, name)
-        fn.argtypes, fn.restype = args, ctypes.c_int
+        fn = getattr(so, name, None)          # an older revision may lack a kernel: its callers then use torch
+        if fn is not None:
+            fn.argtypes, fn.restype = args, ctypes.c_int
     return so
 
 
