@@ -91,7 +91,12 @@ class IncrementalDetokenizer:
         return ""
 
     def _advance(self, text: str, end: int) -> str:
-        delta = text[len(self._prefix_text):]
+        start = len(self._prefix_text)
+        if not text.startswith(self._prefix_text):
+            # a character begun in the prompt (a token-id prompt cut mid-character), completed by the
+            # output: its replacement character in the prompt's text becomes the character, emitted here
+            start = next((i for i, (a, b) in enumerate(zip(text, self._prefix_text)) if a != b), start)
+        delta = text[start:]
         self._prefix, self._read = self._read, end
         self._prefix_text = self._decode(self._prefix, self._read)
         if self._prefix >= _TRIM_AT:

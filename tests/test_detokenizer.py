@@ -128,3 +128,15 @@ def test_long_output_keeps_window_small(tok):
             text += detok.add([t])[0]
         assert len(detok._ids) < 300
     assert text + detok.flush() == "hello world 日本 " * 200
+
+
+@pytest.mark.parametrize("cut", [1, 2])
+def test_a_character_begun_in_a_token_id_prompt_is_emitted_when_the_output_completes_it(tok, cut):
+    """A prompt given as token ids may end inside a character (byte-level tokens). The output token that
+    completes it used to be swallowed: the delta was cut after the prompt's replacement character."""
+    ids = tok.encode("price 😀 ok", add_special_tokens=False)
+    start = next(i for i in range(len(ids)) if "\ufffd" in tok.decode(ids[:i + 1]))   # the emoji's first byte token
+    prompt, out = ids[:start + cut], ids[start + cut:]
+    assert tok.decode(prompt).endswith("\ufffd")
+    deltas, _ = stream(tok, out, prompt)
+    assert "".join(deltas) == "😀 ok"
