@@ -247,6 +247,7 @@ class Sandbox(ImmutableSandboxedEnvironment):
         super().__init__(**options)
         self.filters["tojson"] = _tojson
         self.filters = {name: _bounded_filter(name, fn) for name, fn in self.filters.items()}
+        self.globals.pop("lipsum", None)     # lorem ipsum of any length: no chat template needs it
 
     def _parse(self, source: str, name: Optional[str], filename: Optional[str]) -> nodes.Template:
         return _Bounded().visit(super()._parse(source, name, filename))

@@ -321,6 +321,13 @@ ONE_CALL = [
 ]
 
 
+def test_a_chat_template_cannot_call_lipsum(tmp_path):
+    """jinja's lorem-ipsum global writes any number of paragraphs in one call, beyond every check."""
+    t = with_template(tmp_path, "{{ lipsum(10**9) }}")
+    with pytest.raises(InvalidRequest, match="lipsum"):
+        t.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
 @pytest.mark.parametrize("template", RUNAWAY + ONE_CALL)
 def test_a_chat_template_that_builds_too_much_is_stopped(tmp_path, template):
     t = with_template(tmp_path, template)
