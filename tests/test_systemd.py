@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import struct
 import subprocess
 import threading
 import time
@@ -20,11 +21,16 @@ from llmd.daemon.engine_thread import Call
 from llmd.daemon.serve import engine_factory
 
 
+SO_TIMESTAMPNS = 35         # Linux: the kernel stamps each datagram as it is queued (not exposed by Python)
+
+
 class FakeManager:
-    """A NOTIFY_SOCKET that records each datagram with its arrival time."""
+    """A NOTIFY_SOCKET that records each datagram with its arrival time: the kernel's stamp, taken as the
+    datagram is queued, so a reader thread that a busy machine schedules late does not move it."""
 
     def __init__(self, path: Path):
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
         self.sock.bind(str(path))
         self.sock.settimeout(0.05)
         self.path = str(path)
@@ -36,9 +42,15 @@ class FakeManager:
     def _read(self):
         while not self._stop.is_set():
             try:
-                self.messages.append((time.monotonic(), self.sock.recv(4096).decode()))
+                data, ancillary, _, _ = self.sock.recvmsg(4096, socket.CMSG_SPACE(16))
             except (TimeoutError, socket.timeout):
-                pass
+                continue
+            now = time.monotonic()
+            for level, kind, stamp in ancillary:
+                if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS:
+                    sec, nsec = struct.unpack("qq", stamp[:16])
+                    now -= max(0.0, time.time() - (sec + nsec / 1e9))      # the stamp, on the monotonic clock
+            self.messages.append((now, data.decode()))
 
     def close(self):
         self._stop.set()
@@ -144,8 +156,8 @@ def test_ready_only_after_warm_up_and_pings_stop_when_the_loop_stalls(tiny_model
             server.engine.submit(Call(0, stall_for_a_second))
             assert wait_until(lambda: "end" in stall, 10.0)
             assert wait_until(lambda: len([t for t in fake.pings() if t > stall["end"]]) >= 2, 5.0)
-            # Times are arrivals at the reader thread, which a loaded machine may delay: a ping sent as the
-            # stall began can arrive a little into it. A live loop pings every 0.1 s, four times or more
+            # Times are the kernel's stamps of each ping (a ping read late, as on a loaded machine, keeps its
+            # time; one read 0.5 s late failed a clean run). A live loop pings every 0.1 s, four times or more
             # in the window checked here.
             during = [t for t in fake.pings() if stall["start"] + 0.5 < t < stall["end"] - 0.05]
             assert during == []
