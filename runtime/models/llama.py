@@ -147,7 +147,7 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: bool = True):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
         # built around an empty weight: nn.Embedding's random init is wasted on weights a checkpoint
@@ -157,11 +157,10 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
-        self.rotary = Rotary(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
-                             cfg.rope_scaling) if rotary else None
+        with torch.device("cpu"):      # float32 tables, computed even when built on meta (``empty``)
+            self.rotary = Rotary(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self._tied_head: Linear | None = None      # the tied embedding, once prepared (see below)
         self._interleaved = False
-
 
     @classmethod
     def empty(cls, cfg: ModelConfig, dtype: torch.dtype) -> "LlamaForCausalLM":
@@ -169,13 +168,13 @@ class LlamaForCausalLM(nn.Module):
         a loader fills. Built on the meta device without running an op there: ops on meta go through
         torch's Python reference code, whose first use imports torch._dynamo (1.3 s of every load)."""
         with torch.device("meta"):
-            model = cls(cfg, rotary=False)
+            model = cls(cfg)
         for module in model.modules():     # not to_empty(): its empty_like on meta is such an op
             for name, p in module._parameters.items():
                 if p is not None:
                     module._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=dtype), p.requires_grad)
-        model.rotary = Rotary(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         return model
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
         """Packed tokens [T] -> final hidden states [T, hidden]."""
         x = self.embed(input_ids)
