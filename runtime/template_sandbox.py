@@ -157,6 +157,18 @@ def _replace_bound(text: Any, args: tuple, kwargs: dict) -> int:
     return len(text) + hits * max(0, len(new) - len(old))
 
 
+def _width_bound(s: str, args: tuple, kwargs: dict) -> int:
+    """``center``, ``ljust``, ``rjust``, ``zfill``: the string padded to ``width``."""
+    return max(len(s), _int(_arg(args, kwargs, 0, "width")))
+
+
+def _wordwrap_bound(text: Any, args: tuple, kwargs: dict) -> int:
+    """``wordwrap`` may put ``wrapstring`` after every ``width`` characters."""
+    width = max(1, _int(_arg(args, kwargs, 0, "width", 79), 1))
+    wrap = _arg(args, kwargs, 2, "wrapstring", "\n") or "\n"
+    return _size_of(text) + (_size_of(text) // width + 1) * _size_of(wrap)
+
+
 def _join_bound(sep: Any, items: Any) -> int:
     if not isinstance(items, (list, tuple, str, dict)):
         return 0                  # an iterator: held to the bound after
@@ -164,25 +176,21 @@ def _join_bound(sep: Any, items: Any) -> int:
 
 
 _METHOD_BOUNDS = {   # str method -> the most it may build, from (the string, args, kwargs)
-    "center": lambda s, a, k: max(len(s), _int(_arg(a, k, 0, "width"))),
-    "ljust": lambda s, a, k: max(len(s), _int(_arg(a, k, 0, "width"))),
-    "rjust": lambda s, a, k: max(len(s), _int(_arg(a, k, 0, "width"))),
-    "zfill": lambda s, a, k: max(len(s), _int(_arg(a, k, 0, "width"))),
+    "center": _width_bound, "ljust": _width_bound, "rjust": _width_bound, "zfill": _width_bound,
     "expandtabs": lambda s, a, k: len(s) + s.count("\t") * max(0, _int(_arg(a, k, 0, "tabsize", 8))),
-    "replace": lambda s, a, k: _replace_bound(s, a, k),
+    "replace": _replace_bound,
     "join": lambda s, a, k: _join_bound(s, _arg(a, k, 0, "iterable")),
-    "format": lambda s, a, k: _format_bound(s, a, k),
-    "format_map": lambda s, a, k: _format_bound(s, a, k),
+    "format": _format_bound,
+    "format_map": _format_bound,
 }
 
 _FILTER_BOUNDS = {   # filter -> the most it may build, from (the value, args, kwargs)
     "center": lambda v, a, k: max(_size_of(v), _int(_arg(a, k, 0, "width", 80))),
     "indent": lambda v, a, k: _indent_bound(str(v), _arg(a, k, 0, "width", 4)),
     "format": lambda v, a, k: _printf_bound(str(v), k if k else tuple(a)),
-    "replace": lambda v, a, k: _replace_bound(v, a, k),
+    "replace": _replace_bound,
     "join": lambda v, a, k: _join_bound(_arg(a, k, 0, "d", ""), v),
-    "wordwrap": lambda v, a, k: _size_of(v) + (_size_of(v) // max(1, _int(_arg(a, k, 0, "width", 79), 1)) + 1)
-    * _size_of(_arg(a, k, 2, "wrapstring", "\n") or "\n"),
+    "wordwrap": _wordwrap_bound,
     # lists count their items at LIST_ITEM_CHARS each: [1]|slice(10**7) builds ten million lists
     "slice": lambda v, a, k: _int(_arg(a, k, 0, "slices")) * LIST_ITEM_CHARS,
     "batch": lambda v, a, k: _int(_arg(a, k, 0, "linecount")) * LIST_ITEM_CHARS
