@@ -14,9 +14,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import os
 import random
-import shutil
 import statistics
 import subprocess
 import tempfile
@@ -42,20 +40,10 @@ def build_at(rev: str, out_dir: Path) -> Path:
         text = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:runtime/kernels/{name}"],
                               capture_output=True, text=True, check=True).stdout
         (src / name).write_text(text)
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")     # as llmd's own build
     lib = out_dir / "kernels.so"
-    subprocess.run([cc, "-O3", "-fopenmp", "-shared", "-fPIC", "-o", str(lib),
-                    *[str(src / p.name) for p in kernels._SOURCES], "-lm"], check=True)
+    subprocess.run(kernels.compile_command(kernels.compiler(), [src / p.name for p in kernels._SOURCES], lib),
+                   check=True)
     return lib
-
-
-def load(path: Path) -> ctypes.CDLL:
-    so = ctypes.CDLL(str(path))
-    for name, args in kernels._SIGNATURES.items():
-        fn = getattr(so, name, None)          # an older revision may lack a kernel: its callers then use torch
-        if fn is not None:
-            fn.argtypes, fn.restype = args, ctypes.c_int
-    return so
 
 
 def decode_rate(llm: LLM, prompts: list, params: SamplingParams) -> tuple[float, list]:
@@ -81,7 +69,8 @@ def main() -> int:
     if kernels.lib() is None:
         raise SystemExit(f"llmd's kernels are unavailable here: {kernels.why()}")
     with tempfile.TemporaryDirectory() as tmp:
-        builds = {"now": kernels.lib(), args.against: load(build_at(args.against, Path(tmp)))}
+        baseline = kernels.bind(ctypes.CDLL(str(build_at(args.against, Path(tmp)))))
+        builds = {"now": kernels.lib(), args.against: baseline}
         model = write_random_model(Path(tmp) / "model", args.shape)
         llm = LLM(str(model), dtype="float32", kv_memory="1GiB")
         vocab = SHAPES[args.shape]["vocab_size"]

@@ -70,18 +70,36 @@ def _cache_dir() -> Path:
     return Path(tempfile.mkdtemp(prefix="llmd-kernels-"))     # private (0700), rebuilt per process
 
 
-def _build() -> Path:
-    src = b"".join(p.read_bytes() for p in [*_SOURCES, _HEADER])
+def compiler() -> str:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler found (install gcc)")
+    return cc
+
+
+def compile_command(cc: str, sources: list[Path], out: Path) -> list[str]:
+    """How the kernel library is built (also used to build another revision's sources for an A/B)."""
+    return [cc, "-O3", "-fopenmp", "-shared", "-fPIC", "-o", str(out), *map(str, sources), "-lm"]
+
+
+def bind(so: ctypes.CDLL) -> ctypes.CDLL:
+    """Declare the entry points' signatures; one a library lacks (an older build) is left out."""
+    for name, args in _SIGNATURES.items():
+        fn = getattr(so, name, None)
+        if fn is not None:
+            fn.argtypes, fn.restype = args, ctypes.c_int
+    return so
+
+
+def _build() -> Path:
+    src = b"".join(p.read_bytes() for p in [*_SOURCES, _HEADER])
+    cc = compiler()
     tag = hashlib.sha256(src + cc.encode()).hexdigest()[:16]
     out = _cache_dir() / f"kernels-{tag}.so"
     if out.exists() and _private(out):
         return out
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    cmd = [cc, "-O3", "-fopenmp", "-shared", "-fPIC", "-o", str(tmp), *map(str, _SOURCES), "-lm"]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    done = subprocess.run(compile_command(cc, _SOURCES, tmp), capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"compiling llmd's kernels failed: {done.stderr.strip()[-400:]}")
     os.replace(tmp, out)          # atomic: a concurrent build never loads a half-written file
@@ -102,15 +120,12 @@ def lib() -> ctypes.CDLL | None:
         log.info("%s; torch's kernels are used", _why)
         return None
     try:
-        so = ctypes.CDLL(str(_build()))
+        so = bind(ctypes.CDLL(str(_build())))
     except (OSError, RuntimeError) as e:
         _why = str(e)
         log.warning("llmd's CPU kernels are unavailable (%s); decoding uses torch's kernels, which are slower "
                     "here. Install a C compiler (gcc) to build them.", _why)
         return None
-    for name, args in _SIGNATURES.items():
-        fn = getattr(so, name)
-        fn.argtypes, fn.restype = args, ctypes.c_int
     if not so.llmd_cpu_ok():
         _why = "this CPU lacks AVX-512 with VNNI"
         log.info("llmd's CPU kernels need AVX-512 with VNNI; this CPU lacks it, so torch's kernels are used")
