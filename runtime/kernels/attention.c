@@ -122,11 +122,9 @@ int attend(const float *q, const void *kpool, const void *vpool, const int32_t *
                 for (int d = 0; d < D / 16; d++) _mm512_storeu_ps(ai + 16 * d, a[d]);
             }
         }
-        for (int kvh = h0; kvh < h1; kvh++)
-        for (int g = 0; g < G; g++) {
-            const int i = (kvh - h0) * G + g;
+        for (int i = 0; i < NQ; i++) {                          /* query head h0 * G + i of the row */
             const __m512 inv = _mm512_set1_ps(mx[16 * i]);
-            float *o = out + ((size_t)row[r] * H + (size_t)kvh * G + g) * D;
+            float *o = out + ((size_t)row[r] * H + (size_t)h0 * G + i) * D;
             for (int d = 0; d < D / 16; d++) _mm512_storeu_ps(o + 16 * d, _mm512_mul_ps(_mm512_loadu_ps(acc + (size_t)i * D + 16 * d), inv));
         }
         free(p);
