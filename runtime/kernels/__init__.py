@@ -1,5 +1,6 @@
 """llmd's own CPU kernels for the decode step, built on first use: quantized products (quant.c),
-float32 products (f32.c), paged attention (attention.c), rmsnorm / silu*mul / rotary (rows.c).
+float32 products (f32.c), paged attention (attention.c), rmsnorm / silu*mul / rotary (rows.c), and
+every layer of a float32 decode step in one call (decode.c).
 
 The C sources are compiled once per machine with the system C compiler into a cache directory
 (``$LLMD_CACHE``, else ``$XDG_CACHE_HOME/llmd``, else ``~/.cache/llmd``; used only when owned by
@@ -25,7 +26,7 @@ import torch
 
 log = logging.getLogger("llmd.kernels")
 _HERE = Path(__file__).parent
-_SOURCES = [_HERE / name for name in ("quant.c", "f32.c", "attention.c", "rows.c")]
+_SOURCES = [_HERE / name for name in ("quant.c", "f32.c", "attention.c", "rows.c", "decode.c")]
 _HEADER = _HERE / "kernels.h"
 _lib: ctypes.CDLL | None = None
 _why = ""
@@ -47,6 +48,7 @@ _SIGNATURES = {
     "llmd_w8a8_x": [_P, _I, _I, _P, _P, _P, _P, _I, _I],
     "llmd_argmax": [_P, _I, _I, _P, _I],
     "llmd_int8g_x": [_P, _I, _I, _I, _P, _P, _P, _P, _I, _I],
+    "llmd_decode_f32": [_P, _P, _P, _P, _P, ctypes.c_float, *[_P] * 11, _I],
 }
 
 

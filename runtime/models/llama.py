@@ -20,6 +20,7 @@ from llmd.runtime import kernels
 from llmd.runtime.kernels import ops
 
 from .config import ModelConfig
+from .fused_decode import FusedDecode
 from .layers import Linear, RMSNorm, Rotary, add_norm, apply_rotary
 
 
@@ -161,6 +162,7 @@ class LlamaForCausalLM(nn.Module):
             self.rotary = Rotary(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self._tied_head: Linear | None = None      # the tied embedding, once prepared (see below)
         self._interleaved = False
+        self.fused_decode: FusedDecode | None = None   # every layer in one kernel call, once prepared
 
     @classmethod
     def empty(cls, cfg: ModelConfig, dtype: torch.dtype) -> "LlamaForCausalLM":
@@ -178,6 +180,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
         """Packed tokens [T] -> final hidden states [T, hidden]."""
         x = self.embed(input_ids)
+        if self.fused_decode is not None and (h := self.fused_decode(x, positions, attn)) is not None:
+            return h
         cos = sin = cis = None
         if self._interleaved:           # prepared weights rotate adjacent pairs: cis only
             fast = x.dtype == torch.float32 and kernels.usable(x)
@@ -230,3 +234,4 @@ class LlamaForCausalLM(nn.Module):
             head.prepare()
             self.embed_tokens.weight = None
             object.__setattr__(self, "_tied_head", head)    # not a submodule: its tensor is embed_tokens
+        self.fused_decode = FusedDecode.build(self)

@@ -1,0 +1,74 @@
+/* Every decoder layer of a float32 decode step in one call: the same kernels, in the same order and
+ * with the same thread counts, as the Python forward calls one by one (llmd.runtime.models.llama),
+ * so the hidden states are bit-identical; what goes is the Python between them (about 0.4 ms a
+ * step for four layers here, as much as the arithmetic of one small-model token).
+ *
+ * Per layer, for T packed rows (x the residual stream, h the normed input of the next product):
+ *     h = rmsnorm(x)            (layer 0; later layers: x += mlp_out, h = rmsnorm(x))
+ *     qkv = h Wqkv + b;  q, k = rope(qkv);  v = qkv's last KVH*D columns
+ *     k_pool[slot], v_pool[slot] = k, v;   a = attention(q, pools)
+ *     x += a Wo + b;  h = rmsnorm(x)
+ *     mlp_out = silu_mul(h Wgu + b) Wdown + b
+ * and after the last layer x += mlp_out, out = rmsnorm(x) with the final norm. */
+#include "kernels.h"
+
+int llmd_f32(const float *x, int M, int K, const float *w, const float *bias, float *y, int N, int nt);
+int llmd_rmsnorm(const float *x, int M, int K, const float *w, float eps, float *out);
+int llmd_add_rmsnorm(const float *x, const float *h, int M, int K, const float *w, float eps, float *sum, float *out);
+int llmd_silu_mul(const float *gu, int M, int I, float *out);
+int llmd_rope_qk(const float *qkv, int T, int H, int KVH, int D, const float *cos_t, const float *sin_t, int P,
+                 const int64_t *pos, float *q, float *k);
+int llmd_attend(const float *q, const float *kpool, const float *vpool, const int32_t *row, const int32_t *span,
+                const int32_t *len, int R, const int32_t *table, int table_width, int bs, int H, int KVH, int D,
+                float *out, int nt);
+
+/* The threads of one product, as llmd.runtime.kernels.ops._threads picks them. */
+static int product_threads(int m, int n, int k, int nt) { return (long)m * n * k < (1L << 18) ? 1 : nt; }
+
+static int product(const float *x, int M, int K, const float *w, const float *bias, float *y, int N, int nt) {
+    return llmd_f32(x, M, K, w, bias, y, N, product_threads(M, N, K, nt));
+}
+
+/* Pointers per layer, in this order (a bias may be NULL). */
+enum { W_IN_NORM, W_QKV, B_QKV, W_O, B_O, W_POST_NORM, W_GU, B_GU, W_DOWN, B_DOWN, W_PER_LAYER };
+
+/* dims: L, T, hidden, heads, kv heads, head size, intermediate, rope table rows P, pool slots per
+ * layer S, attention table width, block size. x [T, hidden] is the embedded input and is
+ * overwritten (the residual stream); out [T, hidden] receives the final normed hidden states.
+ * work holds T * (2 (H + KVH) D + (H + 2 KVH) D + 3 I + hidden) floats. Returns 0, -1 (a kernel
+ * refused the shape), or -2 (attention could not allocate). */
+TARGET int llmd_decode_f32(const int *dims, float *x, float *out, const float *const *w, const float *final_norm,
+                           float eps, const float *cos_t, const float *sin_t, const int64_t *pos, float *k_pool,
+                           float *v_pool, const int64_t *slots, const int32_t *rows, const int32_t *spans,
+                           const int32_t *lengths, const int32_t *table, float *work, int nt) {
+    const int L = dims[0], T = dims[1], E = dims[2], H = dims[3], KVH = dims[4], D = dims[5], I = dims[6];
+    const int P = dims[7], table_width = dims[9], bs = dims[10];
+    const long S = dims[8];
+    if (!llmd_cpu_ok() || T < 1 || T > 16) return -1;
+    const int F = (H + 2 * KVH) * D;                       /* qkv width */
+    float *qkv = work, *q = qkv + (size_t)T * F, *k = q + (size_t)T * H * D, *att = k + (size_t)T * KVH * D;
+    float *gu = att + (size_t)T * H * D, *act = gu + (size_t)T * 2 * I, *h = act + (size_t)T * I;
+    float *mlp = out;                                      /* the last layer's MLP output, then the result */
+    int rc = 0;
+    for (int l = 0; l < L && !rc; l++) {
+        const float *const *lw = w + (size_t)l * W_PER_LAYER;
+        rc = l == 0 ? llmd_rmsnorm(x, T, E, lw[W_IN_NORM], eps, h)
+                    : llmd_add_rmsnorm(x, mlp, T, E, lw[W_IN_NORM], eps, x, h);
+        if (!rc) rc = product(h, T, E, lw[W_QKV], lw[B_QKV], qkv, F, nt);
+        if (!rc) rc = llmd_rope_qk(qkv, T, H, KVH, D, cos_t, sin_t, P, pos, q, k);
+        if (rc) break;
+        float *kp = k_pool + (size_t)l * S * KVH * D, *vp = v_pool + (size_t)l * S * KVH * D;
+        for (int t = 0; t < T; t++) {
+            memcpy(kp + (size_t)slots[t] * KVH * D, k + (size_t)t * KVH * D, sizeof(float) * KVH * D);
+            memcpy(vp + (size_t)slots[t] * KVH * D, qkv + (size_t)t * F + (H + KVH) * D, sizeof(float) * KVH * D);
+        }
+        rc = llmd_attend(q, kp, vp, rows, spans, lengths, T, table, table_width, bs, H, KVH, D, att, nt);
+        if (!rc) rc = product(att, T, H * D, lw[W_O], lw[B_O], h, E, nt);
+        if (!rc) rc = llmd_add_rmsnorm(x, h, T, E, lw[W_POST_NORM], eps, x, h);
+        if (!rc) rc = product(h, T, E, lw[W_GU], lw[B_GU], gu, 2 * I, nt);
+        if (!rc) rc = llmd_silu_mul(gu, T, I, act);
+        if (!rc) rc = product(act, T, I, lw[W_DOWN], lw[B_DOWN], mlp, E, nt);
+    }
+    if (!rc) rc = llmd_add_rmsnorm(x, mlp, T, E, final_norm, eps, x, out);
+    return rc;
+}

@@ -1,0 +1,132 @@
+"""The fused decode step (every layer in one kernel call) gives bit-identical hidden states, logits and
+KV pools to the Python forward, and steps aside wherever some part has no kernel form."""
+import copy
+import random
+
+import pytest
+import torch
+
+from llmd import LLM, SamplingParams
+from llmd.runtime import kernels
+from llmd.runtime.model_runner import Feed, ModelRunner
+from llmd.runtime.models.fused_decode import FusedDecode
+from llmd.runtime.models.layers import Linear, MatvecPlan
+from llmd.runtime.models.loader import load_model
+
+pytestmark = [pytest.mark.skipif(not kernels.available(), reason=f"llmd kernels unavailable: {kernels.why()}"),
+              pytest.mark.usefixtures("no_grad")]
+
+BS = 16
+
+
+def force_fused(model) -> FusedDecode:
+    """Every layer product on llmd's float32 kernel for up to 16 rows (plans are otherwise picked by
+    timing, which may choose torch's product for a test model's tiny shapes), then the fused form."""
+    for m in model.layers.modules():
+        if type(m) is Linear:
+            m.apply_plan(MatvecPlan("blocked", 1, 16, packed=False))
+    model.fused_decode = FusedDecode.build(model)
+    assert model.fused_decode is not None
+    return model.fused_decode
+
+
+def loaded(model_factory, name, **kw):
+    model = load_model(model_factory(name, **kw), "float32")
+    model.prepare_for_inference()
+    return model
+
+
+def one_step(runner, feeds, fused):
+    """Logits of one step and the pools after it, with the fused form or the Python forward, from the
+    same pool contents."""
+    model = runner.model
+    saved, before = model.fused_decode, (runner.k_pool.clone(), runner.v_pool.clone())
+    steps = saved.steps
+    if not fused:
+        model.fused_decode = None
+    try:
+        logits = runner.run(runner.prepare_feeds(feeds))
+    finally:
+        model.fused_decode = saved
+    after = (runner.k_pool.clone(), runner.v_pool.clone())
+    runner.k_pool.copy_(before[0])
+    runner.v_pool.copy_(before[1])
+    return logits, after, saved.steps - steps
+
+
+@pytest.mark.parametrize("arch,kw", [
+    ("LlamaForCausalLM", {}),
+    ("Qwen2ForCausalLM", {"hidden": 128, "heads": 8, "kv_heads": 2}),   # qkv bias, 4 query heads per kv head
+    ("MistralForCausalLM", {"tie": False, "hidden": 128, "intermediate": 320}),
+], ids=["llama", "qwen2-gqa", "mistral-untied"])
+def test_fused_step_is_bit_identical_to_the_python_forward(model_factory, arch, kw):
+    model = loaded(model_factory, f"fused-{arch}", architecture=arch, **kw)
+    fused = force_fused(model)
+    runner = ModelRunner(model, num_blocks=64, block_size=BS, dtype="float32")
+    rng = random.Random(1)
+    vocab = model.config.vocab_size
+    lengths = [40, 7, 130, 16, 61]
+    blocks, start = [], 0
+    for n in lengths:
+        need = -(-(n + 20) // BS)
+        blocks.append(list(range(start, start + need)))
+        start += need
+    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+    # the prompts through the Python path (more than 16 rows), then steps of decode and verification rows
+    runner.run(runner.prepare_feeds([Feed(p, 0, b, 1) for p, b in zip(prompts, blocks)]))
+    assert fused.steps == 0
+    steps = [
+        [Feed([rng.randrange(vocab)], n, b, 1) for n, b in zip(lengths[:1], blocks)],             # one stream
+        [Feed([rng.randrange(vocab)], n, b, 1) for n, b in zip(lengths, blocks)],                 # five streams
+        [Feed([rng.randrange(vocab) for _ in range(k)], n, b, k)                                  # proposals verified
+         for k, n, b in zip([5, 1, 4, 1, 3], lengths, blocks)],
+    ]
+    for feeds in steps:
+        fast, fast_pools, ran = one_step(runner, feeds, fused=True)
+        slow, slow_pools, _ = one_step(runner, feeds, fused=False)
+        assert ran == 1, "the fused step did not run"
+        assert torch.equal(fast, slow)
+        assert torch.equal(fast_pools[0], slow_pools[0]) and torch.equal(fast_pools[1], slow_pools[1])
+
+
+def test_rows_past_sixteen_or_a_long_prompt_chunk_take_the_python_forward(model_factory):
+    model = loaded(model_factory, "fused-rows")
+    fused = force_fused(model)
+    runner = ModelRunner(model, num_blocks=64, block_size=BS, dtype="float32")
+    vocab = model.config.vocab_size
+    feeds = [Feed([i % vocab], 0, [i], 1) for i in range(17)]             # 17 one-row requests
+    _, _, ran = one_step(runner, feeds, fused=True)
+    assert ran == 0
+    _, _, ran = one_step(runner, [Feed(list(range(17)), 0, [40, 41], 1)], fused=True)   # a 17-row prompt chunk
+    assert ran == 0
+    _, _, ran = one_step(runner, [Feed(list(range(16)), 0, [40, 41], 1)], fused=True)   # 16 rows: fused
+    assert ran == 1
+
+
+def test_parts_without_a_kernel_form_keep_the_python_forward(model_factory):
+    qwen3 = loaded(model_factory, "fused-qwen3", architecture="Qwen3ForCausalLM", head_dim=16)
+    assert FusedDecode.build(qwen3) is None                           # q/k norms before rotary
+    bf16 = load_model(model_factory("fused-bf16"), "bfloat16")
+    bf16.prepare_for_inference()
+    assert FusedDecode.build(bf16) is None
+    model = loaded(model_factory, "fused-copy")
+    force_fused(model)
+    assert copy.deepcopy(model).fused_decode is None                  # a copy has its own weights
+
+
+def test_engine_output_is_the_same_with_and_without_the_fused_step(tiny_model_dir):
+    """Greedy output of a batch and of speculation (verification rows), and a bfloat16 KV pool (which
+    the fused step leaves to the Python forward)."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(20, 400) for _ in range(rng.randrange(3, 40))] for _ in range(6)]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    for opts in ({}, {"draft": "ngram"}, {"kv_dtype": "bfloat16"}):
+        llm = LLM(str(tiny_model_dir), kv_memory="8MiB", **opts)
+        model = llm.engine.runner.model
+        fused = force_fused(model)
+        with_fused = [o.token_ids for o in llm.generate(prompts, params)]
+        ran = fused.steps
+        model.fused_decode = None
+        without = [o.token_ids for o in llm.generate(prompts, params)]
+        assert with_fused == without
+        assert (ran > 0) == (opts.get("kv_dtype") != "bfloat16")
