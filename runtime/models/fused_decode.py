@@ -47,6 +47,19 @@ class FusedDecode:
     def __deepcopy__(self, memo):
         return None           # a copied model has its own weights: it runs the Python forward
 
+    @staticmethod
+    def possible(model) -> bool:
+        """Every part of the model (not yet prepared) has a kernel form: float32 products whose
+        outputs fill blocks of 64 columns, rotary on adjacent pairs without q/k norms, head sizes
+        the attention kernel takes."""
+        from .layers import Linear
+        cfg = model.config
+        if (not kernels.available() or not model._interleaved or cfg.qk_norm or cfg.hidden_size % 16
+                or cfg.intermediate_size % 16 or cfg.head_dim % 16 or cfg.head_dim > 256):
+            return False
+        return all(type(m) is Linear and m.weight is not None and m.weight.dtype == torch.float32
+                   and m.out_features % 64 == 0 for m in layer_linears(model))
+
     @classmethod
     def build(cls, model) -> "FusedDecode | None":
         """The fused form of a prepared model, or None when some part has no kernel form."""
@@ -100,6 +113,12 @@ class FusedDecode:
             return None      # a shape a kernel refused (a position past the rotary tables): the Python path says why
         self.steps += 1
         return out
+
+
+def layer_linears(model) -> list:
+    """Each layer's four products, in order."""
+    return [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                 layer.mlp.gate_up_proj, layer.mlp.down_proj)]
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -20,8 +20,8 @@ from llmd.runtime import kernels
 from llmd.runtime.kernels import ops
 
 from .config import ModelConfig
-from .fused_decode import FusedDecode
-from .layers import Linear, RMSNorm, Rotary, add_norm, apply_rotary
+from .fused_decode import FusedDecode, layer_linears
+from .layers import Linear, MatvecPlan, RMSNorm, Rotary, add_norm, apply_rotary, can_pack
 
 
 @dataclass
@@ -225,9 +225,17 @@ class LlamaForCausalLM(nn.Module):
         self.requires_grad_(False)
         if all(layer.self_attn.can_interleave() for layer in self.layers):
             self._interleaved = all([layer.self_attn.interleave_rope() for layer in self.layers])
+        fusable = FusedDecode.possible(self)
         for m in self.modules():
             if isinstance(m, Linear) and m.weight is not None:
                 m.prepare()
+        if fusable:
+            # the fused step runs llmd's kernel for every layer product: a shape whose single-row timing
+            # preferred torch's product (small ones, where the timing loop hides torch's dispatch cost)
+            # is stored for the kernel too, for up to 16 rows, and keeps oneDNN's copy for more
+            for m in layer_linears(self):
+                if m.plan.layout != "blocked":
+                    m.apply_plan(MatvecPlan("blocked", 1, ops.F32_MAX_ROWS, packed=can_pack(torch.float32)))
         if self.lm_head is None:
             head = Linear(self.config.hidden_size, self.config.vocab_size)
             head.weight = nn.Parameter(self.embed_tokens.weight.detach(), requires_grad=False)
