@@ -54,15 +54,16 @@ def one_step(runner, feeds, fused):
     return logits, after, saved.steps - steps
 
 
-@pytest.mark.parametrize("arch,kw", [
-    ("LlamaForCausalLM", {}),
-    ("Qwen2ForCausalLM", {"hidden": 128, "heads": 8, "kv_heads": 2}),   # qkv bias, 4 query heads per kv head
-    ("MistralForCausalLM", {"tie": False, "hidden": 128, "intermediate": 320}),
-], ids=["llama", "qwen2-gqa", "mistral-untied"])
-def test_fused_step_is_bit_identical_to_the_python_forward(model_factory, arch, kw):
+@pytest.mark.parametrize("arch,kw,kv_dtype", [
+    ("LlamaForCausalLM", {}, "auto"),
+    ("Qwen2ForCausalLM", {"hidden": 128, "heads": 8, "kv_heads": 2}, "auto"),   # qkv bias, 4 query heads per kv head
+    ("MistralForCausalLM", {"tie": False, "hidden": 128, "intermediate": 320}, "auto"),
+    ("Qwen2ForCausalLM", {"hidden": 128, "heads": 8, "kv_heads": 2}, "bfloat16"),  # keys and values rounded as torch does
+], ids=["llama", "qwen2-gqa", "mistral-untied", "qwen2-bf16-kv"])
+def test_fused_step_is_bit_identical_to_the_python_forward(model_factory, arch, kw, kv_dtype):
     model = loaded(model_factory, f"fused-{arch}", architecture=arch, **kw)
     fused = force_fused(model)
-    runner = ModelRunner(model, num_blocks=64, block_size=BS, dtype="float32")
+    runner = ModelRunner(model, num_blocks=64, block_size=BS, dtype="float32", kv_dtype=kv_dtype)
     rng = random.Random(1)
     vocab = model.config.vocab_size
     lengths = [40, 7, 130, 16, 61]
@@ -115,12 +116,12 @@ def test_parts_without_a_kernel_form_keep_the_python_forward(model_factory):
 
 
 def test_engine_output_is_the_same_with_and_without_the_fused_step(tiny_model_dir):
-    """Greedy output of a batch and of speculation (verification rows), and a bfloat16 KV pool (which
-    the fused step leaves to the Python forward)."""
+    """Greedy output of a batch, of speculation (verification rows), with a bfloat16 KV pool, and
+    with an int8 one (which the fused step leaves to the Python forward)."""
     rng = random.Random(5)
     prompts = [[rng.randrange(20, 400) for _ in range(rng.randrange(3, 40))] for _ in range(6)]
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-    for opts in ({}, {"draft": "ngram"}, {"kv_dtype": "bfloat16"}):
+    for opts in ({}, {"draft": "ngram"}, {"kv_dtype": "bfloat16"}, {"kv_dtype": "int8"}):
         llm = LLM(str(tiny_model_dir), kv_memory="8MiB", **opts)
         model = llm.engine.runner.model
         fused = force_fused(model)
@@ -129,4 +130,4 @@ def test_engine_output_is_the_same_with_and_without_the_fused_step(tiny_model_di
         model.fused_decode = None
         without = [o.token_ids for o in llm.generate(prompts, params)]
         assert with_fused == without
-        assert (ran > 0) == (opts.get("kv_dtype") != "bfloat16")
+        assert (ran > 0) == (opts.get("kv_dtype") != "int8")

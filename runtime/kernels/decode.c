@@ -21,6 +21,33 @@ int llmd_rope_qk(const float *qkv, int T, int H, int KVH, int D, const float *co
 int llmd_attend(const float *q, const float *kpool, const float *vpool, const int32_t *row, const int32_t *span,
                 const int32_t *len, int R, const int32_t *table, int table_width, int bs, int H, int KVH, int D,
                 float *out, int nt);
+int llmd_attend_bf16(const float *q, const uint16_t *kpool, const uint16_t *vpool, const int32_t *row,
+                     const int32_t *span, const int32_t *len, int R, const int32_t *table, int table_width, int bs,
+                     int H, int KVH, int D, float *out, int nt);
+
+/* float32 -> bfloat16 as torch rounds it: to nearest, ties to even; NaN -> 0x7FC0. */
+static void to_bf16(const float *x, uint16_t *out, int n) {
+    for (int i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, x + i, 4);
+        out[i] = x[i] != x[i] ? 0x7FC0 : (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+    }
+}
+
+/* A step's keys and values into slot slots[t] of one layer's pools: float32 (es 4) or bfloat16 (es 2). */
+static void write_kv(void *kp, void *vp, const int64_t *slots, int T, const float *k, const float *v, int v_stride,
+                     int width, int es) {
+    for (int t = 0; t < T; t++) {
+        const size_t at = (size_t)slots[t] * width;
+        if (es == 4) {
+            memcpy((float *)kp + at, k + (size_t)t * width, sizeof(float) * width);
+            memcpy((float *)vp + at, v + (size_t)t * v_stride, sizeof(float) * width);
+        } else {
+            to_bf16(k + (size_t)t * width, (uint16_t *)kp + at, width);
+            to_bf16(v + (size_t)t * v_stride, (uint16_t *)vp + at, width);
+        }
+    }
+}
 
 /* The threads of one product, as llmd.runtime.kernels.ops._threads picks them. */
 static int product_threads(int m, int n, int k, int nt) { return (long)m * n * k < (1L << 18) ? 1 : nt; }
@@ -33,18 +60,19 @@ static int product(const float *x, int M, int K, const float *w, const float *bi
 enum { W_IN_NORM, W_QKV, B_QKV, W_O, B_O, W_POST_NORM, W_GU, B_GU, W_DOWN, B_DOWN, W_PER_LAYER };
 
 /* dims: L, T, hidden, heads, kv heads, head size, intermediate, rope table rows P, pool slots per
- * layer S, attention table width, block size. x [T, hidden] is the embedded input and is
+ * layer S, attention table width, block size, bytes per pool value (4 float32, 2 bfloat16). x [T, hidden] is the embedded input and is
  * overwritten (the residual stream); out [T, hidden] receives the final normed hidden states.
  * work holds T * (2 (H + KVH) D + (H + 2 KVH) D + 3 I + hidden) floats. Returns 0, -1 (a kernel
  * refused the shape), or -2 (attention could not allocate). */
 TARGET int llmd_decode_f32(const int *dims, float *x, float *out, const float *const *w, const float *final_norm,
-                           float eps, const float *cos_t, const float *sin_t, const int64_t *pos, float *k_pool,
-                           float *v_pool, const int64_t *slots, const int32_t *rows, const int32_t *spans,
+                           float eps, const float *cos_t, const float *sin_t, const int64_t *pos, void *k_pool,
+                           void *v_pool, const int64_t *slots, const int32_t *rows, const int32_t *spans,
                            const int32_t *lengths, const int32_t *table, float *work, int nt) {
     const int L = dims[0], T = dims[1], E = dims[2], H = dims[3], KVH = dims[4], D = dims[5], I = dims[6];
     const int P = dims[7], table_width = dims[9], bs = dims[10];
     const long S = dims[8];
-    if (!llmd_cpu_ok() || T < 1 || T > 16) return -1;
+    const int es = dims[11];
+    if (!llmd_cpu_ok() || T < 1 || T > 16 || (es != 4 && es != 2)) return -1;
     const int F = (H + 2 * KVH) * D;                       /* qkv width */
     float *qkv = work, *q = qkv + (size_t)T * F, *k = q + (size_t)T * H * D, *att = k + (size_t)T * KVH * D;
     float *gu = att + (size_t)T * H * D, *act = gu + (size_t)T * 2 * I, *h = act + (size_t)T * I;
@@ -57,12 +85,13 @@ TARGET int llmd_decode_f32(const int *dims, float *x, float *out, const float *c
         if (!rc) rc = product(h, T, E, lw[W_QKV], lw[B_QKV], qkv, F, nt);
         if (!rc) rc = llmd_rope_qk(qkv, T, H, KVH, D, cos_t, sin_t, P, pos, q, k);
         if (rc) break;
-        float *kp = k_pool + (size_t)l * S * KVH * D, *vp = v_pool + (size_t)l * S * KVH * D;
-        for (int t = 0; t < T; t++) {
-            memcpy(kp + (size_t)slots[t] * KVH * D, k + (size_t)t * KVH * D, sizeof(float) * KVH * D);
-            memcpy(vp + (size_t)slots[t] * KVH * D, qkv + (size_t)t * F + (H + KVH) * D, sizeof(float) * KVH * D);
-        }
-        rc = llmd_attend(q, kp, vp, rows, spans, lengths, T, table, table_width, bs, H, KVH, D, att, nt);
+        const size_t layer_bytes = (size_t)S * KVH * D * es;
+        char *kp = (char *)k_pool + l * layer_bytes, *vp = (char *)v_pool + l * layer_bytes;
+        write_kv(kp, vp, slots, T, k, qkv + (H + KVH) * D, F, KVH * D, es);
+        rc = es == 4 ? llmd_attend(q, (float *)kp, (float *)vp, rows, spans, lengths, T, table, table_width, bs, H,
+                                   KVH, D, att, nt)
+                     : llmd_attend_bf16(q, (uint16_t *)kp, (uint16_t *)vp, rows, spans, lengths, T, table,
+                                        table_width, bs, H, KVH, D, att, nt);
         if (!rc) rc = product(att, T, H * D, lw[W_O], lw[B_O], h, E, nt);
         if (!rc) rc = llmd_add_rmsnorm(x, h, T, E, lw[W_POST_NORM], eps, x, h);
         if (!rc) rc = product(h, T, E, lw[W_GU], lw[B_GU], gu, 2 * I, nt);

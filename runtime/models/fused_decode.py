@@ -6,8 +6,8 @@ The Python forward of a decode step calls a dozen kernels per layer, and the Pyt
 1 ms tiny-shape token here. The fused call runs the same kernels in the same order, with the same
 thread counts, so its hidden states are bit-identical to the Python forward's (tests hold the two
 to it). It serves a step when everything that step needs has a kernel form: float32 weights in the
-blocked layout, rotary on adjacent pairs without q/k norms, a float32 KV pool, and every request
-on the attention kernel (at most 16 rows: decode and verification). Anything else returns None and
+blocked layout, rotary on adjacent pairs without q/k norms, a float32 or bfloat16 KV pool (keys and
+values rounded to bfloat16 as torch rounds them), and every request on the attention kernel (at most 16 rows: decode and verification). Anything else returns None and
 the Python forward runs, as it always could.
 """
 from __future__ import annotations
@@ -20,6 +20,7 @@ from llmd.runtime import kernels
 from llmd.runtime.kernels import ops
 
 MAX_ROWS = ops.F32_MAX_ROWS
+POOL_DTYPES = (torch.float32, torch.bfloat16)     # KV pools the fused step writes and reads
 
 
 class FusedDecode:
@@ -39,7 +40,7 @@ class FusedDecode:
         self._weights = (ctypes.c_void_p * len(self._tensors))(*map(_ptr, self._tensors))
         h, kvh, d, i = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
         e = cfg.hidden_size
-        self._dims = (ctypes.c_int * 11)(cfg.num_layers, 0, e, h, kvh, d, i, model.rotary.cos.shape[0], 0, 0, 0)
+        self._dims = (ctypes.c_int * 12)(cfg.num_layers, 0, e, h, kvh, d, i, model.rotary.cos.shape[0], 0, 0, 0, 0)
         per_row = (h + 2 * kvh) * d + 2 * h * d + kvh * d + 3 * i + e
         self._work = torch.empty(MAX_ROWS * per_row)
         self.steps = 0           # steps served (tests check the fused path really ran)
@@ -91,7 +92,7 @@ class FusedDecode:
         kr = attn.kernel_rows
         if (t > self.max_rows or x.dtype != torch.float32 or x.dim() != 2 or not kernels.usable(x) or kr is None
                 or attn.groups or kr.rows.numel() != t or attn.scales is not None
-                or attn.k_pool.dtype != torch.float32 or positions.dtype != torch.int64):
+                or attn.k_pool.dtype not in POOL_DTYPES or positions.dtype != torch.int64):
             return None
         fn = getattr(kernels.lib(), "llmd_decode_f32", None)     # None: a library built before it (kernel A/B)
         if fn is None:
@@ -99,6 +100,7 @@ class FusedDecode:
         pools = attn.k_pool
         dims = self._dims
         dims[1], dims[8], dims[9], dims[10] = t, pools.shape[1], kr.table.shape[1], attn.block_size
+        dims[11] = pools.element_size()
         rotary = self.model.rotary
         x = x.contiguous().clone()           # the residual stream, overwritten; the caller's x stays whole
         out = torch.empty_like(x)
