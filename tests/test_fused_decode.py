@@ -30,8 +30,11 @@ def force_fused(model) -> FusedDecode:
     return model.fused_decode
 
 
-def loaded(model_factory, name, **kw):
+def loaded(model_factory, name, bf16_values=False, **kw):
     model = load_model(model_factory(name, **kw), "float32")
+    if bf16_values:             # a checkpoint stored in bfloat16, served in float32: bfloat16 blocks
+        for p in model.parameters():
+            p.data = p.data.to(torch.bfloat16).float()
     model.prepare_for_inference()
     return model
 
@@ -56,13 +59,16 @@ def one_step(runner, feeds, fused):
 
 @pytest.mark.parametrize("arch,kw,kv_dtype", [
     ("LlamaForCausalLM", {}, "auto"),
+    ("LlamaForCausalLM", {"bf16_values": True}, "auto"),
     ("Qwen2ForCausalLM", {"hidden": 128, "heads": 8, "kv_heads": 2}, "auto"),   # qkv bias, 4 query heads per kv head
     ("MistralForCausalLM", {"tie": False, "hidden": 128, "intermediate": 320}, "auto"),
     ("Qwen2ForCausalLM", {"hidden": 128, "heads": 8, "kv_heads": 2}, "bfloat16"),  # keys and values rounded as torch does
-], ids=["llama", "qwen2-gqa", "mistral-untied", "qwen2-bf16-kv"])
+], ids=["llama", "llama-bf16-values", "qwen2-gqa", "mistral-untied", "qwen2-bf16-kv"])
 def test_fused_step_is_bit_identical_to_the_python_forward(model_factory, arch, kw, kv_dtype):
     model = loaded(model_factory, f"fused-{arch}", architecture=arch, **kw)
     fused = force_fused(model)
+    narrow = {m.stored.dtype == torch.bfloat16 for m in model.layers.modules() if type(m) is Linear}
+    assert narrow == {bool(kw.get("bf16_values"))}
     runner = ModelRunner(model, num_blocks=64, block_size=BS, dtype="float32", kv_dtype=kv_dtype)
     rng = random.Random(1)
     vocab = model.config.vocab_size

@@ -75,3 +75,31 @@ def test_plans_offer_the_float32_kernel_where_it_fits():
     if plan.layout == "blocked":                              # a blocked weight always keeps the packed copy
         assert plan.packed and plan.split_max_rows in (1, 4, 16)
     assert matvec_plan(256, 1024, torch.bfloat16, 2).layout != "blocked"
+
+
+
+@needs_kernels
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_weight_of_bfloat16_values_is_stored_in_half_the_bytes_and_gives_the_same_bits(bias):
+    """A checkpoint stored in bfloat16 and served in float32: the blocked weight keeps bfloat16 values,
+    which the kernel widens exactly, so every product is the float32 one, bit for bit."""
+    from llmd.runtime.kernels import ops
+    m, w, b = linear_with(MatvecPlan("blocked", 1, 16), 256, 192, bias, packed=True)
+    exact = w.to(torch.bfloat16).float()
+    m.weight = torch.nn.Parameter(exact.clone(), requires_grad=False)
+    m.stored = None
+    m.apply_plan(MatvecPlan("blocked", 1, 16, True))
+    assert m.stored.dtype == torch.bfloat16 and m.stored.shape == (3, 256, 64)
+    wide = exact.t().reshape(256, 3, 64).transpose(0, 1).contiguous()      # the same blocks in float32
+    for rows in (1, 3, 4, 7, 16):
+        x = torch.randn(rows, 256)
+        narrow_y = ops.f32_matvec(x, m.stored, b)
+        assert torch.equal(narrow_y, ops.f32_matvec(x, wide, b))
+        assert torch.equal(m(x), narrow_y)
+    assert m(torch.randn(40, 256)).shape == (40, 192)          # many rows: the packed copy
+    assert torch.equal(m.dense_weight(), exact)
+    ids = torch.tensor([0, 191, 64, 5])
+    assert torch.equal(m.rows(ids), exact[ids])
+    noisy = exact.clone()
+    noisy[3, 7] += 1e-6                                  # one value that is not a bfloat16: float32 blocks
+    assert ops.f32_blocks(noisy).dtype == torch.float32

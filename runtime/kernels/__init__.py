@@ -33,12 +33,15 @@ _why = ""
 _tried = False
 
 _P, _I = ctypes.c_void_p, ctypes.c_int
+# An entry point keeps its signature for as long as it keeps its name: bench/bench_kernels.py calls
+# another revision's library through these signatures, so a changed signature takes a new name.
 _SIGNATURES = {
     "llmd_cpu_ok": [],
     "llmd_int8_x": [_P, _I, _I, _P, _P, _P, _P, _I, _I],
     "llmd_int4_pack": [_P, _I, _I, _P],
     "llmd_int4_x": [_P, _I, _I, _I, _P, _P, _P, _P, _P, _I, _I],
     "llmd_f32": [_P, _I, _I, _P, _P, _P, _I, _I],
+    "llmd_f32_w16": [_P, _I, _I, _P, _P, _P, _I, _I],
     "llmd_attend": [_P, _P, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _P, _I],
     "llmd_attend_bf16": [_P, _P, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _P, _I],
     "llmd_rmsnorm": [_P, _I, _I, _P, ctypes.c_float, _P],
@@ -48,7 +51,7 @@ _SIGNATURES = {
     "llmd_w8a8_x": [_P, _I, _I, _P, _P, _P, _P, _I, _I],
     "llmd_argmax": [_P, _I, _I, _P, _I],
     "llmd_int8g_x": [_P, _I, _I, _I, _P, _P, _P, _P, _I, _I],
-    "llmd_decode_f32": [_P, _P, _P, _P, _P, ctypes.c_float, *[_P] * 11, _I],
+    "llmd_decode": [_P, _P, _P, _P, _P, _P, ctypes.c_float, *[_P] * 11, _I],
 }
 
 

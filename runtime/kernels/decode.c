@@ -13,6 +13,7 @@
 #include "kernels.h"
 
 int llmd_f32(const float *x, int M, int K, const float *w, const float *bias, float *y, int N, int nt);
+int llmd_f32_w16(const float *x, int M, int K, const uint16_t *w, const float *bias, float *y, int N, int nt);
 int llmd_rmsnorm(const float *x, int M, int K, const float *w, float eps, float *out);
 int llmd_add_rmsnorm(const float *x, const float *h, int M, int K, const float *w, float eps, float *sum, float *out);
 int llmd_silu_mul(const float *gu, int M, int I, float *out);
@@ -52,11 +53,15 @@ static void write_kv(void *kp, void *vp, const int64_t *slots, int T, const floa
 /* The threads of one product, as llmd.runtime.kernels.ops._threads picks them. */
 static int product_threads(int m, int n, int k, int nt) { return (long)m * n * k < (1L << 18) ? 1 : nt; }
 
-static int product(const float *x, int M, int K, const float *w, const float *bias, float *y, int N, int nt) {
-    return llmd_f32(x, M, K, w, bias, y, N, product_threads(M, N, K, nt));
+/* w: float32 blocks, or bfloat16 blocks where narrow (f32.c). */
+static int product(const float *x, int M, int K, const void *w, int narrow, const float *bias, float *y, int N,
+                   int nt) {
+    const int threads = product_threads(M, N, K, nt);
+    return narrow ? llmd_f32_w16(x, M, K, w, bias, y, N, threads) : llmd_f32(x, M, K, w, bias, y, N, threads);
 }
 
-/* Pointers per layer, in this order (a bias may be NULL). */
+/* Pointers per layer, in this order (a bias may be NULL); narrow[4 l + i] says whether layer l's
+ * i-th product (qkv, o, gate_up, down) has bfloat16 blocks. */
 enum { W_IN_NORM, W_QKV, B_QKV, W_O, B_O, W_POST_NORM, W_GU, B_GU, W_DOWN, B_DOWN, W_PER_LAYER };
 
 /* dims: L, T, hidden, heads, kv heads, head size, intermediate, rope table rows P, pool slots per
@@ -64,7 +69,8 @@ enum { W_IN_NORM, W_QKV, B_QKV, W_O, B_O, W_POST_NORM, W_GU, B_GU, W_DOWN, B_DOW
  * overwritten (the residual stream); out [T, hidden] receives the final normed hidden states.
  * work holds T * (2 (H + KVH) D + (H + 2 KVH) D + 3 I + hidden) floats. Returns 0, -1 (a kernel
  * refused the shape), or -2 (attention could not allocate). */
-TARGET int llmd_decode_f32(const int *dims, float *x, float *out, const float *const *w, const float *final_norm,
+TARGET int llmd_decode(const int *dims, float *x, float *out, const void *const *w, const uint8_t *narrow,
+                           const float *final_norm,
                            float eps, const float *cos_t, const float *sin_t, const int64_t *pos, void *k_pool,
                            void *v_pool, const int64_t *slots, const int32_t *rows, const int32_t *spans,
                            const int32_t *lengths, const int32_t *table, float *work, int nt) {
@@ -79,10 +85,11 @@ TARGET int llmd_decode_f32(const int *dims, float *x, float *out, const float *c
     float *mlp = out;                                      /* the last layer's MLP output, then the result */
     int rc = 0;
     for (int l = 0; l < L && !rc; l++) {
-        const float *const *lw = w + (size_t)l * W_PER_LAYER;
-        rc = l == 0 ? llmd_rmsnorm(x, T, E, lw[W_IN_NORM], eps, h)
-                    : llmd_add_rmsnorm(x, mlp, T, E, lw[W_IN_NORM], eps, x, h);
-        if (!rc) rc = product(h, T, E, lw[W_QKV], lw[B_QKV], qkv, F, nt);
+        const void *const *lw = w + (size_t)l * W_PER_LAYER;
+        const uint8_t *nw = narrow + 4 * l;
+        rc = l == 0 ? llmd_rmsnorm(x, T, E, (const float *)lw[W_IN_NORM], eps, h)
+                    : llmd_add_rmsnorm(x, mlp, T, E, (const float *)lw[W_IN_NORM], eps, x, h);
+        if (!rc) rc = product(h, T, E, lw[W_QKV], nw[0], lw[B_QKV], qkv, F, nt);
         if (!rc) rc = llmd_rope_qk(qkv, T, H, KVH, D, cos_t, sin_t, P, pos, q, k);
         if (rc) break;
         const size_t layer_bytes = (size_t)S * KVH * D * es;
@@ -92,11 +99,11 @@ TARGET int llmd_decode_f32(const int *dims, float *x, float *out, const float *c
                                    KVH, D, att, nt)
                      : llmd_attend_bf16(q, (uint16_t *)kp, (uint16_t *)vp, rows, spans, lengths, T, table,
                                         table_width, bs, H, KVH, D, att, nt);
-        if (!rc) rc = product(att, T, H * D, lw[W_O], lw[B_O], h, E, nt);
-        if (!rc) rc = llmd_add_rmsnorm(x, h, T, E, lw[W_POST_NORM], eps, x, h);
-        if (!rc) rc = product(h, T, E, lw[W_GU], lw[B_GU], gu, 2 * I, nt);
+        if (!rc) rc = product(att, T, H * D, lw[W_O], nw[1], lw[B_O], h, E, nt);
+        if (!rc) rc = llmd_add_rmsnorm(x, h, T, E, (const float *)lw[W_POST_NORM], eps, x, h);
+        if (!rc) rc = product(h, T, E, lw[W_GU], nw[2], lw[B_GU], gu, 2 * I, nt);
         if (!rc) rc = llmd_silu_mul(gu, T, I, act);
-        if (!rc) rc = product(act, T, I, lw[W_DOWN], lw[B_DOWN], mlp, E, nt);
+        if (!rc) rc = product(act, T, I, lw[W_DOWN], nw[3], lw[B_DOWN], mlp, E, nt);
     }
     if (!rc) rc = llmd_add_rmsnorm(x, mlp, T, E, final_norm, eps, x, out);
     return rc;

@@ -20,20 +20,29 @@ def _threads(m: int, n: int, k: int) -> int:
     return 1 if m * n * k < _SERIAL_BELOW else torch.get_num_threads()
 
 
+def exactly_bfloat16(w: torch.Tensor) -> bool:
+    """Every value of float32 ``w`` is a bfloat16 (a checkpoint stored in bfloat16 and loaded as float32)."""
+    return w.dtype == torch.float32 and torch.equal(w.to(torch.bfloat16).float(), w)
+
+
 def f32_blocks(w: torch.Tensor) -> torch.Tensor:
-    """A float32 weight [N, K] (out, in) in the kernel's layout [N/64, K, 64]; N a multiple of 64."""
+    """A float32 weight [N, K] (out, in) in the kernel's layout [N/64, K, 64]; N a multiple of 64. A weight
+    whose values are all bfloat16 keeps them in bfloat16 (half the bytes; the kernel widens them exactly)."""
     n, k = w.shape
-    return w.detach().float().t().reshape(k, n // 64, 64).transpose(0, 1).contiguous()
+    w = w.detach().float()
+    if exactly_bfloat16(w):
+        w = w.to(torch.bfloat16)
+    return w.t().reshape(k, n // 64, 64).transpose(0, 1).contiguous()
 
 
 def f32_unblock(blocks: torch.Tensor) -> torch.Tensor:
-    """The inverse of ``f32_blocks``: the [N, K] weight."""
+    """The inverse of ``f32_blocks``: the float32 [N, K] weight."""
     nb, k, _ = blocks.shape
-    return blocks.transpose(0, 1).reshape(k, nb * 64).t()
+    return blocks.float().transpose(0, 1).reshape(k, nb * 64).t()
 
 
 def f32_matvec(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None):
-    """x [M, K] float32 times a weight in ``f32_blocks`` layout -> [M, N]."""
+    """x [M, K] float32 times a weight in ``f32_blocks`` layout (float32 or bfloat16 blocks) -> [M, N]."""
     so = lib()
     m, k = x.shape
     n = blocks.shape[0] * 64
@@ -41,7 +50,8 @@ def f32_matvec(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None)
         return None
     x = x.contiguous()
     y = torch.empty(m, n)
-    rc = so.llmd_f32(x.data_ptr(), m, k, blocks.data_ptr(), _ptr(bias), y.data_ptr(), n, _threads(m, n, k))
+    fn = so.llmd_f32 if blocks.dtype == torch.float32 else so.llmd_f32_w16
+    rc = fn(x.data_ptr(), m, k, blocks.data_ptr(), _ptr(bias), y.data_ptr(), n, _threads(m, n, k))
     return y if rc == 0 else None
 
 

@@ -1,4 +1,4 @@
-"""Every decoder layer of a small float32 step in one kernel call (``llmd_decode_f32`` in
+"""Every decoder layer of a small float32 step in one kernel call (``llmd_decode`` in
 llmd.runtime.kernels' decode.c).
 
 The Python forward of a decode step calls a dozen kernels per layer, and the Python between them
@@ -38,6 +38,8 @@ class FusedDecode:
             self._tensors += [layer.input_layernorm.weight, qkv.stored, qkv.bias, o.stored, o.bias,
                               layer.post_attention_layernorm.weight, gu.stored, gu.bias, down.stored, down.bias]
         self._weights = (ctypes.c_void_p * len(self._tensors))(*map(_ptr, self._tensors))
+        narrow = [m.stored.dtype == torch.bfloat16 for four in linears for m in four]
+        self._narrow = (ctypes.c_uint8 * len(narrow))(*narrow)     # bfloat16 blocks (f32.c)
         h, kvh, d, i = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
         e = cfg.hidden_size
         self._dims = (ctypes.c_int * 12)(cfg.num_layers, 0, e, h, kvh, d, i, model.rotary.cos.shape[0], 0, 0, 0, 0)
@@ -73,7 +75,7 @@ class FusedDecode:
         for layer in model.layers:
             four = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
             if not all(type(m) is Linear and m.plan.layout == "blocked" and m.stored is not None
-                       and m.stored.dtype == torch.float32 for m in four):
+                       and m.stored.dtype in (torch.float32, torch.bfloat16) for m in four):
                 return None
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
             if any(w.dtype != torch.float32 or not w.is_contiguous() for w in norms):
@@ -94,7 +96,7 @@ class FusedDecode:
                 or attn.groups or kr.rows.numel() != t or attn.scales is not None
                 or attn.k_pool.dtype not in POOL_DTYPES or positions.dtype != torch.int64):
             return None
-        fn = getattr(kernels.lib(), "llmd_decode_f32", None)     # None: a library built before it (kernel A/B)
+        fn = getattr(kernels.lib(), "llmd_decode", None)     # None: a library built before it (kernel A/B)
         if fn is None:
             return None
         pools = attn.k_pool
@@ -105,8 +107,8 @@ class FusedDecode:
         x = x.contiguous().clone()           # the residual stream, overwritten; the caller's x stays whole
         out = torch.empty_like(x)
         rc = fn(ctypes.addressof(dims), x.data_ptr(), out.data_ptr(), ctypes.addressof(self._weights),
-                self.model.norm.weight.data_ptr(), self.eps, rotary.cos.data_ptr(), rotary.sin.data_ptr(),
-                positions.contiguous().data_ptr(), pools.data_ptr(), attn.v_pool.data_ptr(),
+                ctypes.addressof(self._narrow), self.model.norm.weight.data_ptr(), self.eps, rotary.cos.data_ptr(),
+                rotary.sin.data_ptr(), positions.contiguous().data_ptr(), pools.data_ptr(), attn.v_pool.data_ptr(),
                 attn.slot_mapping.data_ptr(), kr.rows.data_ptr(), kr.spans.data_ptr(), kr.lengths.data_ptr(),
                 kr.table.data_ptr(), self._work.data_ptr(), torch.get_num_threads())
         if rc == -2:

@@ -23,7 +23,8 @@ class Linear(nn.Module):
     - a few rows (decode): a matrix-vector product bound by memory bandwidth. Where llmd's kernels
       run (llmd.runtime.kernels), the weight is stored in blocks of 64 output columns that each
       thread streams front to back (896 -> 4864 on 2 threads: 475 us against 598 us for the best
-      torch form here). Otherwise torch's own kernel, which streams the weight from one core, is
+      torch form here), kept in bfloat16 when every value is one (a bfloat16 checkpoint: half the
+      bytes, the same float32 products). Otherwise torch's own kernel, which streams the weight from one core, is
       split in ``threads`` parts run as one ``bmm`` over views of the stored weight, in whichever
       layout ([out, in] or a contiguous [in, out] copy) is faster;
     - more rows (prompt chunks, batches, verification): float32 weights get a second copy in
@@ -73,7 +74,7 @@ class Linear(nn.Module):
             return self.weight.index_select(0, ids)
         if self.plan.layout == "in_out":
             return self.stored.index_select(1, ids).t()
-        return self.stored[ids // 64, :, ids % 64]
+        return self.stored[ids // 64, :, ids % 64].float()      # bfloat16 blocks hold exact float32 values
 
     def dense_weight(self) -> torch.Tensor:
         """The [out, in] weight, whichever storage is active."""
