@@ -59,15 +59,20 @@ def decode_rate(llm: LLM, prompts: list, params: SamplingParams) -> tuple[float,
     return sum(len(o.token_ids) - 1 for o in outs) / (wall - first), [o.token_ids for o in outs]
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--against", default="HEAD", help="git revision whose kernels are the baseline (default HEAD)")
+def add_decode_args(ap: argparse.ArgumentParser) -> None:
+    """The options of a side-by-side decode run (also used by bench_decode_paths.py)."""
     ap.add_argument("--shape", default="tiny", choices=sorted(SHAPES), help="random model shape (default tiny)")
     ap.add_argument("--threads", type=int, default=2, help="torch and kernel threads (default 2)")
     ap.add_argument("--streams", type=int, default=16, help="concurrent streams (default 16)")
     ap.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per stream (default 128)")
     ap.add_argument("--gen", type=int, default=64, help="tokens generated per stream (default 64)")
     ap.add_argument("--rounds", type=int, default=7, help="alternating rounds; medians reported (default 7)")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--against", default="HEAD", help="git revision whose kernels are the baseline (default HEAD)")
+    add_decode_args(ap)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if kernels.lib() is None:

@@ -137,3 +137,18 @@ def test_engine_output_is_the_same_with_and_without_the_fused_step(tiny_model_di
         without = [o.token_ids for o in llm.generate(prompts, params)]
         assert with_fused == without
         assert (ran > 0) == (opts.get("kv_dtype") != "int8")
+
+
+def test_the_side_by_side_benchmark_runs_both_paths_and_finds_the_same_tokens():
+    """bench/bench_decode_paths.py, the source of the README's fused-step figures, on a short run."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = Path(__file__).resolve().parents[1] / "bench" / "bench_decode_paths.py"
+    done = subprocess.run([sys.executable, str(script), "--compare", "fused", "--rounds", "1", "--gen", "4",
+                           "--streams", "3", "--prompt-len", "20"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout)
+    assert result["same_tokens"] and result["streams"] == 3
+    assert result["fused"]["one_stream_tok_s"] > 0 and result["layer_by_layer"]["streams_tok_s"] > 0

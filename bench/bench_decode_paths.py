@@ -1,0 +1,104 @@
+"""Two ways of running the same float32 decode step, side by side in one process, rounds alternating:
+
+    .venv/bin/python bench/bench_decode_paths.py --compare fused --shape tiny
+    .venv/bin/python bench/bench_decode_paths.py --compare bf16-blocks --model models/code-target
+
+``fused``: every layer in one kernel call (llmd.runtime.models.fused_decode) against the layer-by-layer
+Python forward, on one loaded model (the fused form is switched off for the baseline's rounds).
+``bf16-blocks``: a checkpoint whose weights are all bfloat16 values, served in float32, with its
+blocked weights kept in bfloat16 (widened exactly in the kernel) against the same model loaded with
+float32 blocks. Reported: medians of one-stream and N-stream decode tokens/s (prompts cached,
+counted from the first token, as ``llmd bench`` does), their ratios, and whether both produced the
+same tokens (both paths compute the same float32 numbers, so they must).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch
+
+from llmd.bench.bench_kernels import add_decode_args, decode_rate
+from llmd.runtime.kernels import ops
+from llmd.runtime.llm import LLM
+from llmd.runtime.models.random_model import write_random_model
+from llmd.runtime.request import SamplingParams
+
+
+class Toggle:
+    """One engine whose fused form is on (``use(True)``) or off."""
+
+    def __init__(self, llm: LLM):
+        self.llm, self.model = llm, llm.engine.runner.model
+        self.fused = self.model.fused_decode
+        if self.fused is None:
+            raise SystemExit("this model has no fused form here (see llmd.runtime.models.fused_decode)")
+
+    def use(self, on: bool) -> LLM:
+        self.model.fused_decode = self.fused if on else None
+        return self.llm
+
+
+def builds(args, model: str) -> dict:
+    """name -> a function giving the LLM to run for that build's round."""
+    opts = dict(kv_memory="1GiB", kv_dtype=args.kv_dtype)
+    if args.compare == "fused":
+        toggle = Toggle(LLM(model, **opts))
+        return {"fused": lambda: toggle.use(True), "layer_by_layer": lambda: toggle.use(False)}
+    narrow = LLM(model, **opts)
+    keep = ops.exactly_bfloat16
+    ops.exactly_bfloat16 = lambda w: False        # the baseline keeps float32 blocks
+    try:
+        wide = LLM(model, **opts)
+    finally:
+        ops.exactly_bfloat16 = keep
+    stored = {str(m.stored.dtype) for m in narrow.engine.runner.model.modules() if getattr(m, "stored", None) is not None}
+    if "torch.bfloat16" not in stored:
+        raise SystemExit(f"{model}: no weight is all bfloat16 values, so there are no bfloat16 blocks to compare")
+    return {"bf16_blocks": lambda: narrow, "f32_blocks": lambda: wide}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--compare", choices=["fused", "bf16-blocks"], required=True, help="which two paths")
+    ap.add_argument("--model", help="model directory (default: a random model of --shape)")
+    add_decode_args(ap)
+    ap.add_argument("--kv-dtype", default="auto", choices=["auto", "bfloat16"], help="KV pool (default: the model's)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model or str(write_random_model(Path(tmp) / "model", args.shape))
+        runs = builds(args, model)
+        vocab = next(iter(runs.values()))().engine.model_config.vocab_size
+        rng = random.Random(0)
+        prompts = [[rng.randrange(min(100, vocab // 2), vocab) for _ in range(args.prompt_len)]
+                   for _ in range(args.streams)]
+        params = SamplingParams(max_tokens=args.gen, ignore_eos=True)
+        rates = {name: ([], []) for name in runs}
+        tokens = {}
+        for _ in range(args.rounds):
+            for name, get in runs.items():
+                llm = get()
+                one, t1 = decode_rate(llm, prompts[:1], params)
+                many, tn = decode_rate(llm, prompts, params)
+                rates[name][0].append(one)
+                rates[name][1].append(many)
+                tokens[name] = (t1, tn)
+    new, base = list(runs)
+    result = {"compare": args.compare, "model": args.model or f"random {args.shape}", "threads": args.threads,
+              "streams": args.streams, "rounds": args.rounds, "same_tokens": tokens[new] == tokens[base]}
+    for name, (one, many) in rates.items():
+        result[name] = {"one_stream_tok_s": round(statistics.median(one), 1),
+                        "streams_tok_s": round(statistics.median(many), 1)}
+    result["one_stream_ratio"] = round(result[new]["one_stream_tok_s"] / result[base]["one_stream_tok_s"], 3)
+    result["streams_ratio"] = round(result[new]["streams_tok_s"] / result[base]["streams_tok_s"], 3)
+    print(json.dumps(result, indent=1))
+    return 0 if result["same_tokens"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
