@@ -9,7 +9,8 @@ Python forward, on one loaded model (the fused form is switched off for the base
 blocked weights kept in bfloat16 (widened exactly in the kernel) against the same model loaded with
 float32 blocks. Reported: medians of one-stream and N-stream decode tokens/s (prompts cached,
 counted from the first token, as ``llmd bench`` does), their ratios, and whether both produced the
-same tokens (both paths compute the same float32 numbers, so they must).
+same tokens in every round (both paths compute the same float32 numbers, so they must), and how
+many steps the fused form served.
 """
 from __future__ import annotations
 
@@ -62,6 +63,12 @@ def builds(args, model: str) -> dict:
     return {"bf16_blocks": lambda: narrow, "f32_blocks": lambda: wide}
 
 
+def fused_steps_of(runs: dict) -> int:
+    """Steps the fused form served over the run (the first build's model)."""
+    fused = next(iter(runs.values()))().engine.runner.model.fused_decode
+    return fused.steps if fused is not None else 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--compare", choices=["fused", "bf16-blocks"], required=True, help="which two paths")
@@ -79,18 +86,21 @@ def main() -> int:
                    for _ in range(args.streams)]
         params = SamplingParams(max_tokens=args.gen, ignore_eos=True)
         rates = {name: ([], []) for name in runs}
-        tokens = {}
+        same = True
         for _ in range(args.rounds):
+            tokens = []
             for name, get in runs.items():
                 llm = get()
                 one, t1 = decode_rate(llm, prompts[:1], params)
                 many, tn = decode_rate(llm, prompts, params)
                 rates[name][0].append(one)
                 rates[name][1].append(many)
-                tokens[name] = (t1, tn)
+                tokens.append((t1, tn))
+            same = same and tokens[0] == tokens[1]
+        fused_steps = fused_steps_of(runs)
     new, base = list(runs)
     result = {"compare": args.compare, "model": args.model or f"random {args.shape}", "threads": args.threads,
-              "streams": args.streams, "rounds": args.rounds, "same_tokens": tokens[new] == tokens[base]}
+              "streams": args.streams, "rounds": args.rounds, "same_tokens": same, "fused_steps": fused_steps}
     for name, (one, many) in rates.items():
         result[name] = {"one_stream_tok_s": round(statistics.median(one), 1),
                         "streams_tok_s": round(statistics.median(many), 1)}

@@ -22,16 +22,18 @@ int llmd_rope_qk(const float *qkv, int T, int H, int KVH, int D, const float *co
 int llmd_attend(const float *q, const float *kpool, const float *vpool, const int32_t *row, const int32_t *span,
                 const int32_t *len, int R, const int32_t *table, int table_width, int bs, int H, int KVH, int D,
                 float *out, int nt);
+int llmd_argmax(const float *x, int M, int V, int64_t *out, int nt);
 int llmd_attend_bf16(const float *q, const uint16_t *kpool, const uint16_t *vpool, const int32_t *row,
                      const int32_t *span, const int32_t *len, int R, const int32_t *table, int table_width, int bs,
                      int H, int KVH, int D, float *out, int nt);
 
-/* float32 -> bfloat16 as torch rounds it: to nearest, ties to even; NaN -> 0x7FC0. */
+/* float32 -> bfloat16 as torch (2.13, the pinned version) converts it: to nearest, ties to even; every
+ * NaN -> 0xFFFF. */
 static void to_bf16(const float *x, uint16_t *out, int n) {
     for (int i = 0; i < n; i++) {
         uint32_t u;
         memcpy(&u, x + i, 4);
-        out[i] = x[i] != x[i] ? 0x7FC0 : (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+        out[i] = x[i] != x[i] ? 0xFFFF : (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
     }
 }
 
@@ -65,35 +67,48 @@ static int product(const float *x, int M, int K, const void *w, int narrow, cons
 enum { W_IN_NORM, W_QKV, B_QKV, W_O, B_O, W_POST_NORM, W_GU, B_GU, W_DOWN, B_DOWN, W_PER_LAYER };
 
 /* dims: L, T, hidden, heads, kv heads, head size, intermediate, rope table rows P, pool slots per
- * layer S, attention table width, block size, bytes per pool value (4 float32, 2 bfloat16). x [T, hidden] is the embedded input and is
- * overwritten (the residual stream); out [T, hidden] receives the final normed hidden states.
- * work holds T * (2 (H + KVH) D + (H + 2 KVH) D + 3 I + hidden) floats. Returns 0, -1 (a kernel
- * refused the shape), or -2 (attention could not allocate). */
-TARGET int llmd_decode(const int *dims, float *x, float *out, const void *const *w, const uint8_t *narrow,
-                           const float *final_norm,
-                           float eps, const float *cos_t, const float *sin_t, const int64_t *pos, void *k_pool,
-                           void *v_pool, const int64_t *slots, const int32_t *rows, const int32_t *spans,
-                           const int32_t *lengths, const int32_t *table, float *work, int nt) {
-    const int L = dims[0], T = dims[1], E = dims[2], H = dims[3], KVH = dims[4], D = dims[5], I = dims[6];
-    const int P = dims[7], table_width = dims[9], bs = dims[10];
-    const long S = dims[8];
-    const int es = dims[11];
+ * layer S, attention table width, block size, bytes per pool value (4 float32, 2 bfloat16), and
+ * (llmd_draft_greedy only) the vocabulary V. */
+enum { D_L, D_T, D_E, D_H, D_KVH, D_D, D_I, D_P, D_S, D_TW, D_BS, D_ES, D_V, D_COUNT };
+
+/* The model's part of a step: its weights and tables. */
+typedef struct {
+    const int *dims;
+    const void *const *w;
+    const uint8_t *narrow;
+    const float *final_norm, *cos_t, *sin_t;
+    float eps;
+    void *k_pool, *v_pool;
+    float *work;          /* T ((H + 2 KVH) D + 2 H D + KVH D + 3 I + hidden) floats */
+    int nt;
+} Model;
+
+/* Every layer and the final norm over T rows: x [T, hidden] in (overwritten: the residual stream),
+ * out [T, hidden] the final normed hidden states. */
+static int layers(const Model *m, int T, float *x, float *out, const int64_t *pos, const int64_t *slots,
+                  const int32_t *rows, const int32_t *spans, const int32_t *lengths, const int32_t *table) {
+    const int *dims = m->dims;
+    const int L = dims[D_L], E = dims[D_E], H = dims[D_H], KVH = dims[D_KVH], D = dims[D_D], I = dims[D_I];
+    const int P = dims[D_P], table_width = dims[D_TW], bs = dims[D_BS], es = dims[D_ES], nt = m->nt;
+    const float eps = m->eps;
     if (!llmd_cpu_ok() || T < 1 || T > 16 || (es != 4 && es != 2)) return -1;
     const int F = (H + 2 * KVH) * D;                       /* qkv width */
-    float *qkv = work, *q = qkv + (size_t)T * F, *k = q + (size_t)T * H * D, *att = k + (size_t)T * KVH * D;
+    float *qkv = m->work, *q = qkv + (size_t)T * F, *k = q + (size_t)T * H * D, *att = k + (size_t)T * KVH * D;
     float *gu = att + (size_t)T * H * D, *act = gu + (size_t)T * 2 * I, *h = act + (size_t)T * I;
     float *mlp = out;                                      /* the last layer's MLP output, then the result */
+    const size_t layer_bytes = (size_t)dims[D_S] * KVH * D * es;
+    for (int t = 0; t < T; t++)              /* every slot in the pool before anything is written */
+        if (slots[t] < 0 || slots[t] >= dims[D_S]) return -1;
     int rc = 0;
     for (int l = 0; l < L && !rc; l++) {
-        const void *const *lw = w + (size_t)l * W_PER_LAYER;
-        const uint8_t *nw = narrow + 4 * l;
+        const void *const *lw = m->w + (size_t)l * W_PER_LAYER;
+        const uint8_t *nw = m->narrow + 4 * l;
         rc = l == 0 ? llmd_rmsnorm(x, T, E, (const float *)lw[W_IN_NORM], eps, h)
                     : llmd_add_rmsnorm(x, mlp, T, E, (const float *)lw[W_IN_NORM], eps, x, h);
         if (!rc) rc = product(h, T, E, lw[W_QKV], nw[0], lw[B_QKV], qkv, F, nt);
-        if (!rc) rc = llmd_rope_qk(qkv, T, H, KVH, D, cos_t, sin_t, P, pos, q, k);
+        if (!rc) rc = llmd_rope_qk(qkv, T, H, KVH, D, m->cos_t, m->sin_t, P, pos, q, k);
         if (rc) break;
-        const size_t layer_bytes = (size_t)S * KVH * D * es;
-        char *kp = (char *)k_pool + l * layer_bytes, *vp = (char *)v_pool + l * layer_bytes;
+        char *kp = (char *)m->k_pool + l * layer_bytes, *vp = (char *)m->v_pool + l * layer_bytes;
         write_kv(kp, vp, slots, T, k, qkv + (H + KVH) * D, F, KVH * D, es);
         rc = es == 4 ? llmd_attend(q, (float *)kp, (float *)vp, rows, spans, lengths, T, table, table_width, bs, H,
                                    KVH, D, att, nt)
@@ -105,6 +120,72 @@ TARGET int llmd_decode(const int *dims, float *x, float *out, const void *const 
         if (!rc) rc = llmd_silu_mul(gu, T, I, act);
         if (!rc) rc = product(act, T, I, lw[W_DOWN], nw[3], lw[B_DOWN], mlp, E, nt);
     }
-    if (!rc) rc = llmd_add_rmsnorm(x, mlp, T, E, final_norm, eps, x, out);
+    if (!rc) rc = llmd_add_rmsnorm(x, mlp, T, E, m->final_norm, eps, x, out);
     return rc;
+}
+
+/* One step of T packed rows (dims[D_T]) whose attention metadata the caller built. Returns 0, -1 (a
+ * kernel refused the shape: a position past the rotary tables, a slot outside the pool), or -2
+ * (attention could not allocate). */
+TARGET int llmd_decode(const int *dims, float *x, float *out, const void *const *w, const uint8_t *narrow,
+                       const float *final_norm, float eps, const float *cos_t, const float *sin_t, const int64_t *pos,
+                       void *k_pool, void *v_pool, const int64_t *slots, const int32_t *rows, const int32_t *spans,
+                       const int32_t *lengths, const int32_t *table, float *work, int nt) {
+    const Model m = {dims, w, narrow, final_norm, cos_t, sin_t, eps, k_pool, v_pool, work, nt};
+    return layers(&m, dims[D_T], x, out, pos, slots, rows, spans, lengths, table);
+}
+
+/* Greedy proposals of a draft model, `steps` forwards in one call: each of the T requests feeds its
+ * last token at its next position and takes the first largest logit as its next token, as the
+ * Python loop of llmd.runtime.spec.draft does one forward at a time (the same kernels, so the same
+ * tokens and KV).
+ *   tok [T]: the tokens fed first, at positions pos0 [T]; table [T, dims[D_TW]]: each request's
+ *   block ids, covering position pos0 + steps - 1; out [T, steps]: the tokens taken.
+ *   head: the output head's blocks [V/64, hidden, 64] (bfloat16 where head_narrow);
+ *   embed: the token embeddings, float32 rows [V, hidden] (embed_rows), or the head's own blocks
+ *   (a tied head: embed_rows = 0).
+ *   x, hidden [T, hidden] and logits [T, V]: scratch.
+ * Returns the steps completed: all, or fewer where a position falls outside the block table or the
+ * rotary tables, or a row's logits hold NaN (the caller's own loop goes on from there); or -2. */
+TARGET int llmd_draft_greedy(const int *dims, const void *const *w, const uint8_t *narrow, const float *final_norm,
+                             float eps, const float *cos_t, const float *sin_t, void *k_pool, void *v_pool,
+                             const int32_t *table, const void *head, int head_narrow, const void *embed,
+                             int embed_rows, const int64_t *tok, const int64_t *pos0, int steps, int64_t *out,
+                             float *x, float *hidden, float *logits, float *work, int nt) {
+    const int T = dims[D_T], E = dims[D_E], V = dims[D_V], tw = dims[D_TW], bs = dims[D_BS];
+    if (!llmd_cpu_ok() || T < 1 || T > 16 || V % 64 || E % 16) return -1;
+    const Model m = {dims, w, narrow, final_norm, cos_t, sin_t, eps, k_pool, v_pool, work, nt};
+    int64_t cur[16], pos[16], slots[16], next[16];
+    int32_t rows[16], spans[16], lengths[16];
+    for (int t = 0; t < T; t++) { cur[t] = tok[t]; rows[t] = spans[t] = t; }
+    for (int s = 0; s < steps; s++) {
+        for (int t = 0; t < T; t++) {
+            const int64_t p = pos0[t] + s;
+            if (p < 0 || p / bs >= tw || p >= dims[D_P] || cur[t] < 0 || cur[t] >= V) return s;
+            pos[t] = p;
+            slots[t] = (int64_t)table[(size_t)t * tw + p / bs] * bs + p % bs;
+            lengths[t] = (int32_t)(p + 1);
+            float *xr = x + (size_t)t * E;
+            if (embed_rows) {
+                memcpy(xr, (const float *)embed + (size_t)cur[t] * E, sizeof(float) * E);
+            } else {                       /* row cur of the head's blocks: block cur / 64, column cur % 64 */
+                const size_t at = (size_t)(cur[t] / 64) * E * 64 + cur[t] % 64;
+                for (int e = 0; e < E; e++) {
+                    if (head_narrow) {
+                        const uint32_t u = (uint32_t)((const uint16_t *)head)[at + (size_t)e * 64] << 16;
+                        memcpy(xr + e, &u, 4);
+                    } else {
+                        xr[e] = ((const float *)head)[at + (size_t)e * 64];
+                    }
+                }
+            }
+        }
+        int rc = layers(&m, T, x, hidden, pos, slots, rows, spans, lengths, table);
+        if (rc == -2) return -2;
+        if (rc) return s;
+        if (product(hidden, T, E, head, head_narrow, 0, logits, V, nt)) return s;
+        if (llmd_argmax(logits, T, V, next, (long)T * V >= (1L << 18) ? nt : 1)) return s;    /* NaN */
+        for (int t = 0; t < T; t++) out[(size_t)t * steps + s] = cur[t] = next[t];
+    }
+    return steps;
 }

@@ -48,32 +48,31 @@ void f32_block(const float *x, const int MM, int K, const void *w, const float *
  * from cache for the later groups (verification of a few proposals, small batches). */
 #define F32_MAXM 16
 
-static inline TARGET __attribute__((always_inline))
-int f32_product(const float *x, int M, int K, const void *w, const float *bias, float *y, int N, int nt, const int wide) {
-    if (!llmd_cpu_ok() || M < 1 || M > F32_MAXM || N % 64) return -1;
-    const int groups = (M + 3) / 4, nb = N / 64, es = wide ? 4 : 2;
-    #pragma omp parallel for num_threads(nt) schedule(static)
-    for (int b = 0; b < nb; b++) {
-        /* with several row groups a block is computed more than once from cache: the groups fetch
-         * the thread's next block meanwhile (static schedule: a thread's blocks are consecutive) */
-        const void *next = groups > 1 && b + 1 < nb ? (const char *)w + (size_t)(b + 1) * K * 64 * es : 0;
-        for (int m0 = 0; m0 < M; m0 += 4) {
-            switch (M - m0) {
-            case 1: F32_CASE(1) break;
-            case 2: F32_CASE(2) break;
-            case 3: F32_CASE(3) break;
-            default: F32_CASE(4) break;
-            }
-        }
-    }
-    return 0;
+/* The product for one storage (wide: float32 blocks), as its own function so that each has its own
+ * parallel region with the storage fixed (a shared region would test it in the inner loop). */
+#define F32_PRODUCT(NAME, WIDE, WTYPE) \
+TARGET int NAME(const float *x, int M, int K, const WTYPE *w, const float *bias, float *y, int N, int nt) { \
+    const int wide = WIDE; \
+    if (!llmd_cpu_ok() || M < 1 || M > F32_MAXM || N % 64) return -1; \
+    const int groups = (M + 3) / 4, nb = N / 64, es = wide ? 4 : 2; \
+    _Pragma("omp parallel for num_threads(nt) schedule(static)") \
+    for (int b = 0; b < nb; b++) { \
+        /* with several row groups a block is computed more than once from cache: the groups fetch \
+         * the thread's next block meanwhile (static schedule: a thread's blocks are consecutive) */ \
+        const void *next = groups > 1 && b + 1 < nb ? (const char *)w + (size_t)(b + 1) * K * 64 * es : 0; \
+        for (int m0 = 0; m0 < M; m0 += 4) { \
+            switch (M - m0) { \
+            case 1: F32_CASE(1) break; \
+            case 2: F32_CASE(2) break; \
+            case 3: F32_CASE(3) break; \
+            default: F32_CASE(4) break; \
+            } \
+        } \
+    } \
+    return 0; \
 }
 
-TARGET int llmd_f32(const float *x, int M, int K, const float *w, const float *bias, float *y, int N, int nt) {
-    return f32_product(x, M, K, w, bias, y, N, nt, 1);
-}
+F32_PRODUCT(llmd_f32, 1, float)
 
 /* The same product over bfloat16 blocks (see above). */
-TARGET int llmd_f32_w16(const float *x, int M, int K, const uint16_t *w, const float *bias, float *y, int N, int nt) {
-    return f32_product(x, M, K, w, bias, y, N, nt, 0);
-}
+F32_PRODUCT(llmd_f32_w16, 0, uint16_t)

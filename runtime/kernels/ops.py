@@ -50,7 +50,9 @@ def f32_matvec(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None)
         return None
     x = x.contiguous()
     y = torch.empty(m, n)
-    fn = so.llmd_f32 if blocks.dtype == torch.float32 else so.llmd_f32_w16
+    fn = so.llmd_f32 if blocks.dtype == torch.float32 else getattr(so, "llmd_f32_w16", None)
+    if fn is None:                   # a library built before bfloat16 blocks (a kernel A/B): torch's product
+        return None
     rc = fn(x.data_ptr(), m, k, blocks.data_ptr(), _ptr(bias), y.data_ptr(), n, _threads(m, n, k))
     return y if rc == 0 else None
 
@@ -206,12 +208,12 @@ def rope_qk(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, cos: to
     if (so is None or qkv.dtype != torch.float32 or positions.dtype != torch.int64
             or not cos.is_contiguous() or not sin.is_contiguous()):
         return None
-    qkv = qkv.contiguous()
+    qkv, positions = qkv.contiguous(), positions.contiguous()     # held while the kernel reads them
     t = qkv.shape[0]
     q = qkv.new_empty(t, heads, head_dim)
     k = qkv.new_empty(t, kv_heads, head_dim)
     if so.llmd_rope_qk(qkv.data_ptr(), t, heads, kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(), cos.shape[0],
-                       positions.contiguous().data_ptr(), q.data_ptr(), k.data_ptr()):
+                       positions.data_ptr(), q.data_ptr(), k.data_ptr()):
         return None
     return q, k
 

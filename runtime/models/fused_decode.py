@@ -29,23 +29,29 @@ class FusedDecode:
 
     def __init__(self, model, linears: list, max_rows: int):
         cfg = model.config
-        self.model = model
+        # what the calls read, not the model itself (which holds this object: no reference cycle)
+        self.config, self.rotary, self.norm = cfg, model.rotary, model.norm.weight.detach()
+        self.head, self.embed = head_of(model)
         self.max_rows = max_rows
         self.eps = cfg.rms_norm_eps
-        # the tensors behind the pointers, held so that they live as long as the pointers do
+        # the storage behind the pointers, held (as detached tensors, which a later swap of a parameter's
+        # ``.data`` cannot free) for as long as the pointers live; prepare_for_inference builds anew
         self._tensors = []
         for layer, (qkv, o, gu, down) in zip(model.layers, linears):
-            self._tensors += [layer.input_layernorm.weight, qkv.stored, qkv.bias, o.stored, o.bias,
-                              layer.post_attention_layernorm.weight, gu.stored, gu.bias, down.stored, down.bias]
+            self._tensors += [_held(t) for t in (layer.input_layernorm.weight, qkv.stored, qkv.bias, o.stored, o.bias,
+                                                 layer.post_attention_layernorm.weight, gu.stored, gu.bias,
+                                                 down.stored, down.bias)]
         self._weights = (ctypes.c_void_p * len(self._tensors))(*map(_ptr, self._tensors))
         narrow = [m.stored.dtype == torch.bfloat16 for four in linears for m in four]
         self._narrow = (ctypes.c_uint8 * len(narrow))(*narrow)     # bfloat16 blocks (f32.c)
         h, kvh, d, i = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
         e = cfg.hidden_size
-        self._dims = (ctypes.c_int * 12)(cfg.num_layers, 0, e, h, kvh, d, i, model.rotary.cos.shape[0], 0, 0, 0, 0)
+        self._dims = (ctypes.c_int * 13)(cfg.num_layers, 0, e, h, kvh, d, i, model.rotary.cos.shape[0], 0, 0, 0, 0,
+                                         cfg.vocab_size)
         per_row = (h + 2 * kvh) * d + 2 * h * d + kvh * d + 3 * i + e
         self._work = torch.empty(MAX_ROWS * per_row)
         self.steps = 0           # steps served (tests check the fused path really ran)
+        self.draft_steps = 0     # greedy draft forwards served by draft_greedy
 
     def __deepcopy__(self, memo):
         return None           # a copied model has its own weights: it runs the Python forward
@@ -103,12 +109,13 @@ class FusedDecode:
         dims = self._dims
         dims[1], dims[8], dims[9], dims[10] = t, pools.shape[1], kr.table.shape[1], attn.block_size
         dims[11] = pools.element_size()
-        rotary = self.model.rotary
+        rotary = self.rotary
         x = x.contiguous().clone()           # the residual stream, overwritten; the caller's x stays whole
         out = torch.empty_like(x)
+        positions = positions.contiguous()   # held while the kernel reads it
         rc = fn(ctypes.addressof(dims), x.data_ptr(), out.data_ptr(), ctypes.addressof(self._weights),
-                ctypes.addressof(self._narrow), self.model.norm.weight.data_ptr(), self.eps, rotary.cos.data_ptr(),
-                rotary.sin.data_ptr(), positions.contiguous().data_ptr(), pools.data_ptr(), attn.v_pool.data_ptr(),
+                ctypes.addressof(self._narrow), self.norm.data_ptr(), self.eps, rotary.cos.data_ptr(),
+                rotary.sin.data_ptr(), positions.data_ptr(), pools.data_ptr(), attn.v_pool.data_ptr(),
                 attn.slot_mapping.data_ptr(), kr.rows.data_ptr(), kr.spans.data_ptr(), kr.lengths.data_ptr(),
                 kr.table.data_ptr(), self._work.data_ptr(), torch.get_num_threads())
         if rc == -2:
@@ -118,11 +125,70 @@ class FusedDecode:
         self.steps += 1
         return out
 
+    def draft_greedy(self, runner, tokens: list[int], positions: list[int], block_ids: list[list[int]],
+                     steps: int) -> list[list[int]] | None:
+        """``steps`` greedy draft forwards in one kernel call (llmd.runtime.spec.draft's loop): request i
+        feeds ``tokens[i]`` at ``positions[i]``, then each token it takes at the next position; its
+        pools are ``runner``'s. Returns each request's tokens taken (all ``steps``, or fewer where the
+        caller's own loop must go on: logits with NaN, a position past its blocks or the rotary
+        tables), or None where the kernel cannot run this (the head not on the kernel for this many
+        rows, a KV pool it does not write)."""
+        t = len(tokens)
+        fn = getattr(kernels.lib(), "llmd_draft_greedy", None)
+        head, embed = self.head, self.embed
+        attn = runner.attn
+        if (fn is None or not 1 <= t <= self.max_rows or steps < 1 or head is None or head.plan.layout != "blocked"
+                or head.stored is None or head.plan.split_max_rows < t or head.bias is not None
+                or attn.scales is not None or attn.reference or attn.k_pool.dtype not in POOL_DTYPES
+                or (embed is not None and (embed.dtype != torch.float32 or not embed.is_contiguous()))
+                or not kernels.usable(self._work, has_gradient=False)):      # writes plain tensors only
+            return None
+        # a request's own blocks bound its steps (the table's zero padding is no block of its own)
+        steps = min(steps, *(len(b) * runner.block_size - p for b, p in zip(block_ids, positions)))
+        if steps < 1:
+            return None
+        width = max(len(b) for b in block_ids)
+        table = torch.tensor([b + [0] * (width - len(b)) for b in block_ids], dtype=torch.int32)
+        dims = self._dims
+        dims[1], dims[8], dims[9], dims[10] = t, attn.k_pool.shape[1], width, runner.block_size
+        dims[11] = attn.k_pool.element_size()
+        e, v = self.config.hidden_size, self.config.vocab_size
+        tok = torch.tensor(tokens, dtype=torch.int64)
+        pos0 = torch.tensor(positions, dtype=torch.int64)
+        out = torch.empty(t, steps, dtype=torch.int64)
+        x, hidden, logits = torch.empty(t, e), torch.empty(t, e), torch.empty(t, v)
+        rotary = self.rotary
+        done = fn(ctypes.addressof(dims), ctypes.addressof(self._weights), ctypes.addressof(self._narrow),
+                  self.norm.data_ptr(), self.eps, rotary.cos.data_ptr(), rotary.sin.data_ptr(),
+                  attn.k_pool.data_ptr(), attn.v_pool.data_ptr(), table.data_ptr(), head.stored.data_ptr(),
+                  int(head.stored.dtype == torch.bfloat16), _ptr(embed), int(embed is not None), tok.data_ptr(),
+                  pos0.data_ptr(), steps, out.data_ptr(), x.data_ptr(), hidden.data_ptr(), logits.data_ptr(),
+                  self._work.data_ptr(), torch.get_num_threads())
+        if done == -2:
+            raise MemoryError("the attention kernel could not allocate its score buffers (out of memory)")
+        if done < 0:
+            return None
+        self.draft_steps += done
+        return out[:, :done].tolist()
+
+
+def head_of(model):
+    """The output head as a Linear (a tied head's prepared Linear, or lm_head), and the embedding
+    rows the draft loop reads: None for a tied head (rows from the head's own blocks), else the
+    float32 embedding weight."""
+    if model._tied_head is not None:
+        return model._tied_head, None
+    return model.lm_head, model.embed_tokens.weight
+
 
 def layer_linears(model) -> list:
     """Each layer's four products, in order."""
     return [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                  layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+
+
+def _held(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach()
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

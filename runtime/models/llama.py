@@ -225,7 +225,8 @@ class LlamaForCausalLM(nn.Module):
         self.requires_grad_(False)
         if all(layer.self_attn.can_interleave() for layer in self.layers):
             self._interleaved = all([layer.self_attn.interleave_rope() for layer in self.layers])
-        fusable = FusedDecode.possible(self)
+        # (a blocked weight serves more than 16 rows through its oneDNN copy: without oneDNN, leave plans be)
+        fusable = FusedDecode.possible(self) and can_pack(torch.float32)
         for m in self.modules():
             if isinstance(m, Linear) and m.weight is not None:
                 m.prepare()

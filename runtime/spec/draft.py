@@ -41,7 +41,15 @@ class DraftProposer(Proposer):
         active = list(range(len(items)))
         step = 0
         decode_times = []
+        fused_tried = False
         while active:
+            if step and greedy and not fused_tried:
+                fused_tried = True
+                done = self._fused_steps(items, active, tokens, feeds, step, decode_times)
+                step += done
+                active = [i for i in active if step < items[i][1]]
+                if not active:
+                    break
             t_fwd = time.perf_counter()
             logits = self.runner.run(self.runner.prepare_feeds([feeds[i] for i in active]))
             if step:
@@ -71,6 +79,28 @@ class DraftProposer(Proposer):
         self.forward_s = min(decode_times) if decode_times else None
         seconds = (time.perf_counter() - t0) / max(1, len(items))
         return [Proposal(tokens[i], torch.stack(probs[i]) if probs[i] else None, seconds) for i in range(len(items))]
+
+    def _fused_steps(self, items, active, tokens, feeds, step, decode_times) -> int:
+        """The rest of a greedy round in one kernel call (FusedDecode.draft_greedy) when every active
+        request wants as many more tokens: the same tokens and KV as the loop's forwards. Returns the
+        forwards it made; a round it did not finish goes on in the loop from there (``feeds`` set)."""
+        fused = getattr(self.runner.model, "fused_decode", None)
+        left = {items[i][1] - step for i in active}
+        if fused is None or len(left) != 1:
+            return 0
+        want = left.pop()
+        t0 = time.perf_counter()
+        got = fused.draft_greedy(self.runner, [tokens[i][-1] for i in active],
+                                 [items[i][0].num_tokens + step - 1 for i in active],
+                                 [items[i][0].block_ids for i in active], want)
+        if not got or not got[0]:
+            return 0
+        decode_times.append((time.perf_counter() - t0) / len(got[0]))
+        for i, more in zip(active, got):
+            tokens[i].extend(more)
+            req = items[i][0]
+            feeds[i] = Feed([tokens[i][-1]], req.num_tokens + step + len(more) - 1, req.block_ids, 1)
+        return len(got[0])
 
     def on_verified(self, request: Request, num_proposed: int, num_accepted: int, old_num_tokens: int) -> None:
         # Proposals 1..k-1 were fed to the draft; those accepted keep valid KV.
