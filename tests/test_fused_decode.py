@@ -198,7 +198,7 @@ def test_greedy_draft_rounds_in_one_call_match_the_forward_loop(model_factory, k
     # the call stops there for all (never writing into the table's zero padding: block 0)
     short = fused.draft_greedy(runner, first, lengths, [blocks[0][:2], blocks[1], blocks[2][:1]], steps)
     assert short == [row[:2] for row in loop]
-    assert torch.equal(runner.k_pool, loop_pools[0])
+    assert torch.equal(runner.k_pool, loop_pools[0]) and torch.equal(runner.v_pool, loop_pools[1])
 
 
 def test_a_prepared_model_is_freed_as_soon_as_it_is_dropped(model_factory):
@@ -215,3 +215,68 @@ def test_a_prepared_model_is_freed_as_soon_as_it_is_dropped(model_factory):
         assert ref() is None
     finally:
         gc.enable()
+
+
+def propose_twice(model, ks, kv_dtype, draft_greedy=None, temperatures=(0.0, 0.0, 0.0)):
+    """Two proposal rounds of spec.draft's proposer over three requests (the second after verifying
+    two proposals and a bonus token): tokens, the proposer's bookkeeping and the pools."""
+    from llmd.runtime.request import Request
+    from llmd.runtime.sampler import SamplingRow
+    from llmd.runtime.spec.draft import DraftProposer
+    fused = model.fused_decode
+    if draft_greedy is not None:
+        fused.draft_greedy = draft_greedy
+    try:
+        runner = ModelRunner(model, num_blocks=64, block_size=BS, dtype="float32", kv_dtype=kv_dtype)
+        rng = random.Random(5)
+        reqs = []
+        for i, (n, temp) in enumerate(zip((30, 47, 9), temperatures)):
+            r = Request(f"r{i}", [rng.randrange(512) for _ in range(n)], SamplingParams(temperature=temp, max_tokens=50))
+            r.block_ids = [4 * i + j for j in range(4)]
+            reqs.append(r)
+        proposer = DraftProposer(runner)
+        rows = lambda req, toks: SamplingRow(req.params, torch.Generator().manual_seed(1) if req.params.temperature
+                                             else None, None, req.num_prompt_tokens)
+        rounds = []
+        for _ in range(2):
+            props = proposer.propose(list(zip(reqs, ks)), rows)
+            rounds.append([p.token_ids for p in props])
+            for r, p in zip(reqs, props):
+                old = r.num_tokens
+                r.token_ids += p.token_ids[:2] + [7]
+                proposer.on_verified(r, len(p.token_ids), min(2, len(p.token_ids)), old)
+        return rounds, dict(proposer.computed), runner.k_pool.clone(), runner.v_pool.clone()
+    finally:
+        fused.__dict__.pop("draft_greedy", None)
+
+
+@pytest.mark.parametrize("kw,kv_dtype", [({}, "auto"), ({"tie": False, "hidden": 128, "intermediate": 320}, "bfloat16")],
+                         ids=["tied", "untied-bf16-kv"])
+def test_the_proposer_takes_every_greedy_round_in_calls_and_keeps_its_bookkeeping(model_factory, kw, kv_dtype):
+    """Through DraftProposer.propose: depths that differ per request (calls of the depth all still want,
+    then the rest), calls cut short, and a round with a sampled request (the loop's own forwards) give
+    the same proposals, `computed` and pools as the loop alone."""
+    from llmd.runtime.models.fused_decode import head_of
+    model = loaded(model_factory, "propose-" + kv_dtype, vocab_size=512, **kw)
+    fused = force_fused(model)
+    head_of(model)[0].apply_plan(MatvecPlan("blocked", 1, 16, packed=False))
+    full = type(fused).draft_greedy.__get__(fused)
+    loop_only = lambda *a: None
+    cut_short = lambda runner, t, pos, b, steps: full(runner, t, pos, b, min(steps, 2))
+    calls = []
+
+    def once_then_loop(runner, t, pos, b, steps):      # two steps in one call, then the loop's forwards
+        calls.append(steps)
+        return full(runner, t, pos, b, min(steps, 2)) if len(calls) % 2 else None
+    for ks in [(3, 5, 4), (1, 5, 5)]:
+        want = propose_twice(model, ks, kv_dtype, loop_only)
+        for variant in (None, cut_short, once_then_loop):
+            before = fused.draft_steps
+            got = propose_twice(model, ks, kv_dtype, variant)
+            assert fused.draft_steps > before
+            assert got[:2] == want[:2]
+            assert torch.equal(got[2], want[2]) and torch.equal(got[3], want[3])
+    before = fused.draft_steps
+    mixed = (0.0, 0.8, 0.0)
+    got, want = propose_twice(model, (4, 4, 4), kv_dtype, None, mixed), propose_twice(model, (4, 4, 4), kv_dtype, loop_only, mixed)
+    assert fused.draft_steps == before and got[:2] == want[:2] and torch.equal(got[2], want[2])

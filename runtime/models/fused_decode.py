@@ -75,7 +75,7 @@ class FusedDecode:
         from .layers import Linear
         cfg = model.config
         if (not kernels.available() or not model._interleaved or cfg.qk_norm or cfg.hidden_size % 16
-                or cfg.intermediate_size % 16):
+                or cfg.intermediate_size % 16 or cfg.head_dim % 16 or cfg.head_dim > 256):
             return None
         linears = []
         for layer in model.layers:

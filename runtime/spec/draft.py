@@ -41,15 +41,15 @@ class DraftProposer(Proposer):
         active = list(range(len(items)))
         step = 0
         decode_times = []
-        fused_tried = False
+        fused = True          # greedy rounds after the first forward: in one call while it serves them
         while active:
-            if step and greedy and not fused_tried:
-                fused_tried = True
+            if step and greedy and fused:
                 done = self._fused_steps(items, active, tokens, feeds, step, decode_times)
-                step += done
-                active = [i for i in active if step < items[i][1]]
-                if not active:
-                    break
+                if done:
+                    step += done
+                    active = [i for i in active if step < items[i][1]]
+                    continue       # the requests that want more go on in another call
+                fused = False
             t_fwd = time.perf_counter()
             logits = self.runner.run(self.runner.prepare_feeds([feeds[i] for i in active]))
             if step:
@@ -81,14 +81,13 @@ class DraftProposer(Proposer):
         return [Proposal(tokens[i], torch.stack(probs[i]) if probs[i] else None, seconds) for i in range(len(items))]
 
     def _fused_steps(self, items, active, tokens, feeds, step, decode_times) -> int:
-        """The rest of a greedy round in one kernel call (FusedDecode.draft_greedy) when every active
-        request wants as many more tokens: the same tokens and KV as the loop's forwards. Returns the
-        forwards it made; a round it did not finish goes on in the loop from there (``feeds`` set)."""
+        """As many greedy forwards as every active request still wants, in one kernel call
+        (FusedDecode.draft_greedy): the same tokens and KV as the loop's forwards. Returns the forwards
+        it made (0: none, the loop goes on); ``feeds`` are set for the step after them."""
         fused = getattr(self.runner.model, "fused_decode", None)
-        left = {items[i][1] - step for i in active}
-        if fused is None or len(left) != 1:
+        if fused is None:
             return 0
-        want = left.pop()
+        want = min(items[i][1] - step for i in active)
         t0 = time.perf_counter()
         got = fused.draft_greedy(self.runner, [tokens[i][-1] for i in active],
                                  [items[i][0].num_tokens + step - 1 for i in active],
