@@ -163,9 +163,9 @@ def test_the_side_by_side_benchmark_runs_both_paths_and_finds_the_same_tokens():
 # the head's outputs fill blocks of 64 (real vocabularies do: 8192, 32000, 151936): a model vocabulary of
 # 512 over the test tokenizer's 446 tokens
 def test_greedy_draft_rounds_in_one_call_match_the_forward_loop(model_factory, kw, kv_dtype):
-    """spec.draft's loop (a forward and an argmax per proposal) against draft_greedy's one call: the same
-    tokens and the same KV written, for three requests at once; a round the block table cannot hold
-    stops early, where the loop goes on."""
+    """spec.draft's loop (a forward and an argmax per proposal, the first over each request's catch-up
+    tokens) against draft_greedy's one call: the same tokens and the same KV written, for three requests
+    at once; a round the blocks of one request cannot hold stops early, where the loop goes on."""
     from llmd.runtime.kernels.ops import argmax
     from llmd.runtime.models.fused_decode import head_of
     model = loaded(model_factory, "draft-" + "-".join(map(str, kw.values())) + kv_dtype, vocab_size=512, **kw)
@@ -174,47 +174,33 @@ def test_greedy_draft_rounds_in_one_call_match_the_forward_loop(model_factory, k
     runner = ModelRunner(model, num_blocks=64, block_size=BS, dtype="float32", kv_dtype=kv_dtype)
     rng = random.Random(3)
     vocab = model.config.vocab_size
-    lengths, steps = [30, 47, 9], 6
+    lengths, steps = [28, 47, 9], 6
     blocks = [[2 * i, 2 * i + 1, 2 * i + 40, 2 * i + 41] for i in range(3)]
     prompts = [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
     runner.run(runner.prepare_feeds([Feed(p, 0, b, 1) for p, b in zip(prompts, blocks)]))
-    first = [rng.randrange(vocab) for _ in lengths]
+    catch_up = [[rng.randrange(vocab) for _ in range(k)] for k in (2, 1, 3)]    # tokens the draft has not seen
     before = (runner.k_pool.clone(), runner.v_pool.clone())
 
-    loop, tok = [[] for _ in lengths], list(first)
+    loop = [[] for _ in lengths]
+    feeds = [Feed(f, n, b, 1) for f, n, b in zip(catch_up, lengths, blocks)]
     for s in range(steps):
-        logits = runner.run(runner.prepare_feeds([Feed([t], n + s, b, 1) for t, n, b in zip(tok, lengths, blocks)]))
-        tok = argmax(logits).tolist()
+        tok = argmax(runner.run(runner.prepare_feeds(feeds))).tolist()
         for i, t in enumerate(tok):
             loop[i].append(t)
+        feeds = [Feed([t], n + len(f) + s, b, 1) for t, n, f, b in zip(tok, lengths, catch_up, blocks)]
     loop_pools = (runner.k_pool.clone(), runner.v_pool.clone())
     runner.k_pool.copy_(before[0])
     runner.v_pool.copy_(before[1])
 
-    one_call = fused.draft_greedy(runner, first, lengths, blocks, steps)
+    one_call = fused.draft_greedy(runner, catch_up, lengths, blocks, steps)
     assert one_call == loop and fused.draft_steps == steps
     assert torch.equal(runner.k_pool, loop_pools[0]) and torch.equal(runner.v_pool, loop_pools[1])
-    # a request whose blocks hold positions up to 31 only: its 30 tokens leave room for two steps, and so
-    # the call stops there for all (never writing into the table's zero padding: block 0)
-    short = fused.draft_greedy(runner, first, lengths, [blocks[0][:2], blocks[1], blocks[2][:1]], steps)
-    assert short == [row[:2] for row in loop]
+    # a request whose blocks hold positions up to 31 only: its catch-up ends at 29, which leaves room for
+    # three steps, and so the call stops there for all (never writing into the table's zero padding: block 0)
+    short = fused.draft_greedy(runner, catch_up, lengths, [blocks[0][:2], blocks[1], blocks[2][:1]], steps)
+    assert short == [row[:3] for row in loop]
     assert torch.equal(runner.k_pool, loop_pools[0]) and torch.equal(runner.v_pool, loop_pools[1])
-
-
-def test_a_prepared_model_is_freed_as_soon_as_it_is_dropped(model_factory):
-    """The fused form holds the model's tensors, not the model: no reference cycle keeps a dropped
-    model's weights alive until a garbage collection."""
-    import gc
-    import weakref
-    model = loaded(model_factory, "fused-freed")
-    assert model.fused_decode is not None or force_fused(model)
-    ref = weakref.ref(model)
-    gc.disable()
-    try:
-        del model
-        assert ref() is None
-    finally:
-        gc.enable()
+    assert fused.draft_greedy(runner, [list(range(9))] * 2, [0, 0], blocks[:2], 2) is None     # 18 rows: the loop's
 
 
 def propose_twice(model, ks, kv_dtype, draft_greedy=None, temperatures=(0.0, 0.0, 0.0)):
@@ -280,3 +266,20 @@ def test_the_proposer_takes_every_greedy_round_in_calls_and_keeps_its_bookkeepin
     mixed = (0.0, 0.8, 0.0)
     got, want = propose_twice(model, (4, 4, 4), kv_dtype, None, mixed), propose_twice(model, (4, 4, 4), kv_dtype, loop_only, mixed)
     assert fused.draft_steps == before and got[:2] == want[:2] and torch.equal(got[2], want[2])
+
+
+def test_a_prepared_model_is_freed_as_soon_as_it_is_dropped(model_factory):
+    """The fused form holds the model's tensors, not the model: no reference cycle keeps a dropped
+    model's weights alive until a garbage collection."""
+    import gc
+    import weakref
+    model = loaded(model_factory, "fused-freed")
+    assert model.fused_decode is not None or force_fused(model)
+    ref = weakref.ref(model)
+    gc.disable()
+    try:
+        del model
+        assert ref() is None
+    finally:
+        gc.enable()
+

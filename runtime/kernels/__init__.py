@@ -52,8 +52,8 @@ _SIGNATURES = {
     "llmd_argmax": [_P, _I, _I, _P, _I],
     "llmd_int8g_x": [_P, _I, _I, _I, _P, _P, _P, _P, _I, _I],
     "llmd_decode": [_P, _P, _P, _P, _P, _P, ctypes.c_float, *[_P] * 11, _I],
-    "llmd_draft_greedy": [_P, _P, _P, _P, ctypes.c_float, _P, _P, _P, _P, _P, _P, _I, _P, _I, _P, _P, _I,
-                          _P, _P, _P, _P, _P, _I],
+    "llmd_draft": [_P, _P, _P, _P, ctypes.c_float, _P, _P, _P, _P, _P, _P, _I, _P, _I, _P, _P, _P, _I,
+                   _P, _P, _P, _P, _P, _I],
 }
 
 

@@ -68,7 +68,7 @@ enum { W_IN_NORM, W_QKV, B_QKV, W_O, B_O, W_POST_NORM, W_GU, B_GU, W_DOWN, B_DOW
 
 /* dims: L, T, hidden, heads, kv heads, head size, intermediate, rope table rows P, pool slots per
  * layer S, attention table width, block size, bytes per pool value (4 float32, 2 bfloat16), and
- * (llmd_draft_greedy only) the vocabulary V. */
+ * (llmd_draft only) the vocabulary V. */
 enum { D_L, D_T, D_E, D_H, D_KVH, D_D, D_I, D_P, D_S, D_TW, D_BS, D_ES, D_V, D_COUNT };
 
 /* The model's part of a step: its weights and tables. */
@@ -135,57 +135,73 @@ TARGET int llmd_decode(const int *dims, float *x, float *out, const void *const 
     return layers(&m, dims[D_T], x, out, pos, slots, rows, spans, lengths, table);
 }
 
-/* Greedy proposals of a draft model, `steps` forwards in one call: each of the T requests feeds its
- * last token at its next position and takes the first largest logit as its next token, as the
- * Python loop of llmd.runtime.spec.draft does one forward at a time (the same kernels, so the same
- * tokens and KV).
- *   tok [T]: the tokens fed first, at positions pos0 [T]; table [T, dims[D_TW]]: each request's
- *   block ids, covering position pos0 + steps - 1; out [T, steps]: the tokens taken.
+/* Greedy proposals of a draft model, `steps` forwards in one call: each of the T requests first feeds
+ * count[t] >= 1 tokens (the ones the draft has not seen: its catch-up) at positions pos0[t].., and
+ * takes the first largest logit of the last as its next token; later forwards feed that token at
+ * the next position. This is the Python loop of llmd.runtime.spec.draft, one forward at a time
+ * there: the same kernels, so the same tokens and KV.
+ *   ids [sum count]: the tokens fed first, request after request; table [T, dims[D_TW]]: each
+ *   request's block ids, covering its last position; out [T, steps]: the tokens taken.
  *   head: the output head's blocks [V/64, hidden, 64] (bfloat16 where head_narrow);
  *   embed: the token embeddings, float32 rows [V, hidden] (embed_rows), or the head's own blocks
  *   (a tied head: embed_rows = 0).
- *   x, hidden [T, hidden] and logits [T, V]: scratch.
+ *   x, hidden [16, hidden] and logits [T, V]: scratch. dims[D_T] is T.
  * Returns the steps completed: all, or fewer where a position falls outside the block table or the
- * rotary tables, or a row's logits hold NaN (the caller's own loop goes on from there); or -2. */
-TARGET int llmd_draft_greedy(const int *dims, const void *const *w, const uint8_t *narrow, const float *final_norm,
-                             float eps, const float *cos_t, const float *sin_t, void *k_pool, void *v_pool,
-                             const int32_t *table, const void *head, int head_narrow, const void *embed,
-                             int embed_rows, const int64_t *tok, const int64_t *pos0, int steps, int64_t *out,
-                             float *x, float *hidden, float *logits, float *work, int nt) {
+ * rotary tables, a token is outside the vocabulary, or a row's logits hold NaN (the caller's own
+ * loop goes on from there); or -1 (more than 16 rows) or -2 (attention could not allocate). */
+TARGET int llmd_draft(const int *dims, const void *const *w, const uint8_t *narrow, const float *final_norm,
+                      float eps, const float *cos_t, const float *sin_t, void *k_pool, void *v_pool,
+                      const int32_t *table, const void *head, int head_narrow, const void *embed, int embed_rows,
+                      const int64_t *ids, const int32_t *count, const int64_t *pos0, int steps, int64_t *out,
+                      float *x, float *hidden, float *logits, float *work, int nt) {
     const int T = dims[D_T], E = dims[D_E], V = dims[D_V], tw = dims[D_TW], bs = dims[D_BS];
     if (!llmd_cpu_ok() || T < 1 || T > 16 || V % 64 || E % 16) return -1;
     const Model m = {dims, w, narrow, final_norm, cos_t, sin_t, eps, k_pool, v_pool, work, nt};
-    int64_t cur[16], pos[16], slots[16], next[16];
-    int32_t rows[16], spans[16], lengths[16];
-    for (int t = 0; t < T; t++) { cur[t] = tok[t]; rows[t] = spans[t] = t; }
+    int64_t tok[16], pos[16], slots[16], next[16], start[16];
+    int32_t rows[16], spans[16], lengths[16], last[16];
+    int R = 0;
+    for (int t = 0; t < T; t++) {
+        if (count[t] < 1 || R + count[t] > 16) return -1;
+        R += count[t];
+    }
     for (int s = 0; s < steps; s++) {
+        int r = 0;                                  /* the rows of this forward: count[t] each, then one */
         for (int t = 0; t < T; t++) {
-            const int64_t p = pos0[t] + s;
-            if (p < 0 || p / bs >= tw || p >= dims[D_P] || cur[t] < 0 || cur[t] >= V) return s;
-            pos[t] = p;
-            slots[t] = (int64_t)table[(size_t)t * tw + p / bs] * bs + p % bs;
-            lengths[t] = (int32_t)(p + 1);
-            float *xr = x + (size_t)t * E;
-            if (embed_rows) {
-                memcpy(xr, (const float *)embed + (size_t)cur[t] * E, sizeof(float) * E);
-            } else {                       /* row cur of the head's blocks: block cur / 64, column cur % 64 */
-                const size_t at = (size_t)(cur[t] / 64) * E * 64 + cur[t] % 64;
-                for (int e = 0; e < E; e++) {
-                    if (head_narrow) {
-                        const uint32_t u = (uint32_t)((const uint16_t *)head)[at + (size_t)e * 64] << 16;
-                        memcpy(xr + e, &u, 4);
-                    } else {
-                        xr[e] = ((const float *)head)[at + (size_t)e * 64];
+            const int n = s == 0 ? count[t] : 1;
+            start[t] = s == 0 ? pos0[t] : pos0[t] + count[t] + s - 1;
+            for (int j = 0; j < n; j++, r++) {
+                const int64_t p = start[t] + j, id = s == 0 ? ids[r] : tok[t];
+                if (p < 0 || p / bs >= tw || p >= dims[D_P] || id < 0 || id >= V) return s;
+                pos[r] = p;
+                slots[r] = (int64_t)table[(size_t)t * tw + p / bs] * bs + p % bs;
+                rows[r] = r;
+                spans[r] = t;
+                lengths[r] = (int32_t)(p + 1);
+                float *xr = x + (size_t)r * E;
+                if (embed_rows) {
+                    memcpy(xr, (const float *)embed + (size_t)id * E, sizeof(float) * E);
+                } else {                   /* row id of the head's blocks: block id / 64, column id % 64 */
+                    const size_t at = (size_t)(id / 64) * E * 64 + id % 64;
+                    for (int e = 0; e < E; e++) {
+                        if (head_narrow) {
+                            const uint32_t u = (uint32_t)((const uint16_t *)head)[at + (size_t)e * 64] << 16;
+                            memcpy(xr + e, &u, 4);
+                        } else {
+                            xr[e] = ((const float *)head)[at + (size_t)e * 64];
+                        }
                     }
                 }
             }
+            last[t] = r - 1;
         }
-        int rc = layers(&m, T, x, hidden, pos, slots, rows, spans, lengths, table);
+        int rc = layers(&m, r, x, hidden, pos, slots, rows, spans, lengths, table);
         if (rc == -2) return -2;
         if (rc) return s;
+        for (int t = 0; t < T; t++)                 /* each request's last row, in request order */
+            if (last[t] != t) memcpy(hidden + (size_t)t * E, hidden + (size_t)last[t] * E, sizeof(float) * E);
         if (product(hidden, T, E, head, head_narrow, 0, logits, V, nt)) return s;
         if (llmd_argmax(logits, T, V, next, (long)T * V >= (1L << 18) ? nt : 1)) return s;    /* NaN */
-        for (int t = 0; t < T; t++) out[(size_t)t * steps + s] = cur[t] = next[t];
+        for (int t = 0; t < T; t++) out[(size_t)t * steps + s] = tok[t] = next[t];
     }
     return steps;
 }

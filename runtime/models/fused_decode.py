@@ -125,45 +125,50 @@ class FusedDecode:
         self.steps += 1
         return out
 
-    def draft_greedy(self, runner, tokens: list[int], positions: list[int], block_ids: list[list[int]],
+    def draft_greedy(self, runner, feeds: list[list[int]], positions: list[int], block_ids: list[list[int]],
                      steps: int) -> list[list[int]] | None:
         """``steps`` greedy draft forwards in one kernel call (llmd.runtime.spec.draft's loop): request i
-        feeds ``tokens[i]`` at ``positions[i]``, then each token it takes at the next position; its
-        pools are ``runner``'s. Returns each request's tokens taken (all ``steps``, or fewer where the
-        caller's own loop must go on: logits with NaN, a position past its blocks or the rotary
-        tables), or None where the kernel cannot run this (the head not on the kernel for this many
+        first feeds ``feeds[i]`` (one token or more: what the draft has not seen) at ``positions[i]``..,
+        then each token it takes at the next position; its pools are ``runner``'s. Returns each
+        request's tokens taken (all ``steps``, or fewer where the caller's own loop must go on: logits
+        with NaN, a position past its blocks or the rotary tables), or None where the kernel cannot run
+        this (more rows than the products take on the kernel, a head not on the kernel for this many
         rows, a KV pool it does not write)."""
-        t = len(tokens)
-        fn = getattr(kernels.lib(), "llmd_draft_greedy", None)
+        t, rows = len(feeds), sum(len(f) for f in feeds)
+        fn = getattr(kernels.lib(), "llmd_draft", None)
         head, embed = self.head, self.embed
         attn = runner.attn
-        if (fn is None or not 1 <= t <= self.max_rows or steps < 1 or head is None or head.plan.layout != "blocked"
-                or head.stored is None or head.plan.split_max_rows < t or head.bias is not None
-                or attn.scales is not None or attn.reference or attn.k_pool.dtype not in POOL_DTYPES
+        if (fn is None or not 1 <= t <= rows <= self.max_rows or not all(feeds) or steps < 1 or head is None
+                or head.plan.layout != "blocked" or head.stored is None or head.plan.split_max_rows < t
+                or head.bias is not None or attn.scales is not None or attn.reference
+                or attn.k_pool.dtype not in POOL_DTYPES
                 or (embed is not None and (embed.dtype != torch.float32 or not embed.is_contiguous()))
                 or not kernels.usable(self._work, has_gradient=False)):      # writes plain tensors only
             return None
-        # a request's own blocks bound its steps (the table's zero padding is no block of its own)
-        steps = min(steps, *(len(b) * runner.block_size - p for b, p in zip(block_ids, positions)))
+        # a request's own blocks bound its steps (the table's zero padding is no block of its own): its
+        # last position at step s is positions[i] + len(feeds[i]) - 1 + s
+        bs = runner.block_size
+        steps = min(steps, *(len(b) * bs - p - len(f) + 1 for b, p, f in zip(block_ids, positions, feeds)))
         if steps < 1:
             return None
         width = max(len(b) for b in block_ids)
         table = torch.tensor([b + [0] * (width - len(b)) for b in block_ids], dtype=torch.int32)
         dims = self._dims
-        dims[1], dims[8], dims[9], dims[10] = t, attn.k_pool.shape[1], width, runner.block_size
+        dims[1], dims[8], dims[9], dims[10] = t, attn.k_pool.shape[1], width, bs
         dims[11] = attn.k_pool.element_size()
         e, v = self.config.hidden_size, self.config.vocab_size
-        tok = torch.tensor(tokens, dtype=torch.int64)
+        ids = torch.tensor([i for f in feeds for i in f], dtype=torch.int64)
+        count = torch.tensor([len(f) for f in feeds], dtype=torch.int32)
         pos0 = torch.tensor(positions, dtype=torch.int64)
         out = torch.empty(t, steps, dtype=torch.int64)
-        x, hidden, logits = torch.empty(t, e), torch.empty(t, e), torch.empty(t, v)
+        x, hidden, logits = torch.empty(MAX_ROWS, e), torch.empty(MAX_ROWS, e), torch.empty(t, v)
         rotary = self.rotary
         done = fn(ctypes.addressof(dims), ctypes.addressof(self._weights), ctypes.addressof(self._narrow),
                   self.norm.data_ptr(), self.eps, rotary.cos.data_ptr(), rotary.sin.data_ptr(),
                   attn.k_pool.data_ptr(), attn.v_pool.data_ptr(), table.data_ptr(), head.stored.data_ptr(),
-                  int(head.stored.dtype == torch.bfloat16), _ptr(embed), int(embed is not None), tok.data_ptr(),
-                  pos0.data_ptr(), steps, out.data_ptr(), x.data_ptr(), hidden.data_ptr(), logits.data_ptr(),
-                  self._work.data_ptr(), torch.get_num_threads())
+                  int(head.stored.dtype == torch.bfloat16), _ptr(embed), int(embed is not None), ids.data_ptr(),
+                  count.data_ptr(), pos0.data_ptr(), steps, out.data_ptr(), x.data_ptr(), hidden.data_ptr(),
+                  logits.data_ptr(), self._work.data_ptr(), torch.get_num_threads())
         if done == -2:
             raise MemoryError("the attention kernel could not allocate its score buffers (out of memory)")
         if done < 0:

@@ -41,15 +41,16 @@ class DraftProposer(Proposer):
         active = list(range(len(items)))
         step = 0
         decode_times = []
-        fused = True          # greedy rounds after the first forward: in one call while it serves them
+        fused = True          # greedy rounds: their forwards in one call while it serves them
+        greedy = all(req.params.greedy for req, _ in items)
         while active:
-            if step and greedy and fused:
+            if greedy and fused:
                 done = self._fused_steps(items, active, tokens, feeds, step, decode_times)
                 if done:
                     step += done
                     active = [i for i in active if step < items[i][1]]
                     continue       # the requests that want more go on in another call
-                fused = False
+                fused = step == 0  # a catch-up too long for one call (a prompt): the loop's forward, then calls
             t_fwd = time.perf_counter()
             logits = self.runner.run(self.runner.prepare_feeds([feeds[i] for i in active]))
             if step:
@@ -82,15 +83,16 @@ class DraftProposer(Proposer):
 
     def _fused_steps(self, items, active, tokens, feeds, step, decode_times) -> int:
         """As many greedy forwards as every active request still wants, in one kernel call
-        (FusedDecode.draft_greedy): the same tokens and KV as the loop's forwards. Returns the forwards
-        it made (0: none, the loop goes on); ``feeds`` are set for the step after them."""
+        (FusedDecode.draft_greedy), from each request's next feed (at step 0 its catch-up on the tokens
+        the draft has not seen): the same tokens and KV as the loop's forwards. Returns the forwards it
+        made (0: none, the loop goes on); ``feeds`` are set for the step after them. Its time per
+        forward, the catch-up included, is what the controller weighs as a draft forward."""
         fused = getattr(self.runner.model, "fused_decode", None)
         if fused is None:
             return 0
         want = min(items[i][1] - step for i in active)
         t0 = time.perf_counter()
-        got = fused.draft_greedy(self.runner, [tokens[i][-1] for i in active],
-                                 [items[i][0].num_tokens + step - 1 for i in active],
+        got = fused.draft_greedy(self.runner, [feeds[i].token_ids for i in active], [feeds[i].start for i in active],
                                  [items[i][0].block_ids for i in active], want)
         if not got or not got[0]:
             return 0
