@@ -2,6 +2,7 @@
 single-stream and 16-stream decode on one random model, rounds alternating between the two builds.
 
     .venv/bin/python bench/bench_kernels.py --against HEAD~1 --shape tiny --threads 2 --rounds 7
+    .venv/bin/python bench/bench_kernels.py --against HEAD~1 --products 1,4,5,9,16    # the products alone
 
 The kernels of ``--against`` are compiled from that revision's sources (``git show``) with the flags
 llmd uses; the engine is built once and each round swaps the loaded library, so the model, the KV pool
@@ -69,9 +70,45 @@ def add_decode_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--rounds", type=int, default=7, help="alternating rounds; medians reported (default 7)")
 
 
+def layer_shapes(shape: str) -> list[tuple[int, int]]:
+    """(in, out) of one layer's float32 products and the head, for a model shape."""
+    c = SHAPES[shape]
+    h, d = c["hidden_size"], c["hidden_size"] // c["num_attention_heads"]
+    qkv = (c["num_attention_heads"] + 2 * c.get("num_key_value_heads", c["num_attention_heads"])) * d
+    return [(h, qkv), (c["num_attention_heads"] * d, h), (h, 2 * c["intermediate_size"]),
+            (c["intermediate_size"], h), (h, c["vocab_size"])]
+
+
+def products(builds: dict, shape: str, rows: list[int], rounds: int) -> dict:
+    """Microseconds for one pass of float32 products of each row count over the shape's layer and head
+    weights (bfloat16-valued random weights, stored as llmd stores such weights), per build, rounds
+    alternating; and whether both builds gave the same bits."""
+    from llmd.runtime.kernels import ops
+    weights = [ops.f32_blocks(torch.randn(n, k).to(torch.bfloat16).float()) for k, n in layer_shapes(shape)]
+    out = {}
+    for m in rows:
+        xs = [torch.randn(m, w.shape[1]) for w in weights]
+        times = {name: [] for name in builds}
+        ys = {}
+        for _ in range(rounds):
+            for name, so in builds.items():
+                kernels._lib = so
+                t0 = time.perf_counter()
+                for _ in range(20):
+                    ys[name] = [ops.f32_matvec(x, w, None) for x, w in zip(xs, weights)]
+                times[name].append((time.perf_counter() - t0) / 20)
+        now, base = (statistics.median(v) for v in times.values())
+        same = all(a is not None and b is not None and torch.equal(a, b) for a, b in zip(*ys.values()))
+        out[m] = {"now_us": round(now * 1e6, 1), "baseline_us": round(base * 1e6, 1),
+                  "now_over_baseline": round(now / base, 3), "same_bits": same}
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--against", default="HEAD", help="git revision whose kernels are the baseline (default HEAD)")
+    ap.add_argument("--products", help="instead of decoding, time the float32 products of these row counts "
+                    "(e.g. 1,4,5,9,16) over the shape's layer and head weights")
     add_decode_args(ap)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -80,6 +117,11 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         baseline = kernels.bind(ctypes.CDLL(str(build_at(args.against, Path(tmp)))))
         builds = {"now": kernels.lib(), args.against: baseline}
+        if args.products:
+            result = products(builds, args.shape, [int(r) for r in args.products.split(",")], args.rounds)
+            kernels._lib = builds["now"]
+            print(json.dumps({"shape": args.shape, "threads": args.threads, "rows": result}, indent=1))
+            return 0 if all(r["same_bits"] for r in result.values()) else 1
         model = write_random_model(Path(tmp) / "model", args.shape)
         llm = LLM(str(model), dtype="float32", kv_memory="1GiB")
         vocab = SHAPES[args.shape]["vocab_size"]

@@ -50,7 +50,8 @@ void f32_block(const float *x, const int MM, int K, const void *w, const float *
  * from cache for the later groups (verification of a few proposals, small batches). Where fours would
  * leave a group of one or two rows, whose sums wait on each FMA's latency, the rows are shared out
  * over one group fewer, of five or six: five rows (four proposals verified) take 0.81x the time of
- * four and one on the bundled target's shapes (same sums: each row's order over k is unchanged). */
+ * four and one, nine rows 0.90x (`bench/bench_kernels.py --products 5,9`; the same sums: each row's
+ * order over k is unchanged). */
 #define F32_MAXM 16
 
 /* The product for one storage (wide: float32 blocks), as its own function so that each has its own
