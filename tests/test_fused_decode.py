@@ -264,7 +264,8 @@ def test_the_proposer_takes_every_greedy_round_in_calls_and_keeps_its_bookkeepin
             assert torch.equal(got[2], want[2]) and torch.equal(got[3], want[3])
     before = fused.draft_steps
     mixed = (0.0, 0.8, 0.0)
-    got, want = propose_twice(model, (4, 4, 4), kv_dtype, None, mixed), propose_twice(model, (4, 4, 4), kv_dtype, loop_only, mixed)
+    got = propose_twice(model, (4, 4, 4), kv_dtype, None, mixed)
+    want = propose_twice(model, (4, 4, 4), kv_dtype, loop_only, mixed)
     assert fused.draft_steps == before and got[:2] == want[:2] and torch.equal(got[2], want[2])
 
 

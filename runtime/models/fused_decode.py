@@ -1,14 +1,15 @@
 """Every decoder layer of a small float32 step in one kernel call (``llmd_decode`` in
-llmd.runtime.kernels' decode.c).
+llmd.runtime.kernels' decode.c), and a draft model's greedy proposals in another (``llmd_draft``).
 
 The Python forward of a decode step calls a dozen kernels per layer, and the Python between them
 (module calls, checks, allocations) cost as much as the arithmetic for a small model: 0.4 ms of a
 1 ms tiny-shape token here. The fused call runs the same kernels in the same order, with the same
 thread counts, so its hidden states are bit-identical to the Python forward's (tests hold the two
 to it). It serves a step when everything that step needs has a kernel form: float32 weights in the
-blocked layout, rotary on adjacent pairs without q/k norms, a float32 or bfloat16 KV pool (keys and
-values rounded to bfloat16 as torch rounds them), and every request on the attention kernel (at most 16 rows: decode and verification). Anything else returns None and
-the Python forward runs, as it always could.
+blocked layout (float32 or bfloat16 blocks), rotary on adjacent pairs without q/k norms, a float32
+or bfloat16 KV pool (keys and values rounded to bfloat16 as torch rounds them), and every request on
+the attention kernel (at most 16 rows: decode, verification, short prompt chunks). Anything else
+returns None and the Python forward runs, as it always could.
 """
 from __future__ import annotations
 
