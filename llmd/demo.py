@@ -27,9 +27,11 @@ def offline() -> None:
     params = SamplingParams(max_tokens=48)
     print("== offline: target alone, then with the draft ==")
     plain = LLM(str(TARGET), kv_memory="128MiB").generate([PROMPT], params)[0]
-    spec = LLM(str(TARGET), draft=str(DRAFT), kv_memory="128MiB", num_speculative_tokens=4).generate([PROMPT], params)[0]
+    # a fixed depth: the adaptive controller would spend this short run measuring costs before it speculates
+    spec = LLM(str(TARGET), draft=str(DRAFT), kv_memory="128MiB", num_speculative_tokens=4,
+               adaptive_speculation=False).generate([PROMPT], params)[0]
     print(PROMPT + plain.text)
-    for name, out in (("plain", plain), ("speculative", spec)):
+    for name, out in (("plain", plain), ("speculative, depth 4", spec)):
         m = out.metrics
         acc = f", acceptance {m['spec_acceptance']:.2f}" if m.get("spec_acceptance") is not None else ""
         print(f"[{name}] {m['output_tokens']} tokens, ttft {1000 * m['ttft_s']:.1f} ms, "
