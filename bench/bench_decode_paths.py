@@ -51,12 +51,12 @@ def builds(args, model: str) -> dict:
         toggle = Toggle(LLM(model, **opts))
         return {"fused": lambda: toggle.use(True), "layer_by_layer": lambda: toggle.use(False)}
     narrow = LLM(model, **opts)
-    keep = ops.exactly_bfloat16
-    ops.exactly_bfloat16 = lambda w: False        # the baseline keeps float32 blocks
+    keep = ops.as_bfloat16
+    ops.as_bfloat16 = lambda w: None              # the baseline keeps float32 blocks
     try:
         wide = LLM(model, **opts)
     finally:
-        ops.exactly_bfloat16 = keep
+        ops.as_bfloat16 = keep
     stored = {str(m.stored.dtype) for m in narrow.engine.runner.model.modules() if getattr(m, "stored", None) is not None}
     if "torch.bfloat16" not in stored:
         raise SystemExit(f"{model}: no weight is all bfloat16 values, so there are no bfloat16 blocks to compare")

@@ -20,9 +20,13 @@ def _threads(m: int, n: int, k: int) -> int:
     return 1 if m * n * k < _SERIAL_BELOW else torch.get_num_threads()
 
 
-def exactly_bfloat16(w: torch.Tensor) -> bool:
-    """Every value of float32 ``w`` is a bfloat16 (a checkpoint stored in bfloat16 and loaded as float32)."""
-    return w.dtype == torch.float32 and torch.equal(w.to(torch.bfloat16).float(), w)
+def as_bfloat16(w: torch.Tensor) -> torch.Tensor | None:
+    """float32 ``w`` in bfloat16 when every value is one (a checkpoint stored in bfloat16 and loaded as
+    float32), else None."""
+    if w.dtype != torch.float32:
+        return None
+    narrow = w.to(torch.bfloat16)
+    return narrow if torch.equal(narrow.float(), w) else None
 
 
 def f32_blocks(w: torch.Tensor) -> torch.Tensor:
@@ -30,8 +34,8 @@ def f32_blocks(w: torch.Tensor) -> torch.Tensor:
     whose values are all bfloat16 keeps them in bfloat16 (half the bytes; the kernel widens them exactly)."""
     n, k = w.shape
     w = w.detach().float()
-    if exactly_bfloat16(w):
-        w = w.to(torch.bfloat16)
+    narrow = as_bfloat16(w)
+    w = w if narrow is None else narrow
     return w.t().reshape(k, n // 64, 64).transpose(0, 1).contiguous()
 
 

@@ -60,39 +60,37 @@ class FusedDecode:
     @staticmethod
     def possible(model) -> bool:
         """Every part of the model (not yet prepared) has a kernel form: float32 products whose
-        outputs fill blocks of 64 columns, rotary on adjacent pairs without q/k norms, head sizes
-        the attention kernel takes."""
+        outputs fill blocks of 64 columns, and the shapes ``_shapes_fit`` asks for."""
         from .layers import Linear
-        cfg = model.config
-        if (not kernels.available() or not model._interleaved or cfg.qk_norm or cfg.hidden_size % 16
-                or cfg.intermediate_size % 16 or cfg.head_dim % 16 or cfg.head_dim > 256):
-            return False
-        return all(type(m) is Linear and m.weight is not None and m.weight.dtype == torch.float32
-                   and m.out_features % 64 == 0 for m in layer_linears(model))
+        return _shapes_fit(model) and all(type(m) is Linear and m.weight is not None and m.weight.dtype == torch.float32
+                                          and m.out_features % 64 == 0 for m in layer_linears(model))
 
     @classmethod
     def build(cls, model) -> "FusedDecode | None":
         """The fused form of a prepared model, or None when some part has no kernel form."""
         from .layers import Linear
-        cfg = model.config
-        if (not kernels.available() or not model._interleaved or cfg.qk_norm or cfg.hidden_size % 16
-                or cfg.intermediate_size % 16 or cfg.head_dim % 16 or cfg.head_dim > 256):
+        if not _shapes_fit(model):
             return None
-        linears = []
-        for layer in model.layers:
-            four = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-            if not all(type(m) is Linear and m.plan.layout == "blocked" and m.stored is not None
-                       and m.stored.dtype in (torch.float32, torch.bfloat16) for m in four):
-                return None
-            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-            if any(w.dtype != torch.float32 or not w.is_contiguous() for w in norms):
-                return None
-            linears.append(four)
-        if model.norm.weight.dtype != torch.float32:
+        flat = layer_linears(model)
+        if not all(type(m) is Linear and m.plan.layout == "blocked" and m.stored is not None
+                   and m.stored.dtype in (torch.float32, torch.bfloat16) for m in flat):
+            return None
+        norms = [model.norm.weight, *(w for layer in model.layers
+                                      for w in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight))]
+        if any(w.dtype != torch.float32 or not w.is_contiguous() for w in norms):
             return None
         # rows beyond what every product's plan sends to the kernel take the Python path, as they would anyway
-        max_rows = min(min(m.plan.split_max_rows for m in four) for four in linears)
+        max_rows = min(m.plan.split_max_rows for m in flat)
+        linears = [tuple(flat[i:i + 4]) for i in range(0, len(flat), 4)]
         return cls(model, linears, min(max_rows, MAX_ROWS)) if max_rows >= 1 else None
+
+    def _step_dims(self, rows: int, pools: torch.Tensor, table_width: int, block_size: int):
+        """The dims array (decode.c's D_*) with this call's rows, pool slots, table width, block size
+        and pool value size filled in."""
+        dims = self._dims
+        dims[1], dims[8], dims[9], dims[10] = rows, pools.shape[1], table_width, block_size
+        dims[11] = pools.element_size()
+        return dims
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor | None:
         """Final normed hidden states [T, hidden] of the packed rows, or None where this step needs
@@ -107,9 +105,7 @@ class FusedDecode:
         if fn is None:
             return None
         pools = attn.k_pool
-        dims = self._dims
-        dims[1], dims[8], dims[9], dims[10] = t, pools.shape[1], kr.table.shape[1], attn.block_size
-        dims[11] = pools.element_size()
+        dims = self._step_dims(t, pools, kr.table.shape[1], attn.block_size)
         rotary = self.rotary
         x = x.contiguous().clone()           # the residual stream, overwritten; the caller's x stays whole
         out = torch.empty_like(x)
@@ -154,9 +150,7 @@ class FusedDecode:
             return None
         width = max(len(b) for b in block_ids)
         table = torch.tensor([b + [0] * (width - len(b)) for b in block_ids], dtype=torch.int32)
-        dims = self._dims
-        dims[1], dims[8], dims[9], dims[10] = t, attn.k_pool.shape[1], width, bs
-        dims[11] = attn.k_pool.element_size()
+        dims = self._step_dims(t, attn.k_pool, width, bs)
         e, v = self.config.hidden_size, self.config.vocab_size
         ids = torch.tensor([i for f in feeds for i in f], dtype=torch.int64)
         count = torch.tensor([len(f) for f in feeds], dtype=torch.int32)
@@ -185,6 +179,14 @@ def head_of(model):
     if model._tied_head is not None:
         return model._tied_head, None
     return model.lm_head, model.embed_tokens.weight
+
+
+def _shapes_fit(model) -> bool:
+    """The kernels are built and take this model's shapes: rotary on adjacent pairs without q/k norms,
+    rows in whole vectors of 16, head sizes the attention kernel takes."""
+    cfg = model.config
+    return (kernels.available() and model._interleaved and not cfg.qk_norm and not cfg.hidden_size % 16
+            and not cfg.intermediate_size % 16 and not cfg.head_dim % 16 and cfg.head_dim <= 256)
 
 
 def layer_linears(model) -> list:

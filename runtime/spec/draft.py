@@ -85,8 +85,7 @@ class DraftProposer(Proposer):
         """As many greedy forwards as every active request still wants, in one kernel call
         (FusedDecode.draft_greedy), from each request's next feed (at step 0 its catch-up on the tokens
         the draft has not seen): the same tokens and KV as the loop's forwards. Returns the forwards it
-        made (0: none, the loop goes on); ``feeds`` are set for the step after them. Its time per
-        forward, the catch-up included, is what the controller weighs as a draft forward."""
+        made (0: none, the loop goes on); ``feeds`` are set for the step after them."""
         fused = getattr(self.runner.model, "fused_decode", None)
         if fused is None:
             return 0
