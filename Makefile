@@ -21,7 +21,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 models: $(STAMP)
-	$(BIN)/python -m llmd.export.train_demo --out models
+	$(BIN)/python -m llmd.training.train_demo --out models
 
 bench: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow

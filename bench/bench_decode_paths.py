@@ -48,13 +48,13 @@ def builds(args, model: str) -> dict:
     """name -> a function giving the LLM to run for that build's round."""
     opts = dict(kv_memory="1GiB", kv_dtype=args.kv_dtype)
     if args.compare == "fused":
-        toggle = Toggle(LLM(model, **opts))
+        toggle = Toggle(LLM(model, draft="none", **opts))
         return {"fused": lambda: toggle.use(True), "layer_by_layer": lambda: toggle.use(False)}
-    narrow = LLM(model, **opts)
+    narrow = LLM(model, draft="none", **opts)
     keep = ops.as_bfloat16
     ops.as_bfloat16 = lambda w: None              # the baseline keeps float32 blocks
     try:
-        wide = LLM(model, **opts)
+        wide = LLM(model, draft="none", **opts)
     finally:
         ops.as_bfloat16 = keep
     stored = {str(m.stored.dtype) for m in narrow.engine.runner.model.modules() if getattr(m, "stored", None) is not None}

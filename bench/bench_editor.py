@@ -28,6 +28,7 @@ from pathlib import Path
 from llmd.clients.client import Client, ClientError
 from llmd.clients.lsp_probe import LspProbe
 from llmd.clients.lsp_service import percentile
+from llmd.training.corpus import list_sources, split
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -69,7 +70,6 @@ def daemon_socket(args):
 
 def default_file() -> Path:
     """A held-out stdlib file of a few kilobytes."""
-    from llmd.export.corpus import list_sources, split
     held = split(list_sources())[1]
     sized = [f for f in held if 3000 <= f.path.stat().st_size <= 20000]
     return (sized or held)[0].path

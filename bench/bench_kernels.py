@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from llmd.runtime import kernels
+from llmd.runtime.kernels import ops
 from llmd.runtime.llm import LLM
 from llmd.runtime.models.random_model import SHAPES, write_random_model
 from llmd.runtime.request import SamplingParams
@@ -83,7 +84,6 @@ def products(builds: dict, shape: str, rows: list[int], rounds: int) -> dict:
     """Microseconds for one pass of float32 products of each row count over the shape's layer and head
     weights (bfloat16-valued random weights, stored as llmd stores such weights), per build, rounds
     alternating; and whether both builds gave the same bits."""
-    from llmd.runtime.kernels import ops
     weights = [ops.f32_blocks(torch.randn(n, k).to(torch.bfloat16).float()) for k, n in layer_shapes(shape)]
     out = {}
     for m in rows:
@@ -123,7 +123,7 @@ def main() -> int:
             print(json.dumps({"shape": args.shape, "threads": args.threads, "rows": result}, indent=1))
             return 0 if all(r["same_bits"] for r in result.values()) else 1
         model = write_random_model(Path(tmp) / "model", args.shape)
-        llm = LLM(str(model), dtype="float32", kv_memory="1GiB")
+        llm = LLM(str(model), dtype="float32", kv_memory="1GiB", draft="none")
         vocab = SHAPES[args.shape]["vocab_size"]
         rng = random.Random(0)
         prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(args.streams)]

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-from llmd.export.quantize import QuantSpec, prepare_quantized, quantize_model
+from llmd.bench.to_gguf import convert
+from llmd.runtime.formats.quantized import QuantSpec, prepare_quantized, quantize_model
 from llmd.runtime.model_runner import Feed, ModelRunner
 from llmd.runtime.models.config import ModelConfig
 from llmd.runtime.models.llama import LlamaForCausalLM
@@ -89,7 +90,6 @@ def measure_llamacpp(shape: str, quant: str, threads: int, prompt_tokens: int, d
     same number of decode steps, timed per token as for llmd."""
     import llama_cpp
 
-    from llmd.bench.to_gguf import convert
     model_dir = work / "model"
     if not (model_dir / "config.json").is_file():
         write_random_model(model_dir, shape, seed=0)

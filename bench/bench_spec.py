@@ -25,9 +25,10 @@ import time
 import torch
 
 from llmd import LLM, SamplingParams
-from llmd.export.corpus import list_sources, read_source, split
 from llmd.runtime.config import DRAFT_K, NGRAM_K
+from llmd.runtime.model_runner import Feed
 from llmd.runtime.spec.controller import expected_tokens
+from llmd.training.corpus import list_sources, read_source, split
 
 
 def heldout_functions(n: int, seed: int = 0, min_lines: int = 6) -> list[str]:
@@ -77,7 +78,6 @@ def decode_rate(llm: LLM, prompts: list[str], max_tokens: int) -> tuple[float, d
 
 def forward_time(llm: LLM, tokens: int, repeat: int = 20, draft: bool = False) -> float:
     """Median seconds of one forward over `tokens` rows at a context of about 100 tokens."""
-    from llmd.runtime.model_runner import Feed
     e = llm.engine
     runner = e.draft_runner if draft else e.runner
     blocks = list(range(-(-(100 + tokens) // e.config.block_size)))
@@ -117,7 +117,7 @@ def alpha_from_accepted(mean_accepted: float, k: int) -> float:
 
 def completion(target: str, draft: str, k: int, n: int, max_tokens: int) -> dict:
     prompts = completion_prompts(n)
-    llms = {"plain": LLM(target, kv_memory="256MiB"),
+    llms = {"plain": LLM(target, draft="none", kv_memory="256MiB"),
             "spec": LLM(target, draft=draft, kv_memory="256MiB", num_speculative_tokens=k, adaptive_speculation=False),
             "adaptive": LLM(target, draft=draft, kv_memory="256MiB", num_speculative_tokens=k)}
     mean = mean_rates(llms, prompts, max_tokens)
@@ -140,7 +140,7 @@ def code_edit(target: str, n: int, max_tokens: int, k: int) -> dict:
     """Plain decoding, n-gram lookup at a fixed depth k, and n-gram under the adaptive controller,
     interleaved prompt by prompt."""
     prompts = edit_prompts(n)
-    llms = {"plain": LLM(target, kv_memory="256MiB"),
+    llms = {"plain": LLM(target, draft="none", kv_memory="256MiB"),
             "ngram_fixed": LLM(target, draft="ngram", kv_memory="256MiB", num_speculative_tokens=k,
                                adaptive_speculation=False),
             "ngram_adaptive": LLM(target, draft="ngram", kv_memory="256MiB", num_speculative_tokens=k)}
@@ -156,7 +156,7 @@ def code_edit(target: str, n: int, max_tokens: int, k: int) -> dict:
 def concurrent(target: str, draft: str, streams: int, max_tokens: int, rounds: int = 2) -> dict:
     prompts = completion_prompts(streams)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    off = LLM(target, kv_memory="512MiB")
+    off = LLM(target, draft="none", kv_memory="512MiB")
     adaptive = LLM(target, draft=draft, kv_memory="512MiB", num_speculative_tokens=4)
     ngram = LLM(target, draft="ngram", kv_memory="512MiB")
     rates = {"off": [], "adaptive": [], "ngram": []}

@@ -12,7 +12,11 @@ import statistics
 import sys
 import time
 
+from llmd.clients import Client
+
+from . import evidence
 from .doctor import Evidence, diagnose, render
+from .report import read_json
 
 
 def add_doctor_parser(sub) -> None:
@@ -43,7 +47,6 @@ def run_doctor(args) -> int:
 
 
 def from_bench(path: str, workload: str | None = None) -> list[tuple[str, Evidence]]:
-    from .report import read_json
     res = read_json(path)
     names = [workload] if workload else list(res["workloads"])
     missing = [w for w in names if w not in res["workloads"]]
@@ -53,7 +56,6 @@ def from_bench(path: str, workload: str | None = None) -> list[tuple[str, Eviden
 
 
 def from_daemon(socket: str | None, watch: float, interval: float = 0.25) -> Evidence:
-    from llmd.clients import Client
     with Client(socket) as c:
         first = c.stats()
         samples = [first]
@@ -67,7 +69,6 @@ def from_daemon(socket: str | None, watch: float, interval: float = 0.25) -> Evi
 
 def evidence_from_stats(samples: list[dict], model_path: str | None, source: str = "daemon") -> Evidence:
     """Evidence from successive `stats` replies (oldest first) of one daemon."""
-    from . import evidence
     engines = [s.get("engine") or {} for s in samples]
     eng = engines[-1]
     if not eng:

@@ -23,7 +23,7 @@ def measure(llm, stats: dict, workload, timings, samples, *, decode, spec: Optio
     return {
         "workload": workload.name,
         "memory": memory(cfg.model, stats),
-        "prefix": {"enabled": cfg.enable_prefix_cache, "block_size": cfg.block_size,
+        "prefix": {"enabled": cfg.prefix_cache, "block_size": cfg.block_size,
                    **{k: stats.get(k) for k in ("prefix_hit_rate", "prefix_tokens_hit", "prefix_tokens_queried",
                                                  "prefix_evictions")},
                    **prefix_layout(prompts, cfg.block_size, decode)},

@@ -11,7 +11,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .workloads import WorkRequest, Workload
+from llmd.clients import AsyncClient, Client, Done, Error, RequestError, Token
+from llmd.runtime.request import SamplingParams
+
+from .to_gguf import convert
+from .workloads import Workload, WorkRequest
 
 
 @dataclass
@@ -64,7 +68,6 @@ class LLMDPeer(Peer):
         self.samples: list[dict] = []
 
     def run(self, workload: Workload) -> list[Timing]:
-        from llmd.runtime.request import SamplingParams
         eng = self.llm.engine
         pending = list(workload.requests)
         timings = {r.rid: _timing(r) for r in workload.requests}
@@ -91,7 +94,6 @@ class LLMDPeer(Peer):
         return [timings[r.rid] for r in workload.requests]
 
     def sweep(self, prompts, gen):
-        from llmd.runtime.request import SamplingParams
         t0 = time.perf_counter()
         outs = self.llm.generate(prompts, SamplingParams(max_tokens=gen, ignore_eos=True))
         return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
@@ -198,7 +200,6 @@ class DaemonPeer(Peer):
     concurrent = True
 
     def __init__(self, socket: Optional[str]):
-        from llmd.clients import Client
         self.socket = socket
         with Client(socket, timeout=10) as c:
             if c.health().get("state") != "ready":
@@ -217,7 +218,6 @@ class DaemonPeer(Peer):
 
     async def _run(self, requests: list[WorkRequest]) -> list[Timing]:
         import asyncio
-        from llmd.clients import AsyncClient, Done, Error, RequestError, Token
         async with AsyncClient(self.socket, timeout=600) as c:
             t0 = time.perf_counter()
 
@@ -258,7 +258,6 @@ def load_peer(name: str, model_dir: str, *, draft: Optional[str], num_speculativ
         except ImportError as e:
             return Missing(name, f"llama-cpp-python is not installed ({e}); pip install 'llmd[bench]'")
         try:
-            from .to_gguf import convert
             path = convert(model_dir, f"{work_dir}/model.gguf")
             return LlamaCppPeer(str(path), n_ctx, threads)
         except Exception as e:

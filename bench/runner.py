@@ -11,6 +11,9 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
+from llmd.runtime.llm import LLM
+from llmd.sentences import SentenceSplitter
+
 from . import evidence
 from .peers import LLMDPeer, Missing, Peer, Timing, load_peer
 from .workloads import Scale, build
@@ -44,13 +47,12 @@ def run(cfg: BenchConfig, log=print) -> dict:
 
 
 def _run(cfg: BenchConfig, work_dir: str, log) -> dict:
-    from llmd.runtime.llm import LLM
     opts = dict(cfg.engine, num_speculative_tokens=cfg.num_speculative_tokens)
-    llm = LLM(cfg.model, draft=cfg.draft, **opts)
+    llm = LLM(cfg.model, draft=cfg.draft or "none", **opts)
     k = llm.engine.num_speculative_tokens             # resolved: peers propose as many
     peers: list[Peer] = [LLMDPeer(llm)]
     if cfg.draft:                                    # speculation is judged against plain decoding
-        peers.append(LLMDPeer(LLM(cfg.model, **opts), "llmd-plain"))
+        peers.append(LLMDPeer(LLM(cfg.model, draft="none", **opts), "llmd-plain"))
     status: dict = {p.name: "ok" for p in peers}
     max_len = llm.engine.max_model_len
     for name in cfg.peers:
@@ -141,7 +143,6 @@ def summarize(timings: list[Timing], decode) -> dict:
 
 def first_sentence(t: Timing, decode) -> float:
     """Seconds from arrival until the answer holds a complete sentence (or ends, if it never does)."""
-    from llmd.clients.sentences import SentenceSplitter
     split, ids, seen = SentenceSplitter(), [], ""
     for stamp, k in t.stamps:
         ids.extend(t.output_ids[len(ids):len(ids) + k])

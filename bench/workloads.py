@@ -20,6 +20,8 @@ import functools
 import random
 from dataclasses import dataclass, replace
 
+from llmd.training.corpus import list_sources, read_source, split
+
 WORKLOADS = ("completion", "voice", "edit", "batch", "mixed", "stamped")
 
 SYSTEM = ("You are a voice assistant running on this computer. Answer in one or two short sentences, "
@@ -76,14 +78,12 @@ def build(name: str, tokenizer, *, seed: int = 0, scale: Scale = Scale(), rate: 
 
 def heldout_texts(rng: random.Random, count: int, min_chars: int) -> list[tuple[str, str]]:
     """(relative path, text) of `count` held-out stdlib files of at least `min_chars`, chosen by rng."""
-    from llmd.export.corpus import read_source
     held = [f for f in _heldout_files() if f.path.stat().st_size >= min_chars]
     return [(f.rel, read_source(f)) for f in rng.sample(held, min(count, len(held)))]
 
 
 @functools.lru_cache(maxsize=1)
 def _heldout_files() -> tuple:
-    from llmd.export.corpus import list_sources, split
     return tuple(split(list_sources())[1])
 
 

@@ -30,8 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
-from .client import SAMPLING_KEYS, AsyncClient, DaemonUnavailable, RequestError
-from .events import Done, Error, Token
+from llmd.protocol import Done, Error, Token
+
+from .client import SAMPLING_KEYS, AsyncClient, ClientError, DaemonUnavailable, RequestError
 
 STOP_CODES = {"draining"}           # the daemon is going away: stop, write nothing, resume later
 RETRY_CODES = {"internal"}          # retried once; a second failure stops the run like STOP_CODES
@@ -238,7 +239,6 @@ class BatchRunner:
 
 
 def run_batch(args) -> int:
-    from .client import ClientError
     in_path, out_path = Path(args.input), Path(args.output)
     if not in_path.is_file():
         print(f"llmd batch: {in_path}: no such file", file=sys.stderr)

@@ -1,18 +1,24 @@
-"""The client subcommands of `llmd`: run, complete, lsp, voice, batch.
+"""The client subcommands of `llmd`: run, complete, lsp, voice, batch, status.
 
-Only argparse lives here; each command's module (and pygls, wyoming, tqdm) is imported when the
-command runs, so `llmd serve` never pays for them.
+The editor, voice and batch modules (and pygls, wyoming, tqdm, optional dependencies) are imported
+when their command runs, so `llmd serve` never pays for them.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+
+from llmd.protocol import Done, Error, Token
+
+from .client import Client, ClientError, RequestError
 
 _SOCKET_HELP = "daemon socket (default: $LLMD_SOCKET or the usual location)"
 
 
 def add_client_parsers(subparsers) -> None:
-    for add in (add_run_parser, add_complete_parser, add_lsp_parser, add_voice_parser, add_batch_parser):
+    for add in (add_run_parser, add_complete_parser, add_lsp_parser, add_voice_parser, add_batch_parser,
+                add_status_parser):
         add(subparsers)
 
 
@@ -132,8 +138,6 @@ def _print_error(command: str, e: Exception) -> int:
 def stream_answer(stream, out=sys.stdout) -> tuple[str, bool]:
     """Write a stream's text as it arrives; returns (text, whether it was stopped by Ctrl-C).
     Ctrl-C closes the stream, which cancels the request in the daemon."""
-    from .client import RequestError
-    from .events import Error, Token
     parts = []
     try:
         for event in stream:
@@ -150,7 +154,6 @@ def stream_answer(stream, out=sys.stdout) -> tuple[str, bool]:
 
 
 def print_stats(stream) -> None:
-    from .events import Done
     d = stream.final
     if isinstance(d, Done):
         print(f"[{d.usage.get('prompt_tokens')} prompt tokens ({d.usage.get('cached_tokens')} cached), "
@@ -171,7 +174,6 @@ def _read_message(prompt: str) -> str | None:
 
 
 def run_chat(args) -> int:
-    from .client import Client, ClientError, RequestError
     sampling = sampling_from_args(args)
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict] = []
@@ -214,7 +216,6 @@ def run_chat(args) -> int:
 
 
 def run_complete(args) -> int:
-    from .client import Client, ClientError
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     sampling = sampling_from_args(args)
     try:
@@ -231,6 +232,60 @@ def run_complete(args) -> int:
     except ClientError as e:
         return _print_error("complete", e)
     return 130 if stopped else 0
+
+
+# -- status ------------------------------------------------------------------------------------
+
+
+def add_status_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("status", help="show the state of a running llmd daemon",
+                              description="Ask the daemon for its state, model, uptime, requests, KV cache "
+                              "use, prefix hit rate, speculative acceptance and latency percentiles.")
+    p.add_argument("--socket", help="ipc socket path of the daemon (default: the usual location)")
+    p.add_argument("--json", action="store_true", help="print the raw stats as JSON")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for an answer (default 5)")
+    p.set_defaults(func=run_status)
+    return p
+
+
+def run_status(args) -> int:
+    try:
+        with Client(args.socket, timeout=args.timeout) as c:
+            stats = c.stats()
+    except ClientError as e:
+        print(f"llmd status: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(stats, indent=2, sort_keys=True) if args.json else format_status(stats))
+    return 0
+
+
+def _pct(v) -> str:
+    return "-" if v is None else f"{100 * v:.1f}%"
+
+
+def format_status(s: dict) -> str:
+    e = s.get("engine") or {}
+    lat = s.get("latency_ms", {})
+
+    def row(name):
+        p = lat.get(name, {})
+        return " / ".join("-" if p.get(q) is None else f"{p[q]:.1f}" for q in ("p50", "p90", "p99"))
+
+    acceptance = e.get("spec_acceptance", e.get("spec_acceptance_rate"))
+    lines = [
+        f"state:        {s.get('state')} ({s.get('status')})",
+        f"model:        {s.get('model')}",
+        f"uptime:       {s.get('uptime_s', 0):.0f} s",
+        f"requests:     {e.get('running', '-')} running, {e.get('waiting', '-')} queued, "
+        f"{s.get('in_flight', 0)} in flight",
+        f"kv cache:     {_pct(e.get('kv_usage'))} used ({e.get('kv_blocks_used', '-')}/{e.get('kv_blocks_total', '-')} blocks)",
+        f"prefix hits:  {_pct(e.get('prefix_hit_rate'))}",
+        f"spec accept:  {_pct(acceptance)}",
+        f"ttft ms:      {row('ttft')}   (p50 / p90 / p99)",
+        f"e2e ms:       {row('e2e')}",
+        f"finished:     {', '.join(f'{k} {v}' for k, v in sorted(s.get('finished', {}).items())) or 'none'}",
+    ]
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:

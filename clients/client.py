@@ -26,10 +26,8 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from llmd.daemon import codec
-from llmd.daemon.paths import default_socket_path
-
-from .events import TERMINAL, Ack, Done, Error, Keepalive, Sentence, Token, from_wire
+from llmd import codec
+from llmd.protocol import TERMINAL, Ack, Done, Error, Keepalive, Sentence, Token, default_socket_path, from_wire
 
 __all__ = ["Client", "AsyncClient", "Stream", "AsyncStream", "ClientError", "DaemonUnavailable",
            "ConnectionLost", "Timeout", "RequestError", "RequestTooLarge", "Token", "Sentence", "Done", "Error"]

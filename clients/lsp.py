@@ -16,7 +16,7 @@ from pygls.lsp.server import LanguageServer
 
 from llmd import __version__
 
-from .lsp_prompt import display_path
+from .lsp_prompt import FimBudget, display_path
 from .lsp_service import CompletionService, LspConfig
 
 STATS_COMMAND = "llmd.stats"
@@ -76,7 +76,6 @@ def build_server(config: LspConfig, service: Optional[CompletionService] = None)
 
 
 def config_from_args(args) -> LspConfig:
-    from .lsp_prompt import FimBudget
     budget = FimBudget(prefix_tokens=args.prefix_tokens, suffix_tokens=args.suffix_tokens,
                        context_tokens=args.context_tokens, chars_per_token=args.chars_per_token)
     return LspConfig(socket=args.socket, budget=budget, max_tokens=args.max_tokens, max_lines=args.max_lines,

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from .client import AsyncClient, ClientError
-from .events import Done, Error, Token
+from llmd.protocol import Done, Error, Token
 from .lsp_cache import CompletionCache
 from .lsp_prompt import FimBudget, build_fim, fit_budget
 from .lsp_trim import trim_suggestion

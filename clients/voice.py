@@ -13,7 +13,7 @@ else the connection) cancels the answer in progress at once; that answer ends wi
 handled-stop and no handled, keeping what was already said in the history.
 
 ``sentences``/``iter_sentences`` are the helper for other voice stacks: complete sentences of a
-stream as they arrive, cut by llmd.clients.sentences.
+stream as they arrive, cut by llmd.sentences.
 """
 from __future__ import annotations
 
@@ -34,10 +34,10 @@ from wyoming.info import Attribution, Describe, HandleModel, HandleProgram, Info
 from wyoming.server import AsyncEventHandler, AsyncServer
 
 from llmd import __version__
+from llmd.protocol import Error, Token
+from llmd.sentences import SentenceSplitter
 
 from .client import AsyncClient, ClientError, RequestError
-from .events import Error, Token
-from .sentences import SentenceSplitter
 
 log = logging.getLogger("llmd.voice")
 _ATTRIBUTION = Attribution(name="llmd", url="")

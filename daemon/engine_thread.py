@@ -19,6 +19,8 @@ from typing import Any, Callable, Optional
 
 import zmq
 
+from llmd.runtime.request import SamplingParams
+
 log = logging.getLogger("llmd.daemon")
 
 
@@ -158,7 +160,6 @@ class EngineThread(threading.Thread):
             self._emit([Progress(fraction, f"loading model: {done}/{total} tensors")])
 
     def _warm_up(self) -> None:
-        from llmd.runtime.request import SamplingParams
         self.engine.add_request("__warmup__", self.engine.tokenizer.encode("Hello, world."),
                                 SamplingParams(max_tokens=4, ignore_eos=True))
         while self.engine.has_unfinished():

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
-from llmd.clients.sentences import SentenceSplitter
+from llmd.sentences import SentenceSplitter
 
 
 @dataclass(eq=False)

@@ -15,25 +15,12 @@ import grp
 import os
 from pathlib import Path
 
-SYSTEM_SOCKET = Path("/run/llmd/llmd.sock")
 OWNER_MODES = (0o700, 0o600)      # (directory, socket) without a group
 GROUP_MODES = (0o750, 0o660)      # with a group: its members may connect
 
 
 class AlreadyRunning(RuntimeError):
     code = "already_running"
-
-
-def default_socket_path(env: dict | None = None) -> Path:
-    """$XDG_RUNTIME_DIR/llmd/llmd.sock for a user, /run/llmd/llmd.sock for the system service."""
-    env = os.environ if env is None else env
-    if env.get("LLMD_SYSTEM") == "1" or not env.get("XDG_RUNTIME_DIR"):
-        return SYSTEM_SOCKET
-    return Path(env["XDG_RUNTIME_DIR"]) / "llmd" / "llmd.sock"
-
-
-def endpoint(path: Path | str) -> str:
-    return f"ipc://{Path(path)}"
 
 
 def modes(group: str | None) -> tuple[int, int]:

@@ -16,18 +16,11 @@ from .settings import Settings, SettingsError
 
 def engine_factory(settings: Settings):
     """A function the engine thread calls to build the Engine (so torch loads there, after bind)."""
+    config = settings.engine_config()
+
     def make(progress=None):
-        from llmd.runtime.config import EngineConfig
-        from llmd.runtime.engine import Engine
-        known = {f.name for f in dataclasses.fields(EngineConfig)}
-        options = {"model": settings.model, "dtype": settings.dtype, "kv_memory": settings.kv_memory,
-                   "block_size": settings.block_size, "max_batch_tokens": settings.max_batch_tokens,
-                   "enable_prefix_cache": settings.prefix_cache, "device": settings.device,
-                   "threads": settings.threads, "draft": settings.draft, "kv_dtype": settings.kv_dtype,
-                   "num_speculative_tokens": settings.num_speculative_tokens,
-                   "adaptive_speculation": settings.adaptive_speculation}
-        return Engine(EngineConfig(**{k: v for k, v in options.items() if k in known and v is not None}),
-                      progress=progress)
+        from llmd.runtime.engine import Engine      # torch loads here, on the engine thread, after bind
+        return Engine(config, progress=progress)
     return make
 
 

@@ -22,10 +22,12 @@ from typing import Callable, Optional
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from llmd.clients.events import Ack, Done, Error, Keepalive, Reply, Sentence, Token
-from llmd.clients.sentences import SentenceSplitter
+from llmd import codec, protocol
+from llmd.protocol import Ack, Done, Error, Keepalive, Reply, Sentence, Token
+from llmd.runtime.request import Priority, SamplingParams  # the runtime validates semantics
+from llmd.sentences import SentenceSplitter
 
-from . import codec, paths, protocol
+from . import paths
 from .engine_thread import Abort, Call, Died, EngineThread, Failed, Loaded, LoadFailed, Progress, Result, Stop, Submit
 from .flights import Flight, FlightTable
 from .settings import Settings
@@ -269,7 +271,6 @@ class Server:
         self.engine.submit(submit)
 
     def _submission(self, req) -> Submit:
-        from llmd.runtime.request import Priority, SamplingParams   # the runtime validates semantics
         try:
             p = req.params.model_dump()
             params = SamplingParams(**{**p, "stop": tuple(p["stop"]), "stop_token_ids": tuple(p["stop_token_ids"])})

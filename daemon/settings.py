@@ -1,8 +1,10 @@
-"""The daemon's settings: a frozen dataclass validated when built, and the layered loader.
+"""The daemon's settings: its own (``DaemonSettings``) and the engine's (``EngineConfig``), declared once
+each and merged into one flat namespace, ``Settings``, whose names are llmd.toml's keys.
 
 Precedence, lowest first: built-in defaults, /etc/llmd/llmd.toml, $XDG_CONFIG_HOME/llmd/llmd.toml
 (or ~/.config), LLMD_* environment variables, command-line flags. ``load`` also returns where
-each value came from, for ``llmd serve --print-config``.
+each value came from, for ``llmd serve --print-config``. An unknown key in a file, or an unknown
+LLMD_* variable, is an error that names it and where it was.
 """
 from __future__ import annotations
 
@@ -13,104 +15,113 @@ import os
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, get_args, get_origin, get_type_hints
+from typing import Any, Optional, get_type_hints
 
-from llmd.runtime.config import DEVICES, KV_DTYPES
-
-from . import paths
+from llmd import protocol
+from llmd.options import OptionError, check_value, env_name, parse_text
+from llmd.runtime.config import EngineConfig, setting
+from llmd.runtime.errors import InvalidRequest
 
 SYSTEM_CONFIG = Path("/etc/llmd/llmd.toml")
+# LLMD_* variables that are not settings: the system service's socket, the kernel cache and switch,
+# and the test suite's own
+OTHER_VARIABLES = ("LLMD_SYSTEM", "LLMD_CACHE", "LLMD_KERNELS", "LLMD_SOCKET", "LLMD_DEMO_MODELS", "LLMD_TEST_THREADS")
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
-class SettingsError(ValueError):
+class SettingsError(OptionError):
     code = "config"
 
 
 @dataclass(frozen=True)
-class Settings:
-    model: Optional[str] = None           # model directory (required to serve)
-    socket: str = ""                      # ipc socket path; "" means the default location
-    group: Optional[str] = None           # group owning the socket and its directory
-    tcp: Optional[str] = None             # extra tcp:// endpoint; none unless asked for
-    dtype: str = "float32"
-    device: str = "auto"                  # one of llmd.runtime.config.DEVICES
-    threads: Optional[int] = None         # torch threads for the engine; None keeps torch's default
-    kv_memory: str = "256MiB"
-    block_size: int = 16
-    max_batch_tokens: int = 512
-    prefix_cache: bool = True
-    kv_dtype: str = "auto"                # one of llmd.runtime.config.KV_DTYPES
-    # speculative decoding: "auto" (an engine directory's own draft, else n-gram lookup for greedy
-    # requests), "ngram" (for every request), "none", or a draft model directory
-    draft: Optional[str] = "auto"
-    num_speculative_tokens: Optional[int] = None   # most proposals per step; None: 8 for ngram, 4 for a draft
-    adaptive_speculation: bool = True     # let measured costs and acceptance pick the depth
-    max_queue: int = 64                   # requests in flight (queued + running) before `busy`
-    max_message_bytes: int = 1 << 20      # ZMQ_MAXMSGSIZE; larger frames drop the connection
-    send_hwm: int = 1000                  # messages buffered per client before it counts as stuck
-    send_buffer_bytes: int = 0            # kernel send buffer per connection (SO_SNDBUF); 0: the OS default
-    heartbeat_ivl_ms: int = 1000
-    heartbeat_timeout_ms: int = 3000
-    keepalive_s: float = 0.25             # probe clients with work in flight but no output this long
-    drain_grace_s: float = 10.0           # on SIGTERM, time to finish in-flight work before cancelling
-    warmup: bool = True
-    log_level: str = "info"
+class DaemonSettings:
+    """What only the daemon has: where it listens, how it treats clients, how it stops."""
 
+    socket: str = setting("", help="ipc socket path (default $XDG_RUNTIME_DIR/llmd/llmd.sock, or /run/llmd/llmd.sock)")
+    group: Optional[str] = setting(
+        None, help="let this group's members connect: socket 0660 in a 0750 directory, both the group's (default: no "
+                   "group, the socket is the owner's alone, 0600 in 0700); a directory that already exists is left as it is")
+    tcp: Optional[str] = setting(None, help="also listen on this tcp://HOST:PORT endpoint (off unless given)")
+    max_queue: int = setting(64, unit="requests", help="requests in flight (queued and running) before new ones are "
+                                                       "refused with `busy`")
+    max_message_bytes: int = setting(1 << 20, unit="bytes", help="largest message a client may send; a larger one "
+                                                                 "drops the connection")
+    send_hwm: int = setting(1000, unit="messages", help="messages buffered per client before it counts as stuck")
+    send_buffer_bytes: int = setting(0, unit="bytes", help="kernel send buffer per connection (0: the OS default)")
+    heartbeat_ivl_ms: int = setting(1000, unit="ms", help="interval of the ZeroMQ heartbeats to each client")
+    heartbeat_timeout_ms: int = setting(3000, unit="ms", help="a client silent this long is dropped")
+    keepalive_s: float = setting(0.25, unit="seconds",
+                                 help="probe clients with work in flight but no output for this long")
+    drain_grace_s: float = setting(10.0, unit="seconds",
+                                   help="on SIGTERM, time to let in-flight requests finish before cancelling them")
+    warmup: bool = setting(True, help="run one short request through the engine before reporting ready")
+    log_level: str = setting("info", help="log verbosity", choices=LOG_LEVELS)
+
+
+def _settings_fields():
+    """EngineConfig's fields (its model optional: the daemon may start without one and say so), then
+    DaemonSettings'; the two must not share a name."""
+    clash = {f.name for f in dataclasses.fields(EngineConfig)} & {f.name for f in dataclasses.fields(DaemonSettings)}
+    assert not clash, f"EngineConfig and DaemonSettings both declare {clash}"
+    for cls in (EngineConfig, DaemonSettings):
+        hints = get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            optional = f.default is dataclasses.MISSING
+            yield (f.name, Optional[hints[f.name]] if optional else hints[f.name],
+                   dataclasses.field(default=None if optional else f.default, metadata=f.metadata))
+
+
+class _SettingsChecks:
     def __post_init__(self):
-        hints = get_type_hints(Settings)
-        for f in dataclasses.fields(self):
-            _check_type(f.name, getattr(self, f.name), hints[f.name])
-        positive = ("block_size", "max_batch_tokens", "num_speculative_tokens", "max_queue", "max_message_bytes", "send_hwm",
-                    "heartbeat_ivl_ms", "heartbeat_timeout_ms")
+        try:
+            for f in dataclasses.fields(self):
+                check_value(type(self), f.name, getattr(self, f.name), "settings")
+        except OptionError as e:
+            raise SettingsError(str(e)) from None
+        positive = ("max_queue", "max_message_bytes", "send_hwm", "heartbeat_ivl_ms", "heartbeat_timeout_ms")
         for name in positive:
-            if getattr(self, name) is not None and getattr(self, name) <= 0:
+            if getattr(self, name) <= 0:
                 raise SettingsError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.send_buffer_bytes < 0:
+            raise SettingsError(f"send_buffer_bytes must be >= 0, got {self.send_buffer_bytes}")
         for name in ("keepalive_s", "drain_grace_s"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0):
                 raise SettingsError(f"{name} must be a finite number >= 0, got {v}")
-        if self.threads is not None and self.threads <= 0:
-            raise SettingsError(f"threads must be positive, got {self.threads}")
         if self.tcp is not None and not self.tcp.startswith("tcp://"):
             raise SettingsError(f"tcp must be a tcp://host:port endpoint, got {self.tcp!r}")
+        if self.log_level not in LOG_LEVELS:
+            raise SettingsError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         if self.group is not None:
             try:
                 grp.getgrnam(self.group)
             except KeyError:
                 raise SettingsError(f"group {self.group!r} does not exist: create it (groupadd), or leave group "
                                     "unset for a socket only its owner can use") from None
-        if self.device not in DEVICES:
-            raise SettingsError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
-        if self.kv_dtype not in KV_DTYPES:
-            raise SettingsError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
-        if self.log_level not in ("debug", "info", "warning", "error"):
-            raise SettingsError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
+        try:
+            self.engine_config(model=self.model or "-")
+        except InvalidRequest as e:
+            raise SettingsError(str(e)) from None
+
+    def engine_config(self, **overrides) -> EngineConfig:
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(EngineConfig)}
+        return EngineConfig(**{**values, **overrides})
 
     @property
     def socket_path(self) -> Path:
-        return Path(self.socket) if self.socket else paths.default_socket_path()
+        return Path(self.socket) if self.socket else protocol.default_socket_path()
 
     @property
     def endpoint(self) -> str:
-        return paths.endpoint(self.socket_path)
+        return protocol.endpoint(self.socket_path)
 
 
-def _check_type(name: str, value: Any, hint) -> None:
-    allowed = get_args(hint) if get_origin(hint) is not None else (hint,)
-    for t in allowed:
-        if t is type(None) and value is None:
-            return
-        if t is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            return
-        if t is int and isinstance(value, int) and not isinstance(value, bool):
-            return
-        if t in (str, bool) and type(value) is t:
-            return
-    names = " or ".join("none" if t is type(None) else t.__name__ for t in allowed)
-    raise SettingsError(f"{name} must be {names}, got {value!r}")
-
-
+Settings = dataclasses.make_dataclass("Settings", list(_settings_fields()), bases=(_SettingsChecks,), frozen=True,
+                                      namespace={"__doc__": "The daemon's settings and the engine's, as in llmd.toml.",
+                                                 "__module__": __name__})
 FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
+DAEMON_FIELDS = tuple(f.name for f in dataclasses.fields(DaemonSettings))
+ENGINE_FIELDS = tuple(f.name for f in dataclasses.fields(EngineConfig))
 
 
 def user_config_path(env) -> Path:
@@ -128,29 +139,24 @@ def _read_toml(path: Path) -> dict:
         raise SettingsError(f"{path}: {e}") from None
     unknown = sorted(set(data) - set(FIELDS))
     if unknown:
-        raise SettingsError(f"{path}: unknown setting(s) {', '.join(unknown)}")
-    return data
-
-
-def _from_env_text(name: str, text: str):
-    hint = get_type_hints(Settings)[name]
-    kinds = get_args(hint) or (hint,)
-    if type(None) in kinds and text.lower() in ("", "none"):
-        return None
+        raise SettingsError(f"{path}: unknown setting(s) {', '.join(unknown)}; the settings are listed by "
+                            "`llmd serve --print-config`")
     try:
-        if bool in kinds:
-            if text.lower() in ("1", "true", "yes", "on"):
-                return True
-            if text.lower() in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(text)
-        if int in kinds:
-            return int(text)
-        if float in kinds:
-            return float(text)
-    except ValueError:
-        raise SettingsError(f"LLMD_{name.upper()}={text!r} is not a valid {name}") from None
-    return text
+        return {k: check_value(Settings, k, v, str(path)) for k, v in data.items()}
+    except OptionError as e:
+        raise SettingsError(str(e)) from None
+
+
+def _read_env(env) -> dict:
+    names = {env_name(n): n for n in FIELDS}
+    unknown = sorted(k for k in env if k.startswith("LLMD_") and k not in names and k not in OTHER_VARIABLES)
+    if unknown:
+        raise SettingsError(f"the environment: unknown setting variable(s) {', '.join(unknown)}; a setting's "
+                            "variable is LLMD_ and its name in capitals (`llmd serve --print-config` lists them)")
+    try:
+        return {n: parse_text(Settings, n, env[v], v) for v, n in names.items() if v in env}
+    except OptionError as e:
+        raise SettingsError(str(e)) from None
 
 
 def load(flags: dict | None = None, env=None, system_file: Path | None = SYSTEM_CONFIG,
@@ -169,10 +175,10 @@ def load(flags: dict | None = None, env=None, system_file: Path | None = SYSTEM_
         layer(_read_toml(system_file), str(system_file))
     user_file = user_config_path(env) if user_file is None else user_file
     layer(_read_toml(user_file), str(user_file))
-    layer({n: _from_env_text(n, env[f"LLMD_{n.upper()}"]) for n in FIELDS if f"LLMD_{n.upper()}" in env}, "environment")
+    layer(_read_env(env), "environment")
     layer({k: v for k, v in (flags or {}).items() if v is not None}, "command line")
     if not values.get("socket"):
-        values["socket"] = str(paths.default_socket_path(env))
+        values["socket"] = str(protocol.default_socket_path(env))
     return Settings(**values), source
 
 

@@ -8,11 +8,15 @@ ONNX graph, so the same StepBackend contract and paged driver (llmd.runtime.back
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from .onnx import MAX_STEP_TOKENS
+from llmd.runtime.formats.quantized import prepare_quantized, quantize_model
+from llmd.runtime.models.loader import load_model
+
+from .onnx import MAX_STEP_TOKENS, OnnxStep, example_inputs
 
 PACKAGES = {"decode": "aot/decode.pt2", "prefill": "aot/prefill.pt2"}
 
@@ -20,12 +24,6 @@ PACKAGES = {"decode": "aot/decode.pt2", "prefill": "aot/prefill.pt2"}
 def build_aot_package(source: Path, out: Path, spec, max_tokens: int = MAX_STEP_TOKENS) -> dict:
     from torch.export import Dim
 
-    from llmd.runtime.models.loader import load_model
-
-    from .onnx import OnnxStep, example_inputs
-    from dataclasses import replace
-
-    from .quantize import prepare_quantized, quantize_model
     if spec.head == "int8g":
         # the int8g head has no form torch can trace but its dequantization, which a compiled graph
         # would redo every step: the packages (weights inside) carry a head with one scale per row

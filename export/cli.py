@@ -18,7 +18,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from llmd.runtime.backends.base import create_backend
 from llmd.runtime.config import KV_DTYPES
+from llmd.runtime.errors import LLMDError
+from llmd.runtime.formats.engine_dir import load_model_dir
+from llmd.runtime.formats.quantized import QuantizationError, QuantSpec, quantize_model
+from llmd.runtime.models.config import ModelConfig
+from llmd.runtime.models.loader import load_model
+from llmd.runtime.tokenizer import Tokenizer, check_vocab
+
+from . import quality
+from .aot import build_aot_package
+from .engine_dir import save_model_dir, source_hashes
+from .manifest import write_manifest
+from .onnx import MAX_STEP_TOKENS, export_onnx, graph_quantization
+from .tensorrt import build_engine, require_tensorrt
+from .whole_dir import write_whole
 
 
 @dataclass(frozen=True)
@@ -86,7 +101,6 @@ def add_export_parser(sub) -> None:
 
 
 def run_export(args) -> int:
-    from llmd.runtime.errors import LLMDError
     keys = ExportOptions.__dataclass_fields__
     try:
         opts = ExportOptions(**{k: v for k, v in vars(args).items() if k in keys})
@@ -132,8 +146,6 @@ class NoProgress(TqdmProgress):
 
 def export_engine(opts: ExportOptions, progress: TqdmProgress | None = None) -> dict:
     """Run the four phases; returns the summary (also stored in the manifest)."""
-    from .quantize import QuantSpec
-    from .whole_dir import write_whole
 
     progress = progress or NoProgress()
     check_backend(opts)
@@ -147,15 +159,7 @@ def export_engine(opts: ExportOptions, progress: TqdmProgress | None = None) -> 
 
 
 def _export_into(out: Path, opts: ExportOptions, spec, parts: dict, progress) -> dict:
-    from llmd.runtime.loading import check_vocab
-    from llmd.runtime.models.loader import load_model
-    from llmd.runtime.tokenizer import Tokenizer
 
-    from . import quality
-    from .engine_dir import load_model_dir, save_model_dir, source_hashes
-    from .manifest import write_manifest
-    from .onnx import MAX_STEP_TOKENS
-    from .quantize import quantize_model
 
     target = parts["target"]
     times: dict[str, float] = {}
@@ -230,9 +234,7 @@ def gate_target(out: Path, artifacts: dict, torch_model):
     will run (the ONNX graph on onnxruntime; the AOT decode package, which writes every generated
     token), else the written weights loaded back into torch. TensorRT engines are GPU-only and built
     from the float graph, so the gate stays on the weights."""
-    from llmd.runtime.backends.base import create_backend
 
-    from . import quality
     if "onnx" in artifacts and "tensorrt" not in artifacts:
         backend = create_backend("onnxruntime", out, {"artifacts": artifacts}, device="cpu")
         return quality.BackendModel(backend, torch_model.config), "onnxruntime graph"
@@ -264,12 +266,10 @@ def check_out(out: Path, force: bool, sources: list[Path]) -> None:
 
 def check_backend(opts: ExportOptions) -> None:
     """Fail before any work when the backend cannot be built here, or could not serve the engine."""
-    from .quantize import QuantizationError
     if opts.backend != "torch" and opts.kv_dtype != "auto":
         raise QuantizationError(f"the {opts.backend} backend keeps keys and values in the model's dtype; "
                                 f"use --kv-dtype auto with it (got {opts.kv_dtype})")
     if opts.backend == "tensorrt":
-        from .tensorrt import require_tensorrt
         require_tensorrt()
         if opts.quant != "none":
             raise QuantizationError("the tensorrt backend builds FP16 engines from the float graph; "
@@ -287,14 +287,10 @@ def compile_backend(opts: ExportOptions, out: Path, spec) -> dict:
     ONNX graph's products are quantized."""
     artifacts = {}
     if opts.backend == "onnxruntime":
-        from .onnx import export_onnx, graph_quantization
         artifacts["onnx"] = export_onnx(Path(opts.target), out, spec)
         artifacts["onnx_quantization"] = graph_quantization(spec)
     if opts.backend == "tensorrt":
-        from llmd.runtime.models.config import ModelConfig
 
-        from .onnx import export_onnx
-        from .tensorrt import build_engine
         cfg = ModelConfig.from_dir(opts.target)
         artifacts["onnx"] = export_onnx(Path(opts.target), out, spec, portable=True)
         shapes = {"num_layers": cfg.num_layers, "max_context": min(cfg.max_position_embeddings, 8192)}
@@ -302,7 +298,6 @@ def compile_backend(opts: ExportOptions, out: Path, spec) -> dict:
                                              cfg.num_kv_heads, cfg.head_dim, shapes["max_context"])
         artifacts["tensorrt_shapes"] = shapes
     if opts.aot and opts.backend == "torch":
-        from .aot import build_aot_package
         artifacts["aot"] = build_aot_package(Path(opts.target), out, spec)
     return artifacts
 

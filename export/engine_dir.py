@@ -1,9 +1,9 @@
-"""Write and load the models of an engine directory (layout and manifest: llmd.export.manifest).
+"""Write the models of an engine directory (llmd.runtime.formats.engine_dir reads them back).
 
 A model subdirectory (target/ or draft/) holds the source's config.json, generation config and
 tokenizer files unchanged, plus weights.safetensors with llmd's own module names: float tensors
 (norms, a float embedding or head) and the quantized modules' buffers (qweight, scales, zeros,
-bias). safetensors only; nothing is unpickled.
+bias). safetensors only; nothing is pickled.
 """
 from __future__ import annotations
 
@@ -12,22 +12,16 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+from torch import nn
 
-from llmd.runtime.errors import EngineDirError, ModelLoadError
-from llmd.runtime.loading import check_vocab
-from llmd.runtime.models.config import ModelConfig
+from llmd.runtime.formats.engine_dir import WEIGHTS
+from llmd.runtime.formats.manifest import sha256_file
+from llmd.runtime.formats.quantized import QuantSpec
 from llmd.runtime.models.llama import LlamaForCausalLM
-from llmd.runtime.tokenizer import Tokenizer
 
-from .manifest import read_manifest
-from .quantize import QuantizationError, QuantSpec, prepare_quantized, quantize_model, quantized_state
-
-WEIGHTS = "weights.safetensors"
 COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
           "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def save_model_dir(model: LlamaForCausalLM, source: Path, out: Path, spec: QuantSpec) -> None:
@@ -41,97 +35,17 @@ def save_model_dir(model: LlamaForCausalLM, source: Path, out: Path, spec: Quant
 
 
 def source_hashes(source: Path) -> dict:
-    from .manifest import sha256_file
     files = sorted(p for p in source.iterdir() if p.is_file() and (p.suffix == ".safetensors" or p.name in COPIED))
     return {"path": str(source.resolve()), "sha256": {p.name: sha256_file(p) for p in files}}
 
 
-def build_empty(cfg: ModelConfig, spec: QuantSpec, dtype: torch.dtype) -> LlamaForCausalLM:
-    model = LlamaForCausalLM.empty(cfg, dtype)
-    return quantize_model(model, spec, from_weights=False)
-
-
-def load_model_dir(path: Path, spec: QuantSpec, dtype: str = "float32") -> tuple[LlamaForCausalLM, ModelConfig]:
-    """Build the quantized model and load weights.safetensors with strict names, shapes and dtypes."""
-    try:
-        cfg = ModelConfig.from_dir(path)
-        model = build_empty(cfg, spec, DTYPES[dtype])
-    except (ModelLoadError, QuantizationError) as e:
-        raise EngineDirError(f"{path}: {e}") from None
-    expected = dict(model.state_dict())
-    state = read_weights(path / WEIGHTS)
-    missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    if missing or extra:
-        raise EngineDirError(f"{path / WEIGHTS}: tensors do not match the manifest's quantization "
-                             f"(missing {missing[:3]}, unexpected {extra[:3]}); re-export")
-    for name, t in state.items():
-        want = expected[name]
-        if tuple(t.shape) != tuple(want.shape) or t.is_floating_point() != want.is_floating_point() or \
-                (not t.is_floating_point() and t.dtype != want.dtype):
-            raise EngineDirError(f"{path / WEIGHTS}: tensor {name!r} is {t.dtype}{tuple(t.shape)}, expected "
-                                 f"{want.dtype}{tuple(want.shape)}")
-        if t.is_floating_point():
-            state[name] = t.to(want.dtype)
-    model.load_state_dict(state, strict=True, assign=True)
-    model.eval()
-    model.prepare_for_inference()
-    prepare_quantized(model)
-    return model, cfg
-
-
-def read_weights(file: Path) -> dict[str, torch.Tensor]:
-    try:
-        with safe_open(str(file), framework="pt") as st:
-            return {name: st.get_tensor(name) for name in st.keys()}
-    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
-        raise EngineDirError(f"{file}: cannot read safetensors ({e}); re-export") from None
-
-
-def load_engine_model(path, config, progress=None):
-    """The engine's entry point: verify ENGINE/manifest.json, then load the target.
-
-    Returns (model, ModelConfig, Tokenizer). ``config`` is the EngineConfig (its dtype applies to
-    float tensors and activations; quantized tensors keep their integer storage).
-    ``progress(done, total)``: 1 of 2 after the hashes are verified, 2 of 2 when loaded."""
-    path = Path(path)
-    manifest = read_manifest(path)
-    if progress:
-        progress(1, 2)
-    loaded = load_engine_part(path, manifest, "target", config.dtype)
-    if progress:
-        progress(2, 2)
-    return loaded
-
-
-def load_engine_part(path: Path, manifest: dict, part: str, dtype: str = "float32"):
-    """Load the "target" or "draft" model of a verified engine directory."""
-    entry = manifest["models"].get(part)
-    if not isinstance(entry, dict) or not isinstance(entry.get("dir"), str):
-        raise EngineDirError(f"{path / 'manifest.json'}: no {part} model recorded")
-    sub = path / entry["dir"]
-    if not sub.resolve().is_relative_to(path.resolve()) or sub.resolve() == path.resolve():
-        raise EngineDirError(f"{path / 'manifest.json'}: the {part} directory {entry['dir']!r} is not inside the "
-                             "engine directory")
-    spec = QuantSpec.from_dict(entry.get("quantization", manifest["quantization"]))
-    model, cfg = load_model_dir(sub, spec, dtype)
-    try:
-        tokenizer = Tokenizer.from_dir(sub)
-        check_vocab(sub, tokenizer, cfg)
-    except ModelLoadError as e:
-        raise EngineDirError(f"{sub}: {e}") from None
-    return model, cfg, tokenizer
-
-
-def engine_draft_dir(path) -> Path | None:
-    """The draft's subdirectory when the engine directory carries one (unverified; see load_engine_draft)."""
-    try:
-        manifest = json.loads((Path(path) / "manifest.json").read_text())
-        return Path(path) / manifest["models"]["draft"]["dir"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def load_engine_draft(path, config):
-    """The draft recorded in an engine directory, verified like the target: (model, cfg, tokenizer)."""
-    path = Path(path)
-    return load_engine_part(path, read_manifest(path), "draft", config.dtype)
+def quantized_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every tensor an engine directory stores, each storage once (a tied int8 table appears under
+    lm_head.* only)."""
+    out, seen = {}, set()
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t is None or name.startswith("rotary.") or t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        out[name] = t.detach().contiguous()
+    return out

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmd.runtime.models.llama import LlamaForCausalLM
+from llmd.runtime.models.loader import load_model
 
 INPUTS = ("input_ids", "positions", "past_k", "past_v")
 MAX_STEP_TOKENS = 8192      # the most new tokens one call of a compiled step takes (ONNX graph, AOT prefill)
@@ -176,7 +177,6 @@ def optimize_graph(src: Path, dst: Path) -> None:
 def export_onnx(source: Path, out: Path, spec, portable: bool = False) -> str:
     """Export the float model at ``source`` to out/onnx/target.onnx: quantized and optimized for
     onnxruntime, or (portable=True, for TensorRT) the plain float graph with standard ops only."""
-    from llmd.runtime.models.loader import load_model
     model = load_model(source, "float32")
     model.requires_grad_(False)
     work = out / "onnx"

@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from llmd.training import corpus
+
 FALLBACK_FILES = ("textwrap.py", "json/decoder.py", "heapq.py", "bisect.py", "fractions.py")
 
 
@@ -47,7 +49,6 @@ def heldout_texts(eval_file: str | None = None, max_files: int = 8) -> tuple[lis
     if eval_file:
         return [Path(eval_file).read_text(encoding="utf-8", errors="ignore")], str(eval_file)
     try:
-        from . import corpus
         _, held = corpus.split(corpus.list_sources())
         if held:
             return [corpus.read_source(f) for f in held[:max_files]], "demo corpus held-out split"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from llmd.runtime.backends.tensorrt import profiles
 from llmd.runtime.errors import EngineDirError
 
 PLAN = "tensorrt/target.plan"
@@ -23,13 +24,6 @@ def require_tensorrt():
         raise EngineDirError("the tensorrt backend needs TensorRT and an NVIDIA GPU: install llmd[gpu] on a "
                              "machine with CUDA (TensorRT is not installed here)") from None
     return trt
-
-
-def profiles(buckets: dict, max_context: int) -> list[tuple[int, int]]:
-    """(lowest T, highest T) for each token bucket: [1,1], [2,16], [17,64], ..."""
-    tokens = sorted(set(buckets.get("tokens", [1, 16, 64, 256, 512])))
-    lows = [1] + [t + 1 for t in tokens[:-1]]
-    return [(lo, hi) for lo, hi in zip(lows, tokens) if hi <= max_context]
 
 
 def build_engine(out: Path, onnx_rel: str, buckets: dict, num_layers: int, kv_heads: int, head_dim: int,

@@ -15,6 +15,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from llmd import LLM, SamplingParams
+from llmd.clients import Client, DaemonUnavailable, Done, Token
+
 ROOT = Path(__file__).resolve().parents[1]
 TARGET, DRAFT = ROOT / "models" / "code-target", ROOT / "models" / "code-draft"
 PROMPT = "import os\n\n\ndef read_lines(path):\n    \"\"\"Return the lines of a text file.\"\"\"\n"
@@ -23,10 +26,9 @@ SUFFIX = "\n    return total / len(values)\n"
 
 
 def offline() -> None:
-    from llmd import LLM, SamplingParams
     params = SamplingParams(max_tokens=48)
     print("== offline: target alone, then with the draft ==")
-    plain = LLM(str(TARGET), kv_memory="128MiB").generate([PROMPT], params)[0]
+    plain = LLM(str(TARGET), draft="none", kv_memory="128MiB").generate([PROMPT], params)[0]
     # a fixed depth: the adaptive controller would spend this short run measuring costs before it speculates
     spec = LLM(str(TARGET), draft=str(DRAFT), kv_memory="128MiB", num_speculative_tokens=4,
                adaptive_speculation=False).generate([PROMPT], params)[0]
@@ -42,7 +44,6 @@ def offline() -> None:
 
 
 def daemon() -> None:
-    from llmd.clients import Client, DaemonUnavailable, Done, Token
     print("\n== daemon: llmd serve on a private socket ==")
     sock = Path(tempfile.mkdtemp(prefix="llmd-demo-")) / "llmd.sock"
     proc = subprocess.Popen([sys.executable, "-m", "llmd.daemon", "serve", "--model", str(TARGET),

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from llmd.runtime import kernels
+from llmd.runtime.formats.kv_int8 import write_kv_int8
 from llmd.runtime.kernels import ops
 
 KERNEL_MAX_Q = 16       # query rows per request up to which the kernel serves it (decode, verification)
@@ -160,8 +161,7 @@ class PagedAttention:
         return out
 
     def _attend_int8(self, layer, q, k, v) -> torch.Tensor:
-        """int8 pools with per-block, per-head scales (the codec is llmd.export.quantize's)."""
-        from llmd.export.quantize import write_kv_int8
+        """int8 pools with per-block, per-head scales (the codec: formats/kv_int8.py)."""
         bs = self.block_size
         ks, vs = self.scales[0][layer], self.scales[1][layer]
         fresh = self.slot_mapping[self.slot_mapping % bs == 0] // bs

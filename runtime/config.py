@@ -1,19 +1,19 @@
-"""Engine configuration: frozen dataclasses, validated when built."""
+"""Engine configuration: the one place an engine setting is declared.
+
+Each field of ``EngineConfig`` carries its help text (and unit and choices where it has them) in
+its metadata. The command-line flags of ``llmd generate``, ``llmd bench`` and ``llmd serve``, the
+keys of llmd.toml, the ``LLMD_*`` variables and the keywords of ``LLM(...)`` are all derived from
+these fields (llmd.options), so a setting has one name and one default everywhere.
+"""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Optional
 
 from .errors import InvalidRequest
 
-# KV cache storage: the model's dtype (auto); bfloat16 (half a float32 model's KV bytes: a step that
-# reads many streams' keys and values is bound by memory, and twice the tokens fit the budget); int8
-# with a scale per block and kv head (llmd.export.quantize)
 KV_DTYPES = ("auto", "bfloat16", "int8")
-# Where the model runs: auto lets the weights decide (a Hugging Face directory, a torch or AOT engine:
-# the CPU; an ONNX Runtime engine: its CUDA provider when onnxruntime-gpu is installed, else the CPU;
-# a TensorRT engine: the GPU); cpu and cuda insist, and a model that cannot run there is refused.
 DEVICES = ("auto", "cpu", "cuda")
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2, "mib": 1 << 20,
@@ -34,51 +34,81 @@ def parse_bytes(value: str | int) -> int:
     return n
 
 
+def setting(default=MISSING, *, help: str, unit: str | None = None, choices: tuple | None = None):
+    """A settings field: its default and what the flags, files and variables derived from it say."""
+    meta = {"help": help}
+    if unit:
+        meta["unit"] = unit
+    if choices:
+        meta["choices"] = tuple(choices)
+    return field(default=default, metadata=meta)
+
+
 DRAFT_K, NGRAM_K = 4, 8         # default most proposals per step, by proposer
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str                               # Hugging Face model directory or llmd engine directory
-    dtype: str = "float32"                   # float32 | bfloat16
-    kv_memory: str | int = "512MiB"          # budget for the paged KV pool (target and draft together)
-    block_size: int = 16                     # tokens per KV block
-    max_batch_tokens: int = 512              # per-step token budget shared by decodes and prompt chunks
-    max_num_seqs: int = 64                   # running requests at most
-    max_model_len: Optional[int] = None      # defaults to the model's context window
-    max_queue: int = 1024                    # waiting requests at most; more raise CapacityError
-    enable_prefix_cache: bool = True
-    kv_dtype: str = "auto"                   # one of KV_DTYPES
-    attention: str = "fast"                  # fast | reference
-    threads: Optional[int] = None            # torch intra-op threads; None keeps torch's default
-    device: str = "auto"                     # one of DEVICES
-    # None: an engine directory's own draft, if it has one; "auto": that, else n-gram lookup for greedy
-    # requests only (their output cannot change; sampled ones keep their seeds' texts); "ngram" (every
-    # request); "none"; or the path of a draft model directory. A sampled request with its own seed never
-    # speculates (spec/controller.py: may_speculate)
-    draft: Optional[str] = None
-    num_speculative_tokens: Optional[int] = None  # maximum k; None: NGRAM_K for n-gram, DRAFT_K for a draft
-                                                   # model (the engine resolves it once it knows which)
-    adaptive_speculation: bool = True
-    ngram_n: int = 3                         # n-gram match length for prompt lookup
-    seed: int = 0                            # seeds requests that set no seed
+    model: str = setting(help="model directory (Hugging Face layout) or engine directory from `llmd export`")
+    dtype: str = setting("float32", help="weight and activation dtype", choices=("float32", "bfloat16"))
+    kv_memory: str | int = setting(
+        "512MiB", unit="bytes",
+        help="memory for the paged KV cache, target and draft together, e.g. 256MiB or 2GiB")
+    block_size: int = setting(16, unit="tokens", help="tokens per KV cache block",
+                              choices=(1, 2, 4, 8, 16, 32, 64, 128))
+    max_batch_tokens: int = setting(512, unit="tokens",
+                                    help="token budget of one engine step, shared by decodes and prompt chunks")
+    max_num_seqs: int = setting(64, unit="requests", help="requests running at once, at most")
+    max_model_len: Optional[int] = setting(None, unit="tokens",
+                                           help="longest prompt plus output (default: the model's context window)")
+    max_waiting: int = setting(1024, unit="requests",
+                               help="requests waiting to start, at most; more are refused as over capacity")
+    prefix_cache: bool = setting(True, help="reuse the KV cache of prompt prefixes seen before")
+    kv_dtype: str = setting(
+        "auto", choices=KV_DTYPES,
+        help="KV cache storage: the model dtype (auto, exact), bfloat16 (half a float32 model's bytes: faster with "
+             "many streams, twice the tokens per budget) or int8 with a scale per block and head (approximate: a "
+             "block's scale grows with what is written to it, so greedy text may vary with batching and speculation)")
+    attention: str = setting("fast", choices=("fast", "reference"),
+                             help="attention code: llmd's fast paths, or the plain reference one")
+    threads: Optional[int] = setting(None, unit="threads", help="CPU threads for the engine (default: torch's choice)")
+    device: str = setting(
+        "auto", choices=DEVICES,
+        help="where the model runs: auto (llmd's own model code on the CPU; an ONNX Runtime engine on its CUDA "
+             "provider when onnxruntime-gpu is installed; a TensorRT engine on the GPU), cpu, or cuda (an engine "
+             "exported with --backend onnxruntime and llmd[gpu], or --backend tensorrt); a model that cannot run "
+             "where asked is refused")
+    draft: Optional[str] = setting(
+        "auto",
+        help="speculative decoding: a draft model directory (same tokenizer), 'ngram' (prompt lookup for every "
+             "request), 'none', or 'auto' (an engine directory's own draft, else prompt lookup for greedy "
+             "requests only, whose output it cannot change; a sampled request with its own seed never speculates)")
+    num_speculative_tokens: Optional[int] = setting(
+        None, unit="tokens",
+        help=f"most tokens proposed per step when speculating (default: {NGRAM_K} for ngram, {DRAFT_K} for a draft model)")
+    adaptive_speculation: bool = setting(
+        True, help="let measured costs and acceptance pick the speculation depth, up to num_speculative_tokens")
+    ngram_n: int = setting(3, unit="tokens", help="match length of prompt lookup")
+    seed: int = setting(0, help="seed of the requests that set none (sampling is reproducible per seed)")
 
     def __post_init__(self):
         def check(ok: bool, msg: str):
             if not ok:
                 raise InvalidRequest(msg)
-        check(self.dtype in ("float32", "bfloat16"), f"dtype must be float32 or bfloat16, got {self.dtype!r}")
-        check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), f"block_size must be a power of two up to 128, got {self.block_size}")
+        for f in fields(self):
+            choices = f.metadata.get("choices")
+            value = getattr(self, f.name)
+            check(choices is None or value in choices,
+                  f"{f.name} must be one of {', '.join(map(str, choices or ()))}, got {value!r}")
         check(1 <= self.max_batch_tokens <= 1 << 16, f"max_batch_tokens must be in [1, 65536], got {self.max_batch_tokens}")
         check(1 <= self.max_num_seqs <= 4096, f"max_num_seqs must be in [1, 4096], got {self.max_num_seqs}")
-        check(1 <= self.max_queue <= 1 << 20, "max_queue must be positive")
-        check(self.kv_dtype in KV_DTYPES, f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
-        check(self.device in DEVICES, f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
-        check(self.attention in ("fast", "reference"), f"attention must be fast or reference, got {self.attention!r}")
+        check(1 <= self.max_waiting <= 1 << 20, f"max_waiting must be in [1, 1048576], got {self.max_waiting}")
         check(self.num_speculative_tokens is None or 0 <= self.num_speculative_tokens <= 16,
               "num_speculative_tokens must be in [0, 16]")
         check(1 <= self.ngram_n <= 16, "ngram_n must be in [1, 16]")
         check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be positive")
+        check(self.threads is None or 1 <= self.threads <= 4096, f"threads must be in [1, 4096], got {self.threads}")
+        check(0 <= self.seed < 1 << 63, f"seed must be in [0, 2^63), got {self.seed}")
         parse_bytes(self.kv_memory)
 
     @property

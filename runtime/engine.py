@@ -70,7 +70,7 @@ class Engine:
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings)
         self.tokenizer.limit_tokens = self.max_model_len     # a text that cannot fit is refused untokenized
-        self.block_manager = BlockManager(loaded.num_blocks, config.block_size, config.enable_prefix_cache)
+        self.block_manager = BlockManager(loaded.num_blocks, config.block_size, config.prefix_cache)
         self.scheduler = Scheduler(self.block_manager, config.max_batch_tokens, config.max_num_seqs)
         self.kv_dtype = loaded.kv_dtype
         if loaded.backend is not None and loaded.kv_dtype != "auto":
@@ -115,8 +115,8 @@ class Engine:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
             raise InvalidRequest("params must be SamplingParams")
-        if self.scheduler.num_waiting >= self.config.max_queue:
-            raise CapacityError(f"the queue is full ({self.config.max_queue} waiting); retry later")
+        if self.scheduler.num_waiting >= self.config.max_waiting:
+            raise CapacityError(f"the queue is full ({self.config.max_waiting} waiting); retry later")
         priority = Priority.parse(priority)
         ids = self._prompt_ids(prompt)
         if self.block_manager.blocks_needed(len(ids) + 1) > self.block_manager.num_blocks:

@@ -7,11 +7,12 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Iterator, Optional, Sequence
 
 from .config import EngineConfig
 from .engine import Engine, StepOutput
+from .errors import InvalidRequest
 from .request import Priority, SamplingParams
 
 
@@ -27,8 +28,13 @@ class Completion:
 
 
 class LLM:
-    def __init__(self, model: str, *, draft: Optional[str] = None, progress=None, **engine_options):
-        self.engine = Engine(EngineConfig(model=str(model), draft=draft, **engine_options), progress=progress)
+    def __init__(self, model: str, *, progress=None, **engine_options):
+        """``engine_options``: any EngineConfig field but ``model`` (llmd.runtime.config), e.g. kv_memory."""
+        unknown = sorted(set(engine_options) - {f.name for f in fields(EngineConfig) if f.name != "model"})
+        if unknown:
+            raise InvalidRequest(f"LLM() got unknown engine option(s) {', '.join(unknown)}; the options are "
+                                 "EngineConfig's fields (llmd.runtime.config)")
+        self.engine = Engine(EngineConfig(model=str(model), **engine_options), progress=progress)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

@@ -7,12 +7,15 @@ from typing import Optional
 from pathlib import Path
 
 from .config import EngineConfig
+from .backends.base import create_backend
 from .errors import EngineDirError, ModelLoadError
+from .formats.engine_dir import engine_draft_dir, load_engine_draft, load_engine_model
+from .formats.manifest import read_manifest
 from .model_runner import kv_bytes_per_block
 from .models.config import ModelConfig
 from .models.llama import LlamaForCausalLM
 from .models.loader import load_model
-from .tokenizer import Tokenizer
+from .tokenizer import Tokenizer, check_vocab
 
 
 @dataclass
@@ -36,8 +39,6 @@ def load_for_engine(config: EngineConfig, progress=None) -> LoadedModel:
     backend = None
     draft_path = Path(config.draft) if config.draft and config.draft not in ("ngram", "auto", "none") else None
     if (path / "manifest.json").is_file():
-        from llmd.export.engine_dir import engine_draft_dir, load_engine_model     # quantized / compiled engines
-        from llmd.export.manifest import read_manifest
         manifest = read_manifest(path, verify_hashes=False)     # its values are used once load_engine_model verified it
         check_device(path, backend_name(manifest), config.device)
         model, cfg, tokenizer = load_engine_model(path, config, progress=progress)
@@ -64,7 +65,6 @@ def load_draft(path: Path, config: EngineConfig, target_tokenizer: Tokenizer):
     if not path.exists():
         raise ModelLoadError(f"{path}: no such draft model directory; pass a directory, 'ngram', or no draft")
     if (path / "manifest.json").is_file():
-        from llmd.export.engine_dir import engine_draft_dir, load_engine_draft, load_engine_model
         model, cfg, tok = load_engine_draft(path, config) if engine_draft_dir(path) else load_engine_model(path, config)
     else:
         model, cfg, tok = load_hf_model(path, config.dtype)
@@ -100,7 +100,6 @@ def engine_backend(path: Path, manifest: dict, device: str = "auto"):
     name = backend_name(manifest)
     if name == "torch":
         return None
-    from .backends.base import create_backend
     return create_backend(name, path, manifest, device)
 
 
@@ -111,13 +110,6 @@ def load_hf_model(path: Path, dtype: str, progress=None) -> tuple[LlamaForCausal
     model = load_model(path, dtype, cfg, progress=progress)
     model.prepare_for_inference()
     return model, cfg, tokenizer
-
-
-def check_vocab(path: Path, tokenizer: Tokenizer, cfg: ModelConfig) -> None:
-    """A tokenizer with more tokens than the model's embedding would feed it ids it has no row for."""
-    if tokenizer.vocab_size > cfg.vocab_size:
-        raise ModelLoadError(f"{Path(path) / 'tokenizer.json'}: tokenizer has {tokenizer.vocab_size} tokens but "
-                             f"config.json says vocab_size {cfg.vocab_size}")
 
 
 def kv_blocks(cfgs: list[ModelConfig], config: EngineConfig, kv_dtype: str = "auto") -> int:

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from .attention import PagedAttention, SeqSpan, int_tensor
+from .backends.paged import run_step
 from .models.config import ModelConfig
 from .models.llama import LlamaForCausalLM
 from .scheduler import ScheduledRequest
@@ -117,7 +118,6 @@ class ModelRunner:
     def run(self, batch: StepBatch) -> torch.Tensor:
         """Forward the packed step; returns float32 logits [len(sample_rows), vocab]."""
         if self.backend is not None:
-            from .backends.paged import run_step
             return run_step(self.backend, self.k_pool, self.v_pool, batch, self.block_size)
         self.attn.prepare(batch.slot_mapping, batch.spans)
         hidden = self.model(batch.input_ids, batch.positions, self.attn)

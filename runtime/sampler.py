@@ -77,7 +77,7 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
 
 def _penalize_row(logits: torch.Tensor, row: SamplingRow) -> None:
     p = row.params
-    history = torch.from_numpy(np.array(row.history, dtype=np.int64))     # 3x torch.tensor's speed on a list
+    history = torch.from_numpy(np.array(row.history, dtype=np.int64))     # faster than torch.tensor on a list
     if p.repetition_penalty != 1.0 and history.numel():
         seen = history.unique()
         vals = logits[seen]

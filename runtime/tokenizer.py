@@ -13,12 +13,15 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 from tokenizers import Tokenizer as HFTokenizer
 
 from .chat_template import MAX_TEXT_CHARS, ChatTemplate
 from .errors import InvalidRequest, ModelLoadError
+
+if TYPE_CHECKING:
+    from .models.config import ModelConfig
 
 MAX_PATH_CHARS = 4096
 TEXT_SLACK = 4          # margin over the longest token, for normalizers that drop characters
@@ -335,3 +338,9 @@ class Tokenizer:
     def _plain(self, text: str) -> list[int]:
         return self.encode(text, add_special_tokens=False, allow_special=False)
 
+
+def check_vocab(path: Path, tokenizer: Tokenizer, cfg: ModelConfig) -> None:
+    """A tokenizer with more tokens than the model's embedding would feed it ids it has no row for."""
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise ModelLoadError(f"{Path(path) / 'tokenizer.json'}: tokenizer has {tokenizer.vocab_size} tokens but "
+                             f"config.json says vocab_size {cfg.vocab_size}")

@@ -32,7 +32,7 @@ def test_seeded_and_rebuildable(tok, name):
 
 
 def test_completion_is_fim_over_heldout_files_with_shared_prefixes(tok):
-    from llmd.export.corpus import is_heldout
+    from llmd.training.corpus import is_heldout
     wl = build("completion", tok, scale=Scale(requests=6, sessions=2, prompt_chars=400, max_tokens=8))
     fim_prefix = tok.token_id("<|fim_prefix|>")
     assert all(r.prompt_ids[0] == fim_prefix for r in wl.requests)
@@ -167,7 +167,7 @@ def test_missing_daemon_is_reported_missing(tiny_model_dir, tmp_path):
 def test_bench_cli_workload_and_classic_modes(tiny_model_dir, tmp_path, capsys):
     import argparse
     import json
-    from llmd.runtime.bench_cli import add_bench_parser
+    from llmd.bench.cli import add_bench_parser
     parser = argparse.ArgumentParser()
     add_bench_parser(parser.add_subparsers())
     base = ["bench", str(tiny_model_dir), "--kv-memory", "32MiB"]

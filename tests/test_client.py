@@ -10,7 +10,7 @@ import pytest
 
 from daemon_fixtures import daemon_settings, running_daemon, wait_until
 from llmd.clients.client import (AsyncClient, AsyncStream, Client, ConnectionLost, DaemonUnavailable, RequestError, Timeout)
-from llmd.clients.events import Done, Token
+from llmd.protocol import Done, Token
 from llmd.daemon.engine_thread import Call
 
 
@@ -132,8 +132,8 @@ def test_a_message_the_client_cannot_read_is_skipped_and_the_rest_still_arrive(t
 
     import zmq
 
-    from llmd.clients.events import Reply
-    from llmd.daemon import codec
+    from llmd.protocol import Reply
+    from llmd import codec
     path = tmp_path / "peer.sock"
     ctx = zmq.Context.instance()
     peer = ctx.socket(zmq.ROUTER)

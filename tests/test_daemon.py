@@ -16,8 +16,8 @@ import zmq
 from daemon_fixtures import (REPO, daemon_settings, make_engine_factory, offline_greedy, running_daemon,
                              wait_until)
 from llmd.clients.client import Client
-from llmd.clients.events import Done, Error, Sentence, Token
-from llmd.daemon import codec
+from llmd.protocol import Done, Error, Sentence, Token
+from llmd import codec
 from llmd.daemon.paths import AlreadyRunning
 from llmd.daemon.server import Server
 
@@ -373,13 +373,13 @@ def test_busy_and_a_failure_inside_the_engine_fails_alone(tiny_model_dir, tmp_pa
 
 
 def test_llmd_status_prints_the_daemon_state(daemon):
-    proc = subprocess.run([sys.executable, "-m", "llmd.daemon", "status", "--socket", daemon.settings.socket],
+    proc = subprocess.run([sys.executable, "-m", "llmd.clients.cli", "status", "--socket", daemon.settings.socket],
                           cwd=REPO, capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc.stderr
     fields = dict(line.split(":", 1) for line in proc.stdout.splitlines())
     assert fields["state"].split()[0] == "ready" and "requests" in fields and "kv cache" in fields
     assert "p50" in fields["ttft ms"]
-    absent = subprocess.run([sys.executable, "-m", "llmd.daemon", "status", "--socket", daemon.settings.socket + ".x"],
+    absent = subprocess.run([sys.executable, "-m", "llmd.clients.cli", "status", "--socket", daemon.settings.socket + ".x"],
                             cwd=REPO, capture_output=True, text=True, timeout=30)
     assert absent.returncode == 1 and "start one with `llmd serve`" in absent.stderr
 

@@ -12,8 +12,8 @@ import zmq
 
 from daemon_fixtures import ENGINE_OPTIONS, daemon_settings, running_daemon, wait_until
 from llmd.clients.client import Client
-from llmd.clients.events import Done, Token
-from llmd.daemon import codec
+from llmd.protocol import Done, Token
+from llmd import codec
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from daemon_fixtures import daemon_settings, running_daemon
-from llmd.daemon import codec
+from llmd import codec
 
 CODES = {"bad_message", "unknown_type", "invalid_request", "unsupported_version"}
 VALID = {"type": "generate", "id": "g", "prompt": "hi", "params": {"max_tokens": 2}}

@@ -10,7 +10,7 @@ import time
 
 from daemon_fixtures import REPO, daemon_process, daemon_settings, wait_ready
 from llmd.clients.client import Client
-from llmd.clients.events import Done, Token
+from llmd.protocol import Done, Token
 
 
 def collect_notifications(sock, messages: list, stop: threading.Event) -> None:

@@ -13,8 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmd.export import bpe, corpus
-from llmd.export.distill import check_same_tokenizer
+from llmd.training import bpe, corpus
+from llmd.training.distill import check_same_tokenizer
 from llmd.runtime.models.config import ModelConfig
 from llmd.runtime.models.loader import load_model
 from llmd.runtime.tokenizer import Tokenizer
@@ -36,7 +36,7 @@ def test_model_directory_is_complete_and_small(model_dir):
         assert (model_dir / name).is_file(), name
     assert (model_dir / "model.safetensors").stat().st_size <= 40 * 2**20
     card = (model_dir / "MODEL_CARD.md").read_text()
-    for fact in ("python -m llmd.export.train_demo", "Held-out", "accepted fraction", "ast.parse"):
+    for fact in ("python -m llmd.training.train_demo", "Held-out", "accepted fraction", "ast.parse"):
         assert fact in card
 
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from llmd.export import bpe, corpus
-from llmd.export.distill import add_distill_parser, kl_loss
-from llmd.export.train_demo import hf_config, new_model, write_model_dir
-from llmd.export.train_loop import DocSampler
+from llmd.training import bpe, corpus
+from llmd.training.distill import add_distill_parser, kl_loss
+from llmd.training.model_dir import hf_config, new_model, write_model_dir
+from llmd.training.train_loop import DocSampler
 from llmd.runtime.models.loader import load_model
 
 SOURCE = '''

@@ -55,7 +55,7 @@ def test_preemption_keeps_output(tiny_model_dir, ps, alone):
 
 def test_prefix_cache_keeps_output_and_hits(tiny_model_dir):
     ps = prompts(6, seed=3, shared=40)
-    off, _ = run(tiny_model_dir, ps, enable_prefix_cache=False)
+    off, _ = run(tiny_model_dir, ps, prefix_cache=False)
     llm = LLM(str(tiny_model_dir), kv_memory="8MiB")
     first = llm.generate(ps[:1], GREEDY)[0].token_ids
     rest = [o.token_ids for o in llm.generate(ps[1:], GREEDY)]
@@ -143,7 +143,9 @@ def test_an_interactive_request_arriving_later_preempts_running_batch_work_at_on
     """Running batch requests hold the whole pool (or every sequence slot): an interactive request that
     arrives later is admitted at the next step, in place of the latest batch request, which is then
     recomputed with its output unchanged."""
-    kw = dict(kv_memory=64 * 2 * 2 * 32 * 4, block_size=16) if limit == "blocks" else dict(max_num_seqs=2)   # 4 blocks
+    # 4 blocks, or 2 sequence slots; no speculation, whose lookahead would take slots of its own
+    kw = dict(kv_memory=64 * 2 * 2 * 32 * 4, block_size=16) if limit == "blocks" else dict(max_num_seqs=2)
+    kw["draft"] = "none"
     long = SamplingParams(max_tokens=40, ignore_eos=True)
     alone = [c.token_ids for c in LLM(str(tiny_model_dir), kv_memory="8MiB").generate([[5] * 20, [6] * 20], long)]
     e = LLM(str(tiny_model_dir), **kw).engine

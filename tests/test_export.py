@@ -9,8 +9,8 @@ import pytest
 from llmd import LLM, SamplingParams
 from llmd.cli import main
 from llmd.export.cli import ExportOptions, export_engine
-from llmd.export.engine_dir import load_engine_draft
-from llmd.export.manifest import read_manifest
+from llmd.runtime.formats.engine_dir import load_engine_draft
+from llmd.runtime.formats.manifest import read_manifest
 from llmd.export.quality import heldout_texts
 from llmd.runtime.config import EngineConfig
 from llmd.runtime.errors import EngineDirError
@@ -195,8 +195,8 @@ def test_engine_dir_round_trip_is_exact(source, model_factory, tmp_path, quant, 
     """What is loaded back computes exactly what the quantized model computed before it was written."""
     import torch
 
-    from llmd.export.engine_dir import load_engine_part
-    from llmd.export.quantize import QuantSpec, prepare_quantized, quantize_model
+    from llmd.runtime.formats.engine_dir import load_engine_part
+    from llmd.runtime.formats.quantized import QuantSpec, prepare_quantized, quantize_model
     from llmd.runtime.models.loader import load_model
     if extra.pop("untied", False):
         source = model_factory("untied", hidden=64, intermediate=128, layers=1, tie=False)
@@ -221,7 +221,7 @@ def test_bfloat16_engine_serves(int8_engine):
 def test_a_compiled_backend_with_another_kv_dtype_is_refused_before_any_work(source, tmp_path):
     """onnxruntime and tensorrt engines keep keys and values in the model's dtype: an export asking for
     another KV dtype would make an engine no runtime could load, so it is refused up front."""
-    from llmd.export.quantize import QuantizationError
+    from llmd.runtime.formats.quantized import QuantizationError
     out = tmp_path / "never"
     with pytest.raises(QuantizationError, match="--kv-dtype auto"):
         export_engine(ExportOptions(str(source), str(out), quant="none", backend="onnxruntime", kv_dtype="bfloat16",

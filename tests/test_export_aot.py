@@ -3,7 +3,7 @@ each on two cores), loaded warm, driven over llmd's paged pool like the ONNX gra
 import pytest
 
 from llmd.export.cli import ExportOptions, export_engine
-from llmd.export.manifest import read_manifest
+from llmd.runtime.formats.manifest import read_manifest
 from llmd.runtime.backends.base import create_backend
 from test_onnx_backend import PROMPTS, same_greedy_count
 

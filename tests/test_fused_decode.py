@@ -140,7 +140,7 @@ def test_engine_output_is_the_same_with_and_without_the_fused_step(tiny_model_di
 
 
 def test_the_side_by_side_benchmark_runs_both_paths_and_finds_the_same_tokens():
-    """bench/bench_decode_paths.py, the source of the README's fused-step figures, on a short run."""
+    """bench/bench_decode_paths.py, the source of the fused-step figures in docs/performance.md, on a short run."""
     import json
     import subprocess
     import sys

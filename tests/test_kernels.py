@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from llmd.export.quantize import (Int4Linear, Int8Linear, W8A8Linear, dequantize_int4, dequantize_int8, quantize_int4,
+from llmd.runtime.formats.quantized import (Int4Linear, Int8Linear, W8A8Linear, dequantize_int4, dequantize_int8, quantize_int4,
                                   quantize_int8)
 from llmd.runtime import kernels
 from llmd.runtime.kernels import ops
@@ -222,7 +222,7 @@ def test_int8_group_kernel_matches_reference(m, group):
 
 
 def test_int8_group_head_rows_and_fallback_agree_with_the_kernel(monkeypatch):
-    from llmd.export.quantize import Int8GroupLinear
+    from llmd.runtime.formats.quantized import Int8GroupLinear
     layer = Int8GroupLinear(256, 320)
     layer.load_weight(weight(320, 256, 1))
     layer.prepare()

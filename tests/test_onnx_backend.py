@@ -8,7 +8,7 @@ pytest.importorskip("onnxscript")
 
 from llmd import LLM, SamplingParams  # noqa: E402
 from llmd.export.cli import ExportOptions, export_engine  # noqa: E402
-from llmd.export.manifest import read_manifest  # noqa: E402
+from llmd.runtime.formats.manifest import read_manifest  # noqa: E402
 from llmd.runtime.attention import SeqSpan  # noqa: E402
 from llmd.runtime.backends.base import create_backend  # noqa: E402
 from llmd.runtime.backends.paged import run_step  # noqa: E402
@@ -93,7 +93,7 @@ def test_quantized_onnx_uses_integer_kernels_and_stays_close(source, tmp_path, q
     as well as llmd's own torch modules of the same method do."""
     import onnx
 
-    from llmd.export.quantize import QuantSpec, prepare_quantized, quantize_model
+    from llmd.runtime.formats.quantized import QuantSpec, prepare_quantized, quantize_model
     from llmd.runtime.models.loader import load_model
     backend = export(source, tmp_path / quant, quant, group)
     graph = onnx.load(str(tmp_path / quant / "onnx" / "target.onnx"))
@@ -152,9 +152,9 @@ def test_the_quality_gate_measures_the_onnx_graph_that_ships(source, tmp_path):
     too), not of llmd's torch modules built from the same weights."""
     import math
 
-    from llmd.export.engine_dir import load_model_dir
+    from llmd.runtime.formats.engine_dir import load_model_dir
     from llmd.export.quality import heldout_texts, predict, token_windows
-    from llmd.export.quantize import QuantSpec
+    from llmd.runtime.formats.quantized import QuantSpec
     from llmd.runtime.tokenizer import Tokenizer
     out = tmp_path / "int8"
     q = export_engine(ExportOptions(str(source), str(out), quant="int8", backend="onnxruntime",

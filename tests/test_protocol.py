@@ -7,10 +7,12 @@ import os
 import msgpack
 import pytest
 
-from llmd.clients.events import Ack, Done, Error, Keepalive, Reply, Sentence, Token, from_wire
-from llmd.clients.sentences import SentenceSplitter
-from llmd.daemon import codec, protocol, settings as settings_mod
-from llmd.daemon.paths import AlreadyRunning, PidLock, default_socket_path
+from llmd.protocol import Ack, Done, Error, Keepalive, Reply, Sentence, Token, from_wire
+from llmd.sentences import SentenceSplitter
+from llmd import codec, protocol
+from llmd.daemon import settings as settings_mod
+from llmd.daemon.paths import AlreadyRunning, PidLock
+from llmd.protocol import default_socket_path
 
 
 def test_codec_round_trip_and_limits():
@@ -146,6 +148,6 @@ def test_pid_lock_refuses_a_second_holder(tmp_path):
 def test_protocol_modules_import_no_torch():
     import subprocess
     import sys
-    code = ("import sys, llmd.clients, llmd.clients.client, llmd.clients.events, llmd.clients.sentences, "
-            "llmd.daemon.protocol, llmd.daemon.codec; assert 'torch' not in sys.modules, 'torch imported'")
+    code = ("import sys, llmd.clients, llmd.clients.client, llmd.protocol, llmd.sentences, "
+            "llmd.protocol, llmd.codec; assert 'torch' not in sys.modules, 'torch imported'")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0

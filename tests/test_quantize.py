@@ -3,10 +3,11 @@ large row counts, whole-model logits against float32, and the int8 KV-cache code
 import pytest
 import torch
 
-from llmd.export.quantize import (Int4Linear, QuantEmbedding, Int8Linear, QuantizationError, QuantSpec,
-                                  W8A8Linear, dequantize_int4, dequantize_int8, pack_nibbles,
-                                  prepare_quantized, quantize_int4, quantize_int8, quantize_model,
-                                  read_kv_int8, unpack_nibbles, write_kv_int8)
+from llmd.runtime.formats.kv_int8 import read_kv_int8, write_kv_int8
+from llmd.runtime.formats.quantized import (Int4Linear, Int8Linear, QuantEmbedding, QuantizationError, QuantSpec,
+                                            W8A8Linear, dequantize_int4, dequantize_int8, pack_nibbles,
+                                            prepare_quantized, quantize_int4, quantize_int8, quantize_model,
+                                            unpack_nibbles)
 from llmd.runtime.models.loader import load_model
 
 pytestmark = pytest.mark.usefixtures("no_grad")      # kernels run only where no gradient is recorded
@@ -208,7 +209,7 @@ def test_misaligned_weights_from_a_file_are_realigned():
 def test_column_equalization_keeps_the_float_function_and_refines_int8(small_model_dir):
     """Moving input-column size into the RMSNorm weights leaves float logits unchanged and, with a few
     large columns (as trained models have), shrinks the int8 rounding error of the projections."""
-    from llmd.export.quantize import dequantize_int8, equalize_columns, quantize_int8
+    from llmd.runtime.formats.quantized import dequantize_int8, equalize_columns, quantize_int8
     ref = load_model(small_model_dir)
     m = load_model(small_model_dir)
     with torch.no_grad():

@@ -15,7 +15,7 @@ import pytest
 
 from daemon_fixtures import REPO, daemon_settings, running_daemon, wait_until
 from llmd.clients.client import Client
-from llmd.clients.events import Done
+from llmd.protocol import Done
 from llmd.daemon import systemd
 from llmd.daemon.engine_thread import Call
 from llmd.daemon.serve import engine_factory

@@ -26,14 +26,14 @@ def test_export_without_tensorrt_fails_up_front(source, tmp_path, capsys):
 
 
 def test_profiles_cover_every_token_count_once():
-    from llmd.export.tensorrt import profiles
+    from llmd.runtime.backends.tensorrt import profiles
     ranges = profiles({"tokens": [1, 16, 64, 256, 512]}, max_context=4096)
     assert ranges == [(1, 1), (2, 16), (17, 64), (65, 256), (257, 512)]
 
 
 @NEEDS_GPU
 def test_tensorrt_greedy_matches_torch(source, tmp_path):
-    from llmd.export.manifest import read_manifest
+    from llmd.runtime.formats.manifest import read_manifest
     from llmd.runtime.backends.base import create_backend
     from test_onnx_backend import same_greedy_count
     out = tmp_path / "trt"

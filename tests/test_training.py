@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmd.export import corpus
-from llmd.export.train_demo import hf_config, new_model
-from llmd.export.distill import kl_loss
-from llmd.export.train_loop import PAD, DocSampler, documents, next_token_loss, pack
+from llmd.training import corpus
+from llmd.training.model_dir import hf_config, new_model
+from llmd.training.distill import kl_loss
+from llmd.training.train_loop import PAD, DocSampler, documents, next_token_loss, pack
 
 END = 0
 
@@ -150,7 +150,7 @@ def test_token_streams_keep_ids_past_65536():
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import WhitespaceSplit
 
-    from llmd.export import bpe
+    from llmd.training import bpe
     vocab = {f"w{i}": i for i in range(70_000)}
     tok = Tokenizer(WordLevel(vocab, unk_token="w0"))
     tok.pre_tokenizer = WhitespaceSplit()

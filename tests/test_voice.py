@@ -13,7 +13,7 @@ from wyoming.info import Describe, Info
 
 from daemon_fixtures import daemon_settings, running_daemon, wait_until
 from llmd.clients.client import Client
-from llmd.clients.sentences import SentenceSplitter
+from llmd.sentences import SentenceSplitter
 from llmd.clients.voice import VoiceConfig, iter_sentences, serve_voice
 
 SYSTEM = "You are a test assistant."

@@ -34,7 +34,6 @@ class TensorRTBackend(StepBackend):
     @classmethod
     def from_engine_dir(cls, engine_dir: Path, manifest: dict, device: str = "auto") -> "TensorRTBackend":
         # TensorRT runs only on CUDA: loading refuses device cpu before this
-        from llmd.export.tensorrt import profiles
         rel = manifest.get("artifacts", {}).get("tensorrt")
         if not rel:
             raise EngineDirError(f"{engine_dir}: the manifest names no TensorRT plan; export with --backend tensorrt")
@@ -66,3 +65,10 @@ class TensorRTBackend(StepBackend):
             raise EngineDirError("TensorRT execution failed")
         self.stream.synchronize()
         return tuple(outputs[n].cpu() for n in ("logits", "new_k", "new_v"))
+
+
+def profiles(buckets: dict, max_context: int) -> list[tuple[int, int]]:
+    """(lowest T, highest T) for each token bucket: [1,1], [2,16], [17,64], ..."""
+    tokens = sorted(set(buckets.get("tokens", [1, 16, 64, 256, 512])))
+    lows = [1] + [t + 1 for t in tokens[:-1]]
+    return [(lo, hi) for lo, hi in zip(lows, tokens) if hi <= max_context]

@@ -20,6 +20,8 @@ import torch
 from llmd.runtime import kernels
 from llmd.runtime.kernels import ops
 
+from .layers import Linear
+
 MAX_ROWS = ops.F32_MAX_ROWS
 POOL_DTYPES = (torch.float32, torch.bfloat16)     # KV pools the fused step writes and reads
 
@@ -61,14 +63,12 @@ class FusedDecode:
     def possible(model) -> bool:
         """Every part of the model (not yet prepared) has a kernel form: float32 products whose
         outputs fill blocks of 64 columns, and the shapes ``_shapes_fit`` asks for."""
-        from .layers import Linear
         return _shapes_fit(model) and all(type(m) is Linear and m.weight is not None and m.weight.dtype == torch.float32
                                           and m.out_features % 64 == 0 for m in layer_linears(model))
 
     @classmethod
     def build(cls, model) -> "FusedDecode | None":
         """The fused form of a prepared model, or None when some part has no kernel form."""
-        from .layers import Linear
         if not _shapes_fit(model):
             return None
         flat = layer_linears(model)

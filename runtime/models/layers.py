@@ -30,7 +30,7 @@ class Linear(nn.Module):
     - more rows (prompt chunks, batches, verification): float32 weights get a second copy in
       oneDNN's blocked layout, whose kernel beats the default one 1.6x at 128 rows and 7x at 5 rows
       here. That copy doubles the float32 weight memory; bfloat16 and quantized models skip it.
-    Quantized variants replace this module as a whole (see llmd.export.quantize).
+    Quantized variants replace this module as a whole (see llmd.runtime.formats.quantized).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):

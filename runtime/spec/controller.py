@@ -163,7 +163,7 @@ class SpecController:
         if (self.adaptive and b and self._off_for == shape
                 and 0 < self.steps_off < min(self.probe_every, self.target.max_age)):
             # nothing it rests on has moved: keep it until the next probe, or until a verification cost
-            # could have aged out (planning sixteen streams cost ~80 us a step)
+            # could have aged out (planning many streams costs a measurable part of a step)
             for r in decoding:
                 r.spec_k = 0
             self.disabled_steps += 1
@@ -208,7 +208,7 @@ class SpecController:
         """The model's depth, held to what whole decode steps measured at this batch size. Every
         CHECK_EVERY-th such step takes the other side (plain while speculating, speculating while
         plain wins), so both stay measured; where speculating steps produced tokens more slowly than
-        plain ones, speculation stays off (n-gram lookup over 16 streams: 7-8 % slower than off
+        plain ones, speculation stays off (n-gram lookup over many streams measured slower than off
         while the model predicted a gain)."""
         pays = self.rates.speculation_pays(b)
         key = _bucket(b)

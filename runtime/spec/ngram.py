@@ -42,8 +42,8 @@ class NgramProposer(Proposer):
     def propose(self, items: list[tuple[Request, int]], rows_for=None) -> list[Proposal]:
         out = []
         # a guess's rows are nearly free only when one stream decodes (its step streams the weights
-        # once whatever the rows); beside other streams they cost a full share (16 streams guessing
-        # ran 7 % slower than plain decoding, without guesses even)
+        # once whatever the rows); beside other streams they cost a full share (many streams guessing
+        # ran slower than plain decoding, without guesses even)
         guesses = len(items) == 1
         for req, k in items:
             t0 = time.perf_counter()

@@ -24,13 +24,16 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 
-from ..runtime.errors import LLMDError, ModelLoadError
-from ..runtime.models.config import ModelConfig
-from ..runtime.models.llama import LlamaForCausalLM
-from ..runtime.models.loader import load_model
+from llmd.export.whole_dir import write_whole
+from llmd.runtime.errors import LLMDError, ModelLoadError
+from llmd.runtime.llm import LLM
+from llmd.runtime.models.config import ModelConfig
+from llmd.runtime.models.llama import LlamaForCausalLM
+from llmd.runtime.models.loader import load_model
+from llmd.runtime.request import SamplingParams
+
 from . import bpe, corpus
-from .train_demo import write_model_dir
-from .whole_dir import write_whole
+from .model_dir import write_model_dir
 from .train_loop import PAD, DocSampler, TrainConfig, init_weights, train
 
 DEFAULT_SHAPE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=5,
@@ -181,8 +184,6 @@ def on_policy_tokens(target_dir: Path, tokens: np.ndarray, n: int, work: Path, s
     produce. Windows holding a control token are skipped (they are fill-in-the-middle samples)."""
     from tqdm import tqdm
 
-    from ..runtime.llm import LLM
-    from ..runtime.request import SamplingParams
     cache = work / f"onpolicy-{n}.npy"
     if cache.is_file():
         return np.load(cache, allow_pickle=False)
@@ -299,7 +300,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m llmd.export.distill")
+    parser = argparse.ArgumentParser(prog="python -m llmd.training.distill")
     sub = parser.add_subparsers(dest="command", required=True)
     add_distill_parser(sub)
     a = parser.parse_args(["distill", *__import__("sys").argv[1:]])

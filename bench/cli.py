@@ -14,6 +14,18 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
+from llmd.options import add_flags, given
+from llmd.runtime.config import EngineConfig
+from llmd.runtime.llm import LLM
+from llmd.runtime.models.random_model import write_random_model
+from llmd.runtime.request import SamplingParams
+
+from .report import write_json, write_png
+from .runner import BenchConfig, headline, run
+from .workloads import WORKLOADS
+
 
 def add_bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="measure latency and throughput of the engine (optionally against transformers)",
@@ -25,7 +37,7 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--workload", default=None, help="run shipped workloads instead: comma-separated among "
                    "completion, voice, edit, batch, mixed, stamped, or 'all'")
     p.add_argument("--scale", choices=("short", "full"), default="full", help="workload size (short: seconds)")
-    p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    p.add_argument("--workload-seed", type=int, default=0, help="workload seed (default 0)")
     p.add_argument("--rate", type=float, default=4.0, help="mixed workload: arrivals per second (default 4)")
     p.add_argument("--sweep", default="1,2,4,8", help="concurrency levels of the throughput sweep (default 1,2,4,8)")
     p.add_argument("--socket", default=None, help="the daemon for the `daemon` peer (it must serve the same model)")
@@ -37,14 +49,12 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--repeat", type=int, default=3, help="rounds of the single-stream, peer and concurrent tests, taken in turn; medians reported")
     p.add_argument("--spec", action="store_true", help="also run the single stream with speculation (needs --draft)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    from llmd.cli import add_engine_flags
-    add_engine_flags(p)
+    add_flags(p.add_argument_group("engine"), EngineConfig, skip=("model",))
     p.set_defaults(func=run_bench)
 
 
 def run_bench(args) -> int:
     """With --shape, the random-weight model lives in a temporary folder removed at the end."""
-    import torch
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.model is not None:
@@ -52,20 +62,16 @@ def run_bench(args) -> int:
     if not args.shape:
         print("llmd bench: give a model directory or --shape", file=sys.stderr)
         return 2
-    from llmd.runtime.models.random_model import write_random_model
     with tempfile.TemporaryDirectory(prefix="llmd-bench-") as tmp:
         return bench_model(args, str(write_random_model(Path(tmp) / args.shape, args.shape)))
 
 
 def bench_model(args, model: str) -> int:
-    import torch
-    from llmd.cli import engine_options
-    from llmd.runtime.llm import LLM
-    opts = engine_options(args)
+    opts = given(args, EngineConfig, skip=("model",))
     draft = opts.pop("draft", None)
     if args.workload:
         return run_workloads(args, model, draft, opts)
-    llm = LLM(model, **opts)
+    llm = LLM(model, draft="none", **opts)
     spec_llm = LLM(model, draft=draft, **opts) if (args.spec and draft) else None
     peers = [p for p in args.against.split(",") if p]
     hf = load_hf(model) if "hf" in peers else None
@@ -105,9 +111,6 @@ def bench_model(args, model: str) -> int:
 
 def run_workloads(args, model, draft, opts) -> int:
     """`--workload`: the shipped workloads on llmd and each peer, interleaved (llmd.bench.runner)."""
-    from llmd.bench.report import write_json, write_png
-    from llmd.bench.runner import BenchConfig, headline, run
-    from llmd.bench.workloads import WORKLOADS
     names = WORKLOADS if args.workload == "all" else tuple(w for w in args.workload.split(",") if w)
     unknown = [w for w in names if w not in WORKLOADS]
     if unknown:
@@ -118,9 +121,9 @@ def run_workloads(args, model, draft, opts) -> int:
     except ValueError:
         print(f"llmd bench: --sweep takes integers separated by commas, got {args.sweep!r}", file=sys.stderr)
         return 2
-    k = opts.pop("num_speculative_tokens")
+    k = opts.pop("num_speculative_tokens", None)
     cfg = BenchConfig(model=model, workloads=names, peers=tuple(p for p in args.against.split(",") if p),
-                      seed=args.seed, scale=args.scale, rate=args.rate, draft=draft, num_speculative_tokens=k,
+                      seed=args.workload_seed, scale=args.scale, rate=args.rate, draft=draft, num_speculative_tokens=k,
                       engine=opts, concurrency=levels, socket=args.socket)
     res = run(cfg, log=lambda m: print(m, file=sys.stderr))
     if args.out:
@@ -135,7 +138,6 @@ def run_workloads(args, model, draft, opts) -> int:
 
 
 def single_stream(llm, prompt, gen) -> dict:
-    from llmd.runtime.request import SamplingParams
     llm.engine.block_manager.reset_prefix_cache()
     t0 = time.perf_counter()
     first = None
@@ -157,7 +159,6 @@ def concurrent(llm, prompts, gen) -> dict:
     prompts already in the prefix cache. The second gives the decode tokens/s comparable with one
     stream's: like that figure it counts from the first token (the cache serves whole blocks, so the
     streams' first step still computes each prompt's last block) and leaves that token out."""
-    from llmd.runtime.request import SamplingParams
     llm.engine.block_manager.reset_prefix_cache()
     params = SamplingParams(max_tokens=gen, ignore_eos=True)
     t0 = time.perf_counter()
@@ -175,7 +176,6 @@ def concurrent(llm, prompts, gen) -> dict:
 
 
 def shared_prefix(llm, vocab, length, rng) -> dict:
-    from llmd.runtime.request import SamplingParams
     llm.engine.block_manager.reset_prefix_cache()
     prefix = [rng.randrange(vocab) for _ in range(length)]
     p = SamplingParams(max_tokens=1)
@@ -187,7 +187,6 @@ def shared_prefix(llm, vocab, length, rng) -> dict:
 
 def load_hf(model):
     try:
-        import torch
         import transformers
     except ImportError:
         print("llmd bench: transformers is not installed (pip install 'llmd[bench]'); skipping the hf peer",
@@ -197,7 +196,6 @@ def load_hf(model):
 
 
 def hf_single(hf, prompt, gen) -> dict:
-    import torch
     ids = torch.tensor([prompt])
     kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
     with torch.inference_mode():

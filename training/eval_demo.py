@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ast
 import json
+import platform
 import random
 import textwrap
 import time
@@ -30,8 +31,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..runtime.models.loader import load_model
+from llmd.clients.lsp_trim import trim_suggestion
+from llmd.runtime.models.loader import load_model
+
 from . import corpus
+from .distill import ON_POLICY_GEN, ON_POLICY_PROMPT
 from .train_loop import DocSampler
 
 PROPOSE = 4
@@ -152,7 +156,6 @@ def fim_check(hf_model, tok, cases, with_suffix: bool, editor: bool = False) -> 
     ``editor``: as llmd's editor plugin sees it: the cursor on a fresh empty line where the lines were
     (the suffix starts with that line's newline), and the raw middle trimmed as the plugin trims
     ghost text (``clients/lsp_trim.py``) before the check."""
-    from llmd.clients.lsp_trim import trim_suggestion
     eot = tok.token_to_id(corpus.EOT)
     ok = exact = 0
     for pre, mid, suf in cases:
@@ -225,13 +228,13 @@ def evaluate(work: Path, out: Path, seed: int = 0) -> dict:
     return results
 
 
-def evaluate_and_write_cards(work: Path, out: Path, command: str) -> dict:
+def evaluate_and_write_cards(work: Path, out: Path, command: str, runs: dict, on_policy: int) -> dict:
+    """Measure the three models and write both model cards; ``runs`` are the training runs' records and
+    ``on_policy`` the number of windows the draft's distillation drew from the target."""
     results = evaluate(work, out)
     (work / "eval.json").write_text(json.dumps(results, indent=2))
-    from .train_demo import read_runs
-    runs = read_runs(work)
     for name in ("code-target", "code-draft"):
-        (out / name / "MODEL_CARD.md").write_text(model_card(name, out, work, results, runs, command))
+        (out / name / "MODEL_CARD.md").write_text(model_card(name, out, work, results, runs, command, on_policy))
     print(json.dumps(results, indent=2))
     return results
 
@@ -246,11 +249,7 @@ def _run_line(name: str, run: dict | None) -> str:
             f"{run['loss_ema']:.3f} | {c['lr']:g} | {c['seed']} |")
 
 
-def model_card(name: str, out: Path, work: Path, results: dict, runs: dict, command: str) -> str:
-    import platform
-
-    from .distill import ON_POLICY_GEN, ON_POLICY_PROMPT
-    from .train_demo import DRAFT_ON_POLICY
+def model_card(name: str, out: Path, work: Path, results: dict, runs: dict, command: str, on_policy: int) -> str:
     split = json.loads((work / "split.json").read_text())
     n_train = len(np.load(work / "train.npy", mmap_mode="r"))
     n_held = len(np.load(work / "heldout.npy", mmap_mode="r"))
@@ -296,12 +295,12 @@ machine), so a rebuild repeats the same batches and learning rates. Each window 
 whole samples (first fit, in a seeded order that changes every epoch) and padded, untrained, to its
 length ({fill:.1%} of positions hold tokens), so a fill-in-the-middle sample is always trained with
 its prefix and suffix in view. The draft minimises KL(target || draft) over the full vocabulary at every position,
-on a stream that is half the target's own greedy continuations of {DRAFT_ON_POLICY:,} corpus windows
+on a stream that is half the target's own greedy continuations of {on_policy:,} corpus windows
 ({ON_POLICY_GEN} tokens after {ON_POLICY_PROMPT}; speculation is judged on text the target writes) and half training text; the raw draft has the
 draft's shape and is trained on the training stream with plain cross-entropy, for comparison only (it is
 not committed). The draft stage is `llmd distill` called on the data stage's stream; as a command of its
 own (which reads one arrangement of the training files instead of two, and warms up over 30 steps instead of 50) it is
-{_distill_command(runs.get("draft"), DRAFT_ON_POLICY)}.
+{_distill_command(runs.get("draft"), on_policy)}.
 
 | run | steps | window positions | wall time | final train loss (EMA) | peak lr | seed |
 |---|---|---|---|---|---|---|

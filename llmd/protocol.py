@@ -1,17 +1,38 @@
-"""Wire protocol v1: the request messages a client may send, validated at the edge.
+"""Wire protocol v1, shared by the daemon and the clients: where the daemon listens, the requests a
+client may send (validated at the edge), and the events the daemon sends back.
 
 Every request is a msgpack map with a ``type`` and a client-chosen ``id``. Unknown keys, wrong
 types and out-of-range sizes are refused (pydantic, strict, extra="forbid") with a typed error;
-nothing past this module sees an unvalidated value. docs/protocol.md is the contract; the event
-types the daemon sends back live in llmd.clients.events, shared with the Python client.
+nothing past this module sees an unvalidated value. Events are frozen dataclasses, one per wire
+``type``: ``to_wire`` gives the map, ``from_wire`` reads one back, and readers ignore keys they do
+not know (the daemon may add fields within protocol v1). Bytes exist only in llmd.codec.
+docs/protocol.md is the contract.
 
-This module imports neither torch nor the runtime.
+This module imports neither torch, the runtime nor ZeroMQ.
 """
 from __future__ import annotations
 
-from typing import Annotated, Literal, Optional, Union
+import os
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+
+SYSTEM_SOCKET = Path("/run/llmd/llmd.sock")
+
+
+def default_socket_path(env: dict | None = None) -> Path:
+    """$XDG_RUNTIME_DIR/llmd/llmd.sock for a user, /run/llmd/llmd.sock for the system service."""
+    env = os.environ if env is None else env
+    if env.get("LLMD_SYSTEM") == "1" or not env.get("XDG_RUNTIME_DIR"):
+        return SYSTEM_SOCKET
+    return Path(env["XDG_RUNTIME_DIR"]) / "llmd" / "llmd.sock"
+
+
+def endpoint(path: Path | str) -> str:
+    return f"ipc://{Path(path)}"
+
 
 PROTOCOL_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
@@ -195,3 +216,113 @@ def negotiate(hello: Hello) -> int:
                             f"client speaks {sorted(set(hello.versions))}, daemon speaks {list(SUPPORTED_VERSIONS)}",
                             hello.id)
     return common[-1]
+
+
+# ---- events: what the daemon sends -----------------------------------------------------------
+
+# Finish reasons in ``done``. The engine's own: stop, length. The daemon's: cancelled (by the
+# client, a replacing infill, or the client vanishing), deadline, shutdown (drained at exit).
+FINISH_REASONS = ("stop", "length", "cancelled", "deadline", "shutdown")
+
+
+@dataclass(frozen=True)
+class Token:
+    """New text for request ``id``. ``seq`` counts token events from 0 with no gaps."""
+
+    id: str
+    seq: int
+    text: str
+    token_ids: list[int]
+    logprobs: Optional[list] = None
+    type: str = field(default="token", init=False)
+
+
+@dataclass(frozen=True)
+class Sentence:
+    """A finished sentence or line of the output so far (for speech); ``seq`` counts from 0."""
+
+    id: str
+    seq: int
+    text: str
+    type: str = field(default="sentence", init=False)
+
+
+@dataclass(frozen=True)
+class Done:
+    """The last event of a request that was not refused. Timings are in milliseconds."""
+
+    id: str
+    finish_reason: str
+    usage: dict            # prompt_tokens, completion_tokens, cached_tokens
+    timings: dict          # queued_ms, prompt_ms, decode_ms, total_ms
+    speculative: dict = field(default_factory=dict)   # proposed, accepted, acceptance
+    type: str = field(default="done", init=False)
+
+
+@dataclass(frozen=True)
+class Error:
+    """The last event of a request that failed or was refused; ``code`` is stable, see the docs."""
+
+    id: str
+    code: str
+    message: str
+    type: str = field(default="error", init=False)
+
+
+@dataclass(frozen=True)
+class Ack:
+    """Answer to ``cancel``: ``found`` tells whether ``target`` was still in flight."""
+
+    id: str
+    target: str
+    found: bool
+    type: str = field(default="ack", init=False)
+
+
+@dataclass(frozen=True)
+class Reply:
+    """Answer to hello, health, stats or models: ``type`` echoes the request, ``body`` holds the rest."""
+
+    id: str
+    type: str
+    body: dict
+
+    def to_wire(self) -> dict:
+        return {**self.body, "type": self.type, "id": self.id}
+
+
+@dataclass(frozen=True)
+class Keepalive:
+    """Sent by the daemon to check that a client with work in flight is still there; ignore it."""
+
+    id: str = ""
+    type: str = field(default="keepalive", init=False)
+
+
+EVENT_TYPES = {cls.__dataclass_fields__["type"].default: cls for cls in (Token, Sentence, Done, Error, Ack, Keepalive)}
+REPLY_TYPES = ("hello", "health", "stats", "models")
+TERMINAL = (Done, Error)
+
+
+def _to_wire(self) -> dict:
+    return asdict(self)
+
+
+for _cls in EVENT_TYPES.values():
+    _cls.to_wire = _to_wire
+
+
+def from_wire(message: dict) -> Any:
+    """Build the typed event for a decoded map. Raises ValueError for an unknown or malformed one."""
+    kind = message.get("type")
+    if kind in REPLY_TYPES:
+        body = {k: v for k, v in message.items() if k not in ("type", "id")}
+        return Reply(id=str(message.get("id", "")), type=kind, body=body)
+    cls = EVENT_TYPES.get(kind)
+    if cls is None:
+        raise ValueError(f"unknown event type {kind!r}")
+    names = {f.name for f in fields(cls) if f.init}
+    try:
+        return cls(**{k: v for k, v in message.items() if k in names})
+    except TypeError as e:
+        raise ValueError(f"malformed {kind} event: {e}") from None

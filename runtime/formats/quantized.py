@@ -1,4 +1,4 @@
-"""Weight quantization as a module swap, plus the int8 KV-cache codec.
+"""Quantized weight layouts: the modules an engine directory's quantized tensors load into (a module swap).
 
 Every quantized module keeps the forward signature of ``llmd.runtime.models.layers.Linear``
 (x [..., in] -> [..., out], output in x's dtype) and picks its kernel by the number of rows M:
@@ -26,10 +26,8 @@ Embedding and head: the output head holds int8 weights unless ``head="float"``. 
 matrix of a small model (896 x 151936 in Qwen2-0.5B) and is read for one row per sampled token, and
 it is where quantization error first changes a greedy choice. ``head="auto"`` (default for every
 quantized method) is ``int8g``: int8 weights with a scale per 64 input columns, the input at 16 bits.
-On the demo target, the default int8 export keeps all 32 greedy tokens of 184 of 200 held-out
-prompts, against 177 with one scale per head row (``head="int8"``), 167 with ``head="w8a8"`` (input
-quantized per token to 8 bits; the default before) and 192 with a float head; on Qwen2-0.5B's head
-the three int8 forms take 5.0, 5.8 and 4.4 ms per token. ``head="int4"`` makes every matrix 4-bit,
+Of the 8-bit heads it keeps greedy output closest to a float head (docs/performance.md, "Quantized
+greedy agreement"). ``head="int4"`` makes every matrix 4-bit,
 as llama.cpp's Q4_0 files here are. In a tied model the embedding *is* the head's table, so it
 follows the head: a quantized head's rows are looked up and dequantized (``rows()``). An untied
 embedding stays float unless ``embed="int8"``. The embedding is read one row per token, so
@@ -229,9 +227,9 @@ class Int8Linear(QuantLinear):
 
     def large(self, x: torch.Tensor) -> torch.Tensor:
         """Prompt rows, eager: two integer products carry x at the decode kernel's 16-bit precision,
-        with its rounding, so a row gets the numbers it would get alone. On Qwen2-0.5B's layer shapes
-        (two threads) 1.5-1.7x the decode kernel at 64-128 rows and 3-6x dequantizing to bf16; at 512
-        rows within 10 % of it. Graphs being traced keep the dequantizing form."""
+        with its rounding, so a row gets the numbers it would get alone (faster than both the decode
+        kernel and dequantizing at prompt sizes: docs/performance.md). Graphs being traced keep the
+        dequantizing form."""
         if not kernels.usable(x) or x.dtype != torch.float32:
             return super().large(x)
         if self._offset is None:
@@ -371,8 +369,8 @@ class Int4Linear(QuantLinear):
 
     def large(self, x: torch.Tensor) -> torch.Tensor:
         """Prompt rows through the decode kernel up to 640 rows: the weights stay 4-bit, read once
-        per 64 rows (Qwen2-0.5B layer shapes, two threads: 4.5x dequantizing to bf16 at 128 rows,
-        1.4x at 512; prompts 64 -> 313 tok/s), and a row gets the numbers it gets alone."""
+        per 64 rows (faster than dequantizing to bf16: docs/performance.md), and a row gets the
+        numbers it gets alone."""
         if x.shape[0] <= 640 and kernels.usable(x) and (y := self.kernel_rows(x)) is not None:
             return y
         return super().large(x)
@@ -446,8 +444,8 @@ def equalize_columns(model: nn.Module, alpha: float = EQUALIZE_ALPHA) -> None:
     step of every row. For a norm that feeds projections (qkv after input_layernorm, gate/up after
     post_attention_layernorm), column j is divided by s_j = (max_j / mean max)^alpha and the norm's
     weight multiplied by s_j: the same function in float, finer steps in int8 (the input stays at
-    16 bits, so the larger norm outputs cost nothing there). On the demo target's 200 held-out prompts,
-    32 greedy tokens kept by the default int8 export: 178 -> 182 (alpha 0.5: 181)."""
+    16 bits, so the larger norm outputs cost nothing there). It keeps more of the demo target's greedy
+    tokens than no equalization (docs/performance.md, "Quantized greedy agreement")."""
     for layer in model.layers:
         for norm, proj in ((layer.input_layernorm, layer.self_attn.qkv_proj),
                            (layer.post_attention_layernorm, layer.mlp.gate_up_proj)):
@@ -517,53 +515,3 @@ def prepare_quantized(model: nn.Module, use_kernels: bool = True) -> None:
     for m in model.modules():
         if isinstance(m, QuantLinear):
             m.prepare(use_kernels)
-
-
-def quantized_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every tensor an engine directory stores, each storage once (a tied int8 table appears under
-    lm_head.* only)."""
-    out, seen = {}, set()
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if t is None or name.startswith("rotary.") or t.data_ptr() in seen:
-            continue
-        seen.add(t.data_ptr())
-        out[name] = t.detach().contiguous()
-    return out
-
-
-# ---- int8 KV cache codec -----------------------------------------------------------------------
-#
-# Pool layout as in the runtime, with one float32 scale per (layer, block, kv head):
-#
-#     k_pool[layer]:   int8 [num_blocks * block_size, kv_heads, head_dim]
-#     k_scale[layer]:  f32  [num_blocks, kv_heads]          value = q * scale[slot // block_size, head]
-#
-# A block fills up a few tokens at a time, so its scale may have to grow: the writer then rescales
-# the block's earlier entries to the new scale (one extra rounding for those, bounded by the new
-# scale / 2), which keeps a single scale per block and head valid at all times.
-
-def write_kv_int8(pool: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor, new: torch.Tensor,
-                  block_size: int) -> None:
-    """Write new [T, H, D] float values at ``slots`` into an int8 pool [S, H, D] with per-block,
-    per-head scales [S // block_size, H]; growing a block's scale requantizes what it holds."""
-    new = new.float()
-    blocks = slots // block_size
-    need = new.abs().amax(dim=-1) / 127                                     # [T, H]
-    uniq, inverse = torch.unique(blocks, return_inverse=True)
-    want = torch.zeros(uniq.numel(), need.shape[1]).scatter_reduce_(0, inverse[:, None].expand_as(need), need, "amax")
-    old = scales[uniq]                                                      # [U, H]
-    grown = torch.maximum(old, want).clamp(min=1e-12)
-    changed = (grown > old) & (old > 0)
-    if changed.any():
-        rows = (uniq[:, None] * block_size + torch.arange(block_size)).flatten()
-        ratio = (old / grown).repeat_interleave(block_size, dim=0)[:, :, None]   # [U*bs, H, 1]
-        pool[rows] = torch.round(pool[rows].float() * ratio).to(torch.int8)
-    scales[uniq] = grown
-    s = scales[blocks][:, :, None]
-    pool[slots] = torch.round(new / s).clamp(-127, 127).to(torch.int8)
-
-
-def read_kv_int8(pool: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor, block_size: int,
-                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Gather slots [L] -> [L, H, D] dequantized values."""
-    return (pool[slots].float() * scales[slots // block_size][:, :, None]).to(dtype)

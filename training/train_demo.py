@@ -1,7 +1,7 @@
 """Build llmd's bundled demo pair from the Python standard library: tokenizer, target, distilled draft.
 
-    python -m llmd.export.train_demo --out models                 # everything (``make models``)
-    python -m llmd.export.train_demo --out models --stages target # one stage; stages resume
+    python -m llmd.training.train_demo --out models                 # everything (``make models``)
+    python -m llmd.training.train_demo --out models --stages target # one stage; stages resume
 
 Stages (each resumable from ``--work``): ``data`` trains the BPE and encodes the train and held-out
 token streams; ``target`` trains the Llama target; ``draft`` distills the draft from the target
@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import shutil
 import sys
 import time
 from dataclasses import replace
@@ -21,18 +20,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
 
-from ..runtime.models.config import ModelConfig
-from ..runtime.models.llama import LlamaForCausalLM
-from ..runtime.models.loader import save_model
 from . import bpe, corpus
-from .train_loop import DocSampler, TrainConfig, init_weights, train
+from .distill import distill, with_on_policy
+from .eval_demo import evaluate_and_write_cards
+from .model_dir import hf_config, new_model, write_model_dir
+from .train_loop import DocSampler, TrainConfig, train
 
 SEED = 1234
 HELDOUT_FRACTION = 0.05
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-MAX_WEIGHT_BYTES = 40 * 2**20
 TRAIN_PASSES = 2
 
 # The target: Llama with grouped-query attention and tied embeddings, 12.6M parameters.
@@ -42,47 +38,13 @@ TARGET_SHAPE = dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=6
 DRAFT_SHAPE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=5,
                    num_attention_heads=4, num_key_value_heads=2)
 # Runs end at their step counts, so a rebuild repeats the same batches and learning rates whatever the
-# machine's speed (about 50 and 35 minutes here); the wall-clock budgets (--target-minutes,
+# machine's speed (the model cards record the wall times); the wall-clock budgets (--target-minutes,
 # --draft-minutes) are caps for a slow machine, where a run that hits one ends early and differs.
 TARGET_TRAIN = TrainConfig(seq_len=512, batch_size=8, lr=1.5e-3, warmup_steps=50, max_steps=1700, seed=SEED)
 DRAFT_ON_POLICY = 8000      # corpus windows the target continues greedily for the draft's distillation
 DRAFT_TRAIN = TrainConfig(seq_len=512, batch_size=8, lr=3e-3, warmup_steps=50, max_steps=1400, seed=SEED + 1)
 
 
-def hf_config(shape: dict, vocab_size: int, eot_id: int, seq_len: int) -> dict:
-    """A Hugging Face config.json for a Llama of this shape."""
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **shape,
-            "vocab_size": vocab_size, "max_position_embeddings": seq_len, "rms_norm_eps": 1e-5,
-            "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": True,
-            "attention_bias": False, "mlp_bias": False, "bos_token_id": eot_id, "eos_token_id": eot_id,
-            "torch_dtype": "float32"}
-
-
-def new_model(config: dict, seed: int) -> LlamaForCausalLM:
-    model = LlamaForCausalLM(ModelConfig.from_dict(config))
-    init_weights(model, seed)
-    return model
-
-
-def write_model_dir(model: LlamaForCausalLM, config: dict, tokenizer_dir: Path, out: Path) -> None:
-    """A complete Hugging Face model directory: weights, config, generation config, tokenizer.
-
-    Weights are float32 unless that would exceed MAX_WEIGHT_BYTES; then bfloat16."""
-    out.mkdir(parents=True, exist_ok=True)
-    save_model(model, out)
-    if (out / "model.safetensors").stat().st_size > MAX_WEIGHT_BYTES:
-        tensors = load_file(str(out / "model.safetensors"))
-        save_file({k: v.to(torch.bfloat16) for k, v in tensors.items()}, str(out / "model.safetensors"),
-                  metadata={"format": "pt"})
-        config = {**config, "torch_dtype": "bfloat16"}
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    gen = {k: config[k] for k in ("bos_token_id", "eos_token_id") if config.get(k) is not None} | {"do_sample": False}
-    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-    for name in TOKENIZER_FILES:
-        shutil.copyfile(tokenizer_dir / name, out / name)
-
-
-# ---- stages ------------------------------------------------------------------------------------
 def stage_data(work: Path, seed: int) -> None:
     """Tokenizer from the training files; token streams (uint16 .npy) for train and held-out."""
     if (work / "heldout.npy").is_file():
@@ -133,7 +95,6 @@ def stage_raw(work: Path, cfg: TrainConfig) -> None:
 
 def stage_draft(work: Path, out: Path, cfg: TrainConfig) -> None:
     """KL distillation from the target, half of it on the target's own greedy continuations."""
-    from .distill import distill, with_on_policy
     tokens = with_on_policy(out / "code-target", load_tokens(work, "train"), DRAFT_ON_POLICY, work / "ckpt-draft",
                             cfg.seed, cfg.seq_len)
     state = distill(out / "code-target", out / "code-draft", tokens, cfg, work / "ckpt-draft", shape=DRAFT_SHAPE)
@@ -157,7 +118,7 @@ def read_runs(work: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m llmd.export.train_demo", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m llmd.training.train_demo", description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=Path("models"), help="where code-target/ and code-draft/ go")
     p.add_argument("--work", type=Path, default=Path("work-out/demo"), help="checkpoints and token caches")
     p.add_argument("--stages", default="data,target,draft,raw,eval",
@@ -186,8 +147,8 @@ def main(argv: list[str] | None = None) -> None:
     if "raw" in stages:
         stage_raw(args.work, replace(DRAFT_TRAIN, max_steps=args.draft_steps, budget_s=args.raw_minutes * 60))
     if "eval" in stages:
-        from .eval_demo import evaluate_and_write_cards
-        evaluate_and_write_cards(args.work, args.out, args.card_command or " ".join(["python -m llmd.export.train_demo", *(argv or sys.argv[1:])]))
+        evaluate_and_write_cards(args.work, args.out, args.card_command or " ".join(["python -m llmd.training.train_demo", *(argv or sys.argv[1:])]),
+                                 read_runs(args.work), DRAFT_ON_POLICY)
     print(f"done in {time.monotonic() - t0:.0f} s")
 
 

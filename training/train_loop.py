@@ -26,9 +26,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm import tqdm
 
-from ..runtime.errors import ModelLoadError
-from ..runtime.models.layers import Linear, RMSNorm
-from ..runtime.models.llama import LlamaForCausalLM
+from llmd.runtime.errors import ModelLoadError
+from llmd.runtime.models.layers import Linear, RMSNorm
+from llmd.runtime.models.llama import LlamaForCausalLM
 
 LossFn = Callable[[LlamaForCausalLM, torch.Tensor], torch.Tensor]
 

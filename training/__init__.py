@@ -1,0 +1,1 @@
+"""Training llmd's bundled demo models: BPE tokenizer, corpus, training loop, distillation, evaluation."""
