@@ -111,7 +111,7 @@ def daemon_process(settings: Settings, *extra: str, env=None) -> subprocess.Pope
     """`python -m llmd.daemon serve` as a separate process with these settings."""
     cmd = [sys.executable, "-m", "llmd.daemon", "serve", "--model", settings.model, "--socket", settings.socket,
            "--kv-memory", settings.kv_memory, "--max-batch-tokens", str(settings.max_batch_tokens),
-           "--drain-grace", str(settings.drain_grace_s), "--threads", "1", *extra]
+           "--drain-grace-s", str(settings.drain_grace_s), "--threads", "1", *extra]
     full_env = {**os.environ, "PYTHONPATH": str(REPO / "tests"), "XDG_CONFIG_HOME": str(Path(settings.socket).parent),
                 **(env or {})}
     return subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
