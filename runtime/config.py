@@ -60,7 +60,7 @@ class EngineConfig:
                                     help="token budget of one engine step, shared by decodes and prompt chunks")
     max_num_seqs: int = setting(64, unit="requests", help="requests running at once, at most")
     max_model_len: Optional[int] = setting(None, unit="tokens",
-                                           help="longest prompt plus output (default: the model's context window)")
+                                           help="longest prompt plus output; unset: the model's context window")
     max_waiting: int = setting(1024, unit="requests",
                                help="requests waiting to start, at most; more are refused as over capacity")
     prefix_cache: bool = setting(True, help="reuse the KV cache of prompt prefixes seen before")
@@ -71,7 +71,7 @@ class EngineConfig:
              "block's scale grows with what is written to it, so greedy text may vary with batching and speculation)")
     attention: str = setting("fast", choices=("fast", "reference"),
                              help="attention code: llmd's fast paths, or the plain reference one")
-    threads: Optional[int] = setting(None, unit="threads", help="CPU threads for the engine (default: torch's choice)")
+    threads: Optional[int] = setting(None, unit="threads", help="CPU threads for the engine; unset: torch's choice")
     device: str = setting(
         "auto", choices=DEVICES,
         help="where the model runs: auto (llmd's own model code on the CPU; an ONNX Runtime engine on its CUDA "
@@ -85,7 +85,7 @@ class EngineConfig:
              "requests only, whose output it cannot change; a sampled request with its own seed never speculates)")
     num_speculative_tokens: Optional[int] = setting(
         None, unit="tokens",
-        help=f"most tokens proposed per step when speculating (default: {NGRAM_K} for ngram, {DRAFT_K} for a draft model)")
+        help=f"most tokens proposed per step when speculating; unset: {NGRAM_K} for ngram, {DRAFT_K} for a draft model")
     adaptive_speculation: bool = setting(
         True, help="let measured costs and acceptance pick the speculation depth, up to num_speculative_tokens")
     ngram_n: int = setting(3, unit="tokens", help="match length of prompt lookup")
