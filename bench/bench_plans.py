@@ -1,0 +1,128 @@
+"""Linear-layer plans chosen by rule (now) against those another revision chose by timing, side by side
+in one process: for each weight of a model shape (its layer products and its head), the plan each
+picks, and where they differ, the time of the products the model runs through it.
+
+    .venv/bin/python bench/bench_plans.py --against 2458811 --threads 2
+
+``--against``'s ``runtime/models/layers.py`` is read from git and its ``matvec_plan`` run here, as a
+model of that revision would have run it at load. A model whose every layer product the fused step
+serves stores them for llmd's kernel whatever the plan (``prepare_for_inference``), so for those the
+plan in effect is compared, not the timed one. Weights are random: float32 (float32 blocks),
+bfloat16 values served in float32 (bfloat16 blocks: the same plan, half the bytes), and a model
+served in bfloat16. Rounds alternate between the two plans; medians of each are reported with their
+ratio (below 1: the rule's plan is faster). Quantized weights (int8, int4) have no plan: their
+products are the same in both revisions.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from llmd.runtime import kernels
+from llmd.runtime.kernels import ops
+from llmd.runtime.models import layers
+from llmd.runtime.models.layers import Linear, MatvecPlan
+
+ROOT = Path(__file__).resolve().parent.parent
+# hidden, heads, kv heads, head size, intermediate, vocabulary of each model shape
+MODELS = {"tiny": (256, 4, 4, 64, 1024, 8192), "code-target": (384, 6, 2, 64, 1024, 8192),
+          "code-draft": (128, 4, 2, 32, 384, 8192), "qwen2-0.5b": (896, 14, 2, 64, 4864, 151936)}
+VARIANTS = ("float32", "bfloat16-blocks", "bfloat16")
+
+
+def layers_at(rev: str):
+    """``rev``'s runtime/models/layers.py as a module (its relative imports resolve to today's package)."""
+    source = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:runtime/models/layers.py"], capture_output=True,
+                            text=True, check=True).stdout
+    spec = importlib.util.spec_from_loader("llmd.runtime.models._layers_at_rev", loader=None)
+    module = importlib.util.module_from_spec(spec)
+    module.__package__ = "llmd.runtime.models"
+    exec(compile(source, f"{rev}:runtime/models/layers.py", "exec"), module.__dict__)
+    return module
+
+
+def weight_shapes(model: str) -> list[tuple[str, int, int]]:
+    """(name, in, out) of one layer's products and the head."""
+    e, h, kvh, d, i, v = MODELS[model]
+    return [("qkv", e, (h + 2 * kvh) * d), ("o", h * d, e), ("gate_up", e, 2 * i), ("down", i, e), ("head", e, v)]
+
+
+def fused_layers(model: str, dtype: torch.dtype) -> bool:
+    """The fused step serves this model's layer products: they are stored for llmd's kernel."""
+    return (dtype == torch.float32 and layers.can_pack(dtype) and kernels.available()
+            and all(n % 64 == 0 for name, _, n in weight_shapes(model) if name != "head"))
+
+
+def linear(w: torch.Tensor, plan: MatvecPlan) -> Linear:
+    m = Linear(w.shape[1], w.shape[0])
+    m.weight = torch.nn.Parameter(w.clone(), requires_grad=False)
+    m.apply_plan(plan)
+    return m
+
+
+def product_times(w: torch.Tensor, plans: dict, rows: list[int], rounds: int) -> dict:
+    """Median microseconds of a product of each row count through each plan, rounds alternating."""
+    mods = {name: linear(w, plan) for name, plan in plans.items()}
+    out = {}
+    for m in rows:
+        x = torch.randn(m, w.shape[1], dtype=w.dtype)
+        reps = max(1, min(50, int(2e8 // (w.numel() * m + 1))))
+        times = {name: [] for name in mods}
+        for _ in range(rounds):
+            for name, mod in mods.items():
+                mod(x)
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    mod(x)
+                times[name].append((time.perf_counter() - t0) / reps)
+        now, then = (statistics.median(times[k]) for k in ("rule", "timed"))
+        out[m] = {"rule_us": round(now * 1e6, 1), "timed_us": round(then * 1e6, 1), "rule_over_timed": round(now / then, 3)}
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--against", default="HEAD", help="git revision whose timed plans are the baseline")
+    ap.add_argument("--threads", type=int, default=2, help="torch and kernel threads (default 2)")
+    ap.add_argument("--models", default=",".join(MODELS), help=f"model shapes (default {','.join(MODELS)})")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"weight kinds (default {','.join(VARIANTS)})")
+    ap.add_argument("--rows", default="1,4,16,64", help="row counts timed where the plans differ")
+    ap.add_argument("--rounds", type=int, default=5, help="alternating rounds; medians reported (default 5)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    old = layers_at(args.against)
+    rows = [int(r) for r in args.rows.split(",")]
+    report = []
+    with torch.inference_mode():
+        for model in args.models.split(","):
+            for variant in args.variants.split(","):
+                dtype = torch.bfloat16 if variant == "bfloat16" else torch.float32
+                for name, k, n in weight_shapes(model):
+                    rule = layers.matvec_plan(k, n, dtype, args.threads)
+                    if name != "head" and fused_layers(model, dtype):
+                        timed = MatvecPlan("blocked", 1, ops.F32_MAX_ROWS, packed=True)
+                    else:
+                        t = old.matvec_plan(k, n, dtype, args.threads)
+                        timed = MatvecPlan(t.layout, t.splits, t.split_max_rows, t.packed)
+                    row = {"model": model, "weights": variant, "product": name, "shape": [k, n],
+                           "rule": rule.__dict__, "timed": timed.__dict__, "same_plan": rule == timed}
+                    if rule != timed:
+                        w = torch.randn(n, k)
+                        w = w.to(torch.bfloat16) if variant == "bfloat16" else w
+                        w = w.to(torch.bfloat16).float() if variant == "bfloat16-blocks" else w
+                        row["times"] = product_times(w, {"rule": rule, "timed": timed}, rows, args.rounds)
+                    report.append(row)
+                    print(json.dumps(row), flush=True)
+    print(json.dumps({"plans": len(report), "same": sum(r["same_plan"] for r in report)}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
