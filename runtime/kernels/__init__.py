@@ -24,6 +24,7 @@ import tempfile
 from functools import lru_cache
 from pathlib import Path
 
+import cffi
 import torch
 
 log = logging.getLogger("llmd.kernels")
@@ -73,8 +74,9 @@ _CTYPES = {"int": ctypes.c_int, "float": ctypes.c_float, "void": None}
 
 @lru_cache(maxsize=None)
 def _ffi():
-    """A cffi parser holding the entry points' declarations, read from kernels.h (its API block)."""
-    import cffi          # read at load only: calls go through ctypes, which takes a tensor's address as an int
+    """A cffi parser holding the entry points' declarations, read from kernels.h (its API block). Only
+    the declarations come from it: calls go through ctypes, which takes a tensor's address as an int
+    where a cffi call would need a cast per pointer."""
     text = _HEADER.read_text()
     ffi = cffi.FFI()
     ffi.cdef(text[text.index(_API_BEGIN):text.index(_API_END)])
@@ -141,7 +143,7 @@ def lib() -> ctypes.CDLL | None:
         return None
     try:
         so = bind(ctypes.CDLL(str(_build())))
-    except (OSError, RuntimeError, ImportError) as e:
+    except (OSError, RuntimeError) as e:
         _why = str(e)
         log.warning("llmd's CPU kernels are unavailable (%s); decoding uses torch's kernels, which are slower "
                     "here. Install a C compiler (gcc) to build them.", _why)
