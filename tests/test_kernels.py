@@ -249,3 +249,35 @@ def test_rope_kernel_rotates_pairs_and_declines_positions_past_its_tables():
     torch.testing.assert_close(torch.cat([q, k], 1), ref)
     assert ops.rope_qk(qkv, heads, kv_heads, d, cos, sin, torch.tensor([0, 4, p])) is None    # never read past
     assert ops.rope_qk(qkv, heads, kv_heads, d, cos, sin, torch.tensor([0, -1, 2])) is None
+
+
+def test_every_entry_point_is_declared_once_in_the_header_and_bound_by_it():
+    """kernels.h declares each exported function (the compiler holds the definitions to it), no .c file
+    declares one again, and every one the library exports is bound with the header's signature."""
+    import ctypes
+    import re
+    import shutil
+    import subprocess
+    so = kernels.lib()
+    declared = set(dir(kernels._ffi().dlopen(so._name)))
+    if shutil.which("nm"):
+        symbols = subprocess.run(["nm", "-D", "--defined-only", so._name], capture_output=True, text=True).stdout
+        assert set(re.findall(r" T (llmd_\w+)$", symbols, re.M)) == declared
+    for source in kernels._SOURCES:
+        assert not re.search(r"^\s*(?:int|void) llmd_\w+\([^{]*?\);", source.read_text(), re.M), source.name
+    assert len(declared) == 17
+    for name in declared:
+        assert getattr(so, name).argtypes is not None, name
+    assert so.llmd_int4_pack.restype is None and so.llmd_rmsnorm.restype is ctypes.c_int
+    assert so.llmd_rmsnorm.argtypes[4] is ctypes.c_float
+
+
+def test_the_dims_struct_keeps_the_order_of_the_array_it_replaced():
+    """An earlier revision's library reads the dims as 13 ints in this order (bench_kernels.py --against)."""
+    import ctypes
+    dims = kernels.struct("llmd_dims")
+    assert [name for name, _ in dims._fields_] == [
+        "layers", "rows", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "rope_rows", "pool_slots",
+        "table_width", "block_size", "pool_bytes", "vocab"]
+    d = dims(layers=4, rows=2, vocab=8192)
+    assert list((ctypes.c_int * 13).from_buffer_copy(d)) == [4, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 8192]

@@ -123,8 +123,8 @@ def test_distillation_reaches_every_draft_weight():
 
 
 def test_serving_never_asks_for_kernels_while_gradients_are_recorded(tiny_model_dir, monkeypatch):
-    """The engine and its load-time tuning (matvec plans) run without gradients: a kernel asked for
-    while gradients are recorded is refused, and the tuning would time torch's fallback instead."""
+    """The engine runs without gradients: a kernel asked for while gradients are recorded is refused,
+    and torch's fallback would run instead."""
     from llmd import LLM, SamplingParams
     from llmd.runtime import kernels
     from llmd.runtime.models.layers import matvec_plan

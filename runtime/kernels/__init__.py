@@ -5,8 +5,9 @@ every layer of a float32 decode step in one call (decode.c).
 The C sources are compiled once per machine with the system C compiler into a cache directory
 (``$LLMD_CACHE``, else ``$XDG_CACHE_HOME/llmd``, else ``~/.cache/llmd``; used only when owned by
 this user and writable by no one else, so nobody can plant a library there; else a fresh private
-temporary directory) and loaded with ctypes; it links the OpenMP runtime torch has already loaded, so
-both share one thread pool. ``available()`` is False, with ``why()`` saying why, when there is no
+temporary directory) and loaded with ctypes, each entry point bound by its declaration in kernels.h
+(read with cffi's C parser); it links the OpenMP runtime torch has already loaded, so both share one
+thread pool. ``available()`` is False, with ``why()`` saying why, when there is no
 compiler, the CPU lacks AVX-512 (with VNNI), or ``LLMD_KERNELS=0``: every caller then uses
 torch's ops, slower but the same formulas.
 """
@@ -20,8 +21,10 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from functools import lru_cache
 from pathlib import Path
 
+import cffi
 import torch
 
 log = logging.getLogger("llmd.kernels")
@@ -31,31 +34,6 @@ _HEADER = _HERE / "kernels.h"
 _lib: ctypes.CDLL | None = None
 _why = ""
 _tried = False
-
-_P, _I = ctypes.c_void_p, ctypes.c_int
-# An entry point keeps its signature for as long as it keeps its name: bench/bench_kernels.py calls
-# another revision's library through these signatures, so a changed signature takes a new name.
-_SIGNATURES = {
-    "llmd_cpu_ok": [],
-    "llmd_int8_x": [_P, _I, _I, _P, _P, _P, _P, _I, _I],
-    "llmd_int4_pack": [_P, _I, _I, _P],
-    "llmd_int4_x": [_P, _I, _I, _I, _P, _P, _P, _P, _P, _I, _I],
-    "llmd_f32": [_P, _I, _I, _P, _P, _P, _I, _I],
-    "llmd_f32_w16": [_P, _I, _I, _P, _P, _P, _I, _I],
-    "llmd_attend": [_P, _P, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _P, _I],
-    "llmd_attend_bf16": [_P, _P, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _P, _I],
-    "llmd_rmsnorm": [_P, _I, _I, _P, ctypes.c_float, _P],
-    "llmd_add_rmsnorm": [_P, _P, _I, _I, _P, ctypes.c_float, _P, _P],
-    "llmd_silu_mul": [_P, _I, _I, _P],
-    "llmd_rope_qk": [_P, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P],
-    "llmd_w8a8_x": [_P, _I, _I, _P, _P, _P, _P, _I, _I],
-    "llmd_argmax": [_P, _I, _I, _P, _I],
-    "llmd_int8g_x": [_P, _I, _I, _I, _P, _P, _P, _P, _I, _I],
-    "llmd_decode": [_P, _P, _P, _P, _P, _P, ctypes.c_float, *[_P] * 11, _I],
-    "llmd_draft": [_P, _P, _P, _P, ctypes.c_float, _P, _P, _P, _P, _P, _P, _I, _P, _I, _P, _P, _P, _I,
-                   _P, _P, _P, _P, _P, _I],
-}
-
 
 def _private(d: Path) -> bool:
     """Ours and writable by nobody else: a shared directory could hold a planted library."""
@@ -89,13 +67,50 @@ def compile_command(cc: str, sources: list[Path], out: Path) -> list[str]:
     return [cc, "-O3", "-fopenmp", "-shared", "-fPIC", "-o", str(out), *map(str, sources), "-lm"]
 
 
+_API_BEGIN, _API_END = "/* llmd API begin", "/* llmd API end */"
+# the C types the entry points' declarations use, as ctypes passes them (any pointer: an address)
+_CTYPES = {"int": ctypes.c_int, "float": ctypes.c_float, "void": None}
+
+
+@lru_cache(maxsize=None)
+def _ffi():
+    """A cffi parser holding the entry points' declarations, read from kernels.h (its API block). Only
+    the declarations come from it: calls go through ctypes, which takes a tensor's address as an int
+    where a cffi call would need a cast per pointer."""
+    text = _HEADER.read_text()
+    ffi = cffi.FFI()
+    ffi.cdef(text[text.index(_API_BEGIN):text.index(_API_END)])
+    return ffi
+
+
+def _ctype(t):
+    if t.kind == "pointer":
+        return ctypes.c_void_p
+    if t.cname not in _CTYPES:
+        raise TypeError(f"kernels.h declares a {t.cname} argument, which llmd.runtime.kernels does not pass")
+    return _CTYPES[t.cname]
+
+
 def bind(so: ctypes.CDLL) -> ctypes.CDLL:
-    """Declare the entry points' signatures; one a library lacks (an older build) is left out."""
-    for name, args in _SIGNATURES.items():
-        fn = getattr(so, name, None)
-        if fn is not None:
-            fn.argtypes, fn.restype = args, ctypes.c_int
+    """Give each entry point of ``so`` its signature as kernels.h declares it (an entry point the
+    library lacks, an older build's, is left out)."""
+    ffi = _ffi()
+    declared = ffi.dlopen(so._name)
+    for name in dir(declared):
+        try:
+            fn_type = ffi.typeof(getattr(declared, name))
+        except AttributeError:            # declared, but not in this build
+            continue
+        fn = getattr(so, name)
+        fn.argtypes, fn.restype = [_ctype(a) for a in fn_type.args], _ctype(fn_type.result)
     return so
+
+
+@lru_cache(maxsize=None)
+def struct(name: str) -> type[ctypes.Structure]:
+    """The ctypes form of a struct kernels.h declares (its fields in the header's order)."""
+    fields = _ffi().typeof(name).fields
+    return type(name, (ctypes.Structure,), {"_fields_": [(f, _ctype(t.type)) for f, t in fields]})
 
 
 def _build() -> Path:

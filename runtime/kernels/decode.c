@@ -12,21 +12,6 @@
  * and after the last layer x += mlp_out, out = rmsnorm(x) with the final norm. */
 #include "kernels.h"
 
-int llmd_f32(const float *x, int M, int K, const float *w, const float *bias, float *y, int N, int nt);
-int llmd_f32_w16(const float *x, int M, int K, const uint16_t *w, const float *bias, float *y, int N, int nt);
-int llmd_rmsnorm(const float *x, int M, int K, const float *w, float eps, float *out);
-int llmd_add_rmsnorm(const float *x, const float *h, int M, int K, const float *w, float eps, float *sum, float *out);
-int llmd_silu_mul(const float *gu, int M, int I, float *out);
-int llmd_rope_qk(const float *qkv, int T, int H, int KVH, int D, const float *cos_t, const float *sin_t, int P,
-                 const int64_t *pos, float *q, float *k);
-int llmd_attend(const float *q, const float *kpool, const float *vpool, const int32_t *row, const int32_t *span,
-                const int32_t *len, int R, const int32_t *table, int table_width, int bs, int H, int KVH, int D,
-                float *out, int nt);
-int llmd_argmax(const float *x, int M, int V, int64_t *out, int nt);
-int llmd_attend_bf16(const float *q, const uint16_t *kpool, const uint16_t *vpool, const int32_t *row,
-                     const int32_t *span, const int32_t *len, int R, const int32_t *table, int table_width, int bs,
-                     int H, int KVH, int D, float *out, int nt);
-
 /* float32 -> bfloat16 as torch (2.13, the pinned version) converts it: to nearest, ties to even; every
  * NaN -> 0xFFFF. */
 static void to_bf16(const float *x, uint16_t *out, int n) {
@@ -66,14 +51,9 @@ static int product(const float *x, int M, int K, const void *w, int narrow, cons
  * i-th product (qkv, o, gate_up, down) has bfloat16 blocks. */
 enum { W_IN_NORM, W_QKV, B_QKV, W_O, B_O, W_POST_NORM, W_GU, B_GU, W_DOWN, B_DOWN, W_PER_LAYER };
 
-/* dims: L, T, hidden, heads, kv heads, head size, intermediate, rope table rows P, pool slots per
- * layer S, attention table width, block size, bytes per pool value (4 float32, 2 bfloat16), and
- * (llmd_draft only) the vocabulary V. */
-enum { D_L, D_T, D_E, D_H, D_KVH, D_D, D_I, D_P, D_S, D_TW, D_BS, D_ES, D_V, D_COUNT };
-
 /* The model's part of a step: its weights and tables. */
 typedef struct {
-    const int *dims;
+    const llmd_dims *dims;
     const void *const *w;
     const uint8_t *narrow;
     const float *final_norm, *cos_t, *sin_t;
@@ -87,18 +67,19 @@ typedef struct {
  * out [T, hidden] the final normed hidden states. */
 static int layers(const Model *m, int T, float *x, float *out, const int64_t *pos, const int64_t *slots,
                   const int32_t *rows, const int32_t *spans, const int32_t *lengths, const int32_t *table) {
-    const int *dims = m->dims;
-    const int L = dims[D_L], E = dims[D_E], H = dims[D_H], KVH = dims[D_KVH], D = dims[D_D], I = dims[D_I];
-    const int P = dims[D_P], table_width = dims[D_TW], bs = dims[D_BS], es = dims[D_ES], nt = m->nt;
+    const llmd_dims *dims = m->dims;
+    const int L = dims->layers, E = dims->hidden, H = dims->heads, KVH = dims->kv_heads, D = dims->head_dim;
+    const int I = dims->intermediate, P = dims->rope_rows, table_width = dims->table_width;
+    const int bs = dims->block_size, es = dims->pool_bytes, nt = m->nt;
     const float eps = m->eps;
     if (!llmd_cpu_ok() || T < 1 || T > 16 || (es != 4 && es != 2)) return -1;
     const int F = (H + 2 * KVH) * D;                       /* qkv width */
     float *qkv = m->work, *q = qkv + (size_t)T * F, *k = q + (size_t)T * H * D, *att = k + (size_t)T * KVH * D;
     float *gu = att + (size_t)T * H * D, *act = gu + (size_t)T * 2 * I, *h = act + (size_t)T * I;
     float *mlp = out;                                      /* the last layer's MLP output, then the result */
-    const size_t layer_bytes = (size_t)dims[D_S] * KVH * D * es;
+    const size_t layer_bytes = (size_t)dims->pool_slots * KVH * D * es;
     for (int t = 0; t < T; t++)              /* every slot in the pool before anything is written */
-        if (slots[t] < 0 || slots[t] >= dims[D_S]) return -1;
+        if (slots[t] < 0 || slots[t] >= dims->pool_slots) return -1;
     int rc = 0;
     for (int l = 0; l < L && !rc; l++) {
         const void *const *lw = m->w + (size_t)l * W_PER_LAYER;
@@ -124,15 +105,15 @@ static int layers(const Model *m, int T, float *x, float *out, const int64_t *po
     return rc;
 }
 
-/* One step of T packed rows (dims[D_T]) whose attention metadata the caller built. Returns 0, -1 (a
+/* One step of T packed rows (dims->rows) whose attention metadata the caller built. Returns 0, -1 (a
  * kernel refused the shape: a position past the rotary tables, a slot outside the pool), or -2
  * (attention could not allocate). */
-TARGET int llmd_decode(const int *dims, float *x, float *out, const void *const *w, const uint8_t *narrow,
+TARGET int llmd_decode(const llmd_dims *dims, float *x, float *out, const void *const *w, const uint8_t *narrow,
                        const float *final_norm, float eps, const float *cos_t, const float *sin_t, const int64_t *pos,
                        void *k_pool, void *v_pool, const int64_t *slots, const int32_t *rows, const int32_t *spans,
                        const int32_t *lengths, const int32_t *table, float *work, int nt) {
     const Model m = {dims, w, narrow, final_norm, cos_t, sin_t, eps, k_pool, v_pool, work, nt};
-    return layers(&m, dims[D_T], x, out, pos, slots, rows, spans, lengths, table);
+    return layers(&m, dims->rows, x, out, pos, slots, rows, spans, lengths, table);
 }
 
 /* Greedy proposals of a draft model, `steps` forwards in one call: each of the T requests first feeds
@@ -140,21 +121,21 @@ TARGET int llmd_decode(const int *dims, float *x, float *out, const void *const 
  * takes the first largest logit of the last as its next token; later forwards feed that token at
  * the next position. This is the Python loop of llmd.runtime.spec.draft, one forward at a time
  * there: the same kernels, so the same tokens and KV.
- *   ids [sum count]: the tokens fed first, request after request; table [T, dims[D_TW]]: each
+ *   ids [sum count]: the tokens fed first, request after request; table [T, dims->table_width]: each
  *   request's block ids, covering its last position; out [T, steps]: the tokens taken.
  *   head: the output head's blocks [V/64, hidden, 64] (bfloat16 where head_narrow);
  *   embed: the token embeddings, float32 rows [V, hidden] (embed_rows), or the head's own blocks
  *   (a tied head: embed_rows = 0).
- *   x, hidden [16, hidden] and logits [T, V]: scratch. dims[D_T] is T.
+ *   x, hidden [16, hidden] and logits [T, V]: scratch. dims->rows is T.
  * Returns the steps completed: all, or fewer where a position falls outside the block table or the
  * rotary tables, a token is outside the vocabulary, or a row's logits hold NaN (the caller's own
  * loop goes on from there); or -1 (more than 16 rows) or -2 (attention could not allocate). */
-TARGET int llmd_draft(const int *dims, const void *const *w, const uint8_t *narrow, const float *final_norm,
+TARGET int llmd_draft(const llmd_dims *dims, const void *const *w, const uint8_t *narrow, const float *final_norm,
                       float eps, const float *cos_t, const float *sin_t, void *k_pool, void *v_pool,
                       const int32_t *table, const void *head, int head_narrow, const void *embed, int embed_rows,
                       const int64_t *ids, const int32_t *count, const int64_t *pos0, int steps, int64_t *out,
                       float *x, float *hidden, float *logits, float *work, int nt) {
-    const int T = dims[D_T], E = dims[D_E], V = dims[D_V], tw = dims[D_TW], bs = dims[D_BS];
+    const int T = dims->rows, E = dims->hidden, V = dims->vocab, tw = dims->table_width, bs = dims->block_size;
     if (!llmd_cpu_ok() || T < 1 || T > 16 || V % 64 || E % 16) return -1;
     const Model m = {dims, w, narrow, final_norm, cos_t, sin_t, eps, k_pool, v_pool, work, nt};
     int64_t tok[16], pos[16], slots[16], next[16], start[16];
@@ -171,7 +152,7 @@ TARGET int llmd_draft(const int *dims, const void *const *w, const uint8_t *narr
             start[t] = s == 0 ? pos0[t] : pos0[t] + count[t] + s - 1;
             for (int j = 0; j < n; j++, r++) {
                 const int64_t p = start[t] + j, id = s == 0 ? ids[r] : tok[t];
-                if (p < 0 || p / bs >= tw || p >= dims[D_P] || id < 0 || id >= V) return s;
+                if (p < 0 || p / bs >= tw || p >= dims->rope_rows || id < 0 || id >= V) return s;
                 pos[r] = p;
                 slots[r] = (int64_t)table[(size_t)t * tw + p / bs] * bs + p % bs;
                 rows[r] = r;

@@ -13,7 +13,65 @@
 #define MAXM 4
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
 
-int llmd_cpu_ok(void);      /* quant.c: AVX-512 F/BW/VL/DQ and VNNI present */
+/* llmd API begin: the entry points, declared here alone. llmd.runtime.kernels reads this block with
+ * cffi's C parser and binds each function of a library by it, so it holds plain declarations only (no
+ * macros, no preprocessor lines). An entry point keeps its signature for as long as it keeps its name:
+ * bench/bench_kernels.py binds another revision's library by this block, so a changed signature takes
+ * a new name. Pointers are the tensors' data; nt is the threads a call may use. */
+
+/* The shape of a fused step (decode.c). Its fields are ints in this order, as the int array that
+ * carried them before, so an earlier revision's library takes it too. */
+typedef struct {
+    int layers, rows, hidden, heads, kv_heads, head_dim, intermediate;
+    int rope_rows;      /* rows P of the rotary tables */
+    int pool_slots;     /* slots S of one layer's K (or V) pool */
+    int table_width;    /* block ids per request in the attention table */
+    int block_size;
+    int pool_bytes;     /* bytes per pool value: 4 float32, 2 bfloat16 */
+    int vocab;          /* V (llmd_draft only) */
+} llmd_dims;
+
+/* quant.c: AVX-512 F/BW/VL/DQ and VNNI present */
+int llmd_cpu_ok(void);
+/* quant.c: x [M, K] times int8 w [N, K] with a scale per row (s [N]) or per group of G columns (s [N, K/G]);
+ * int4: w packed by llmd_int4_pack, s and off [N, K/G] */
+int llmd_int8_x(const float *x, int M, int K, const int8_t *w, const float *s, const float *bias, float *y, int N,
+                int nt);
+int llmd_w8a8_x(const float *x, int M, int K, const int8_t *w, const float *s, const float *bias, float *y, int N,
+                int nt);
+int llmd_int8g_x(const float *x, int M, int K, int G, const int8_t *w, const float *s, const float *bias, float *y,
+                 int N, int nt);
+void llmd_int4_pack(const uint8_t *q, int N, int K, uint8_t *out);
+int llmd_int4_x(const float *x, int M, int K, int G, const uint8_t *w, const float *s, const float *off,
+                const float *bias, float *y, int N, int nt);
+/* f32.c: x [M, K] times a weight in blocks [N/64, K, 64] of float32 or (w16) bfloat16 values */
+int llmd_f32(const float *x, int M, int K, const float *w, const float *bias, float *y, int N, int nt);
+int llmd_f32_w16(const float *x, int M, int K, const uint16_t *w, const float *bias, float *y, int N, int nt);
+/* attention.c: query rows over a float32 or bfloat16 paged KV pool */
+int llmd_attend(const float *q, const float *kpool, const float *vpool, const int32_t *row, const int32_t *span,
+                const int32_t *len, int R, const int32_t *table, int table_width, int bs, int H, int KVH, int D,
+                float *out, int nt);
+int llmd_attend_bf16(const float *q, const uint16_t *kpool, const uint16_t *vpool, const int32_t *row,
+                     const int32_t *span, const int32_t *len, int R, const int32_t *table, int table_width, int bs,
+                     int H, int KVH, int D, float *out, int nt);
+/* rows.c: row-wise float32 ops */
+int llmd_rmsnorm(const float *x, int M, int K, const float *w, float eps, float *out);
+int llmd_add_rmsnorm(const float *x, const float *h, int M, int K, const float *w, float eps, float *sum, float *out);
+int llmd_silu_mul(const float *gu, int M, int I, float *out);
+int llmd_rope_qk(const float *qkv, int T, int H, int KVH, int D, const float *cos_t, const float *sin_t, int P,
+                 const int64_t *pos, float *q, float *k);
+int llmd_argmax(const float *x, int M, int V, int64_t *out, int nt);
+/* decode.c: every layer of a step in one call, and a draft model's greedy proposals */
+int llmd_decode(const llmd_dims *dims, float *x, float *out, const void *const *w, const uint8_t *narrow,
+                const float *final_norm, float eps, const float *cos_t, const float *sin_t, const int64_t *pos,
+                void *k_pool, void *v_pool, const int64_t *slots, const int32_t *rows, const int32_t *spans,
+                const int32_t *lengths, const int32_t *table, float *work, int nt);
+int llmd_draft(const llmd_dims *dims, const void *const *w, const uint8_t *narrow, const float *final_norm,
+               float eps, const float *cos_t, const float *sin_t, void *k_pool, void *v_pool, const int32_t *table,
+               const void *head, int head_narrow, const void *embed, int embed_rows, const int64_t *ids,
+               const int32_t *count, const int64_t *pos0, int steps, int64_t *out, float *x, float *hidden,
+               float *logits, float *work, int nt);
+/* llmd API end */
 
 /* max|r| / qmax over a row of K floats (never 0, so that dividing by it is safe). */
 static inline TARGET float row_scale(const float *r, int K, float qmax) {

@@ -49,8 +49,9 @@ class FusedDecode:
         self._narrow = (ctypes.c_uint8 * len(narrow))(*narrow)     # bfloat16 blocks (f32.c)
         h, kvh, d, i = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
         e = cfg.hidden_size
-        self._dims = (ctypes.c_int * 13)(cfg.num_layers, 0, e, h, kvh, d, i, model.rotary.cos.shape[0], 0, 0, 0, 0,
-                                         cfg.vocab_size)
+        self._dims = kernels.struct("llmd_dims")(layers=cfg.num_layers, hidden=e, heads=h, kv_heads=kvh, head_dim=d,
+                                                 intermediate=i, rope_rows=model.rotary.cos.shape[0],
+                                                 vocab=cfg.vocab_size)
         per_row = (h + 2 * kvh) * d + 2 * h * d + kvh * d + 3 * i + e
         self._work = torch.empty(MAX_ROWS * per_row)
         self.steps = 0           # steps served (tests check the fused path really ran)
@@ -85,11 +86,11 @@ class FusedDecode:
         return cls(model, linears, min(max_rows, MAX_ROWS)) if max_rows >= 1 else None
 
     def _step_dims(self, rows: int, pools: torch.Tensor, table_width: int, block_size: int):
-        """The dims array (decode.c's D_*) with this call's rows, pool slots, table width, block size
+        """The dims (kernels.h's llmd_dims) with this call's rows, pool slots, table width, block size
         and pool value size filled in."""
         dims = self._dims
-        dims[1], dims[8], dims[9], dims[10] = rows, pools.shape[1], table_width, block_size
-        dims[11] = pools.element_size()
+        dims.rows, dims.pool_slots, dims.table_width, dims.block_size = rows, pools.shape[1], table_width, block_size
+        dims.pool_bytes = pools.element_size()
         return dims
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor | None:

@@ -2,8 +2,7 @@
 from __future__ import annotations
 
 import math
-import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -19,17 +18,15 @@ from .config import RopeScaling
 class Linear(nn.Module):
     """y = x W^T + b, with W stored [out, in] as in checkpoints.
 
-    ``prepare()`` picks, by timing this shape once (``matvec_plan``), how products are run:
+    ``prepare()`` stores the weight as its plan says (``matvec_plan``, a rule on the shape):
     - a few rows (decode): a matrix-vector product bound by memory bandwidth. Where llmd's kernels
       run (llmd.runtime.kernels), the weight is stored in blocks of 64 output columns that each
-      thread streams front to back (896 -> 4864 on 2 threads: 475 us against 598 us for the best
-      torch form here), kept in bfloat16 when every value is one (a bfloat16 checkpoint: half the
-      bytes, the same float32 products). Otherwise torch's own kernel, which streams the weight from one core, is
-      split in ``threads`` parts run as one ``bmm`` over views of the stored weight, in whichever
-      layout ([out, in] or a contiguous [in, out] copy) is faster;
+      thread streams front to back, kept in bfloat16 when every value is one (a bfloat16 checkpoint:
+      half the bytes, the same float32 products). Otherwise torch's own kernel, which streams the
+      weight from one core, is split in ``threads`` parts run as one ``bmm`` over views of the weight;
     - more rows (prompt chunks, batches, verification): float32 weights get a second copy in
-      oneDNN's blocked layout, whose kernel beats the default one 1.6x at 128 rows and 7x at 5 rows
-      here. That copy doubles the float32 weight memory; bfloat16 and quantized models skip it.
+      oneDNN's blocked layout, whose kernel beats the default one there. That copy doubles the
+      float32 weight memory; bfloat16 and quantized models skip it.
     Quantized variants replace this module as a whole (see llmd.runtime.formats.quantized).
     """
 
@@ -56,6 +53,15 @@ class Linear(nn.Module):
         else:
             self.stored = store(w, plan.layout)
             self.weight = None
+
+    def __getstate__(self):
+        """oneDNN's packed copy is opaque (it cannot be copied): a copy of the layer packs its own."""
+        return {**super().__getstate__(), "packed": None}
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        if self.plan.packed:
+            self.packed = pack_weight(self.dense_weight().detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight if self.stored is None else self.stored
@@ -162,64 +168,26 @@ def split_product(x: torch.Tensor, w: torch.Tensor, plan: MatvecPlan, bias: torc
     return y if bias is None else y.add_(bias)
 
 
-KERNEL_EDGE = 0.75
+SPLIT_MIN_WEIGHT = 1 << 18    # values of a weight below which a single-row product stays on one thread
 
 
 @lru_cache(maxsize=None)
-@torch.inference_mode()                  # timed as the engine runs them: kernels run only without gradients
-def matvec_plan(in_features: int, out_features: int, dtype: torch.dtype, threads: int,
-                layouts: tuple[str, ...] = ("out_in", "in_out")) -> MatvecPlan:
-    """Time products of this shape on random data: single rows in each layout, plain and split;
-    then where the single-row winner stops beating the multi-row kernel (4 or 16 rows).
+def matvec_plan(in_features: int, out_features: int, dtype: torch.dtype, threads: int) -> MatvecPlan:
+    """How a weight of this shape is stored and multiplied: a rule on its shape, its dtype, the thread
+    count and what this machine offers (llmd's kernels, oneDNN), never a timing, so that every load
+    of a model sums its products in the same order and gives the same logits, whatever else the
+    machine was doing then.
 
-    Weights that fit in cache are timed from a few rotating copies, so the figure is the one the
-    model sees: each layer's weight is streamed from memory once per step."""
-    copies = max(1, min(4, (64 << 20) // max(1, in_features * out_features * torch.finfo(dtype).bits // 8)))
-    ws = [torch.randn(out_features, in_features).to(dtype) for _ in range(copies)]
+    - llmd's float32 kernel where it serves the shape (``can_block``): every product of up to
+      ``ops.F32_MAX_ROWS`` rows on the kernel (each row's sums in one order, whatever the row count),
+      more rows on oneDNN's packed copy;
+    - else torch's product over the checkpoint layout: a single row split over the threads by output
+      columns (torch's own kernel streams the weight from one core) once the weight is large enough
+      to pay for waking them, more rows one matmul, over oneDNN's packed copy for float32."""
     if can_block(in_features, out_features, dtype):
-        layouts = layouts + ("blocked",)
-    stores = {layout: [store(w, layout) for w in ws] for layout in layouts}
-    small = [MatvecPlan("blocked", 1, 1)] if "blocked" in layouts else []
-    for layout in set(layouts) - {"blocked"}:
-        split_dim = in_features if layout == "in_out" else out_features      # the dimension cut in parts
-        small += [MatvecPlan(layout, s, 1) for s in {1, threads} if split_dim % s == 0]
-    packed = [pack_weight(w) for w in ws] if can_pack(dtype) else []
-
-    def fastest_time(fn, n: int) -> float:
-        """The fastest of several rounds over the copies: interference only ever adds time, and a
-        median of few samples let the plan of one shape change from run to run."""
-        for i in range(2 * n):
-            fn(i % n)
-        rounds = []
-        for _ in range(5):
-            t = time.perf_counter()
-            for i in range(n):
-                fn(i)
-            rounds.append((time.perf_counter() - t) / n)
-        return min(rounds)
-
-    def small_cost(plan: MatvecPlan, rows: int) -> float:
-        x = torch.randn(rows, in_features).to(dtype)
-        return fastest_time(lambda i: split_product(x, stores[plan.layout][i], plan), copies)
-
-    def large_cost(rows: int, use_packed: bool) -> float:
-        x = torch.randn(rows, in_features).to(dtype)
-        if use_packed:
-            return fastest_time(lambda i: torch.ops.mkldnn._linear_pointwise(x, packed[i], None, "none", [], ""), copies)
-        return small_cost(MatvecPlan(best.layout, 1, 1), rows)
-
-    # llmd's kernel is favoured by KERNEL_EDGE: a timing loop keeps torch's threads awake and its
-    # dispatch warm, which a real step does not (256 x 256: 7 us per x @ W^T here in the loop, 27 us
-    # inside a decode step, where the kernel took 6 us in both)
-    best = min(small, key=lambda p: small_cost(p, 1) * (KERNEL_EDGE if p.layout == "blocked" else 1.0))
-    # a blocked weight has no plain form to multiply many rows: it always keeps the packed copy
-    use_packed = bool(packed) and (best.layout == "blocked" or large_cost(16, True) < large_cost(16, False))
-    best = replace(best, packed=use_packed)
-    for rows in (4, 16):        # single-row plans that still win at this many rows serve them too
-        edge = KERNEL_EDGE if best.layout == "blocked" else 1.0
-        if small_cost(best, rows) * edge < large_cost(rows, use_packed):
-            best = replace(best, split_max_rows=rows)
-    return best
+        return MatvecPlan("blocked", 1, ops.F32_MAX_ROWS, packed=True)
+    split = threads > 1 and out_features % threads == 0 and in_features * out_features >= SPLIT_MIN_WEIGHT
+    return MatvecPlan("out_in", threads if split else 1, 1 if split else 0, packed=can_pack(dtype))
 
 
 class RMSNorm(nn.Module):

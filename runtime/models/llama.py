@@ -20,8 +20,8 @@ from llmd.runtime import kernels
 from llmd.runtime.kernels import ops
 
 from .config import ModelConfig
-from .fused_decode import FusedDecode, layer_linears
-from .layers import Linear, MatvecPlan, RMSNorm, Rotary, add_norm, apply_rotary, can_pack
+from .fused_decode import FusedDecode
+from .layers import Linear, RMSNorm, Rotary, add_norm, apply_rotary
 
 
 @dataclass
@@ -220,23 +220,14 @@ class LlamaForCausalLM(nn.Module):
 
     def prepare_for_inference(self) -> None:
         """Switch linear layers to their faster storage. A tied head is the largest matrix of a small
-        model: it becomes a Linear with its own plan (its fastest storage for products), and the
+        model: it becomes a Linear with its own plan (its storage for products), and the
         embedding looks its rows up in that storage: no second copy."""
         self.requires_grad_(False)
         if all(layer.self_attn.can_interleave() for layer in self.layers):
             self._interleaved = all([layer.self_attn.interleave_rope() for layer in self.layers])
-        # (a blocked weight serves more than 16 rows through its oneDNN copy: without oneDNN, leave plans be)
-        fusable = FusedDecode.possible(self) and can_pack(torch.float32)
         for m in self.modules():
             if isinstance(m, Linear) and m.weight is not None:
                 m.prepare()
-        if fusable:
-            # the fused step runs llmd's kernel for every layer product: a shape whose single-row timing
-            # preferred torch's product (small ones, where the timing loop hides torch's dispatch cost)
-            # is stored for the kernel too, for up to 16 rows, and keeps oneDNN's copy for more
-            for m in layer_linears(self):
-                if m.plan.layout != "blocked":
-                    m.apply_plan(MatvecPlan("blocked", 1, ops.F32_MAX_ROWS, packed=can_pack(torch.float32)))
         if self.lm_head is None:
             head = Linear(self.config.hidden_size, self.config.vocab_size)
             head.weight = nn.Parameter(self.embed_tokens.weight.detach(), requires_grad=False)
