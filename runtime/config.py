@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from .errors import InvalidRequest
@@ -15,6 +15,9 @@ KV_DTYPES = ("auto", "bfloat16", "int8")
 # the CPU; an ONNX Runtime engine: its CUDA provider when onnxruntime-gpu is installed, else the CPU;
 # a TensorRT engine: the GPU); cpu and cuda insist, and a model that cannot run there is refused.
 DEVICES = ("auto", "cpu", "cuda")
+# How a step runs (llmd.runtime.execution): auto picks cpu (llmd's kernels and the fused step), or an
+# engine directory's compiled step; reference runs plain torch, the yardstick the others are held to.
+EXECUTIONS = ("auto", "cpu", "reference")
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2, "mib": 1 << 20,
           "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30}
@@ -52,6 +55,10 @@ class EngineConfig:
     attention: str = "fast"                  # fast | reference
     threads: Optional[int] = None            # torch intra-op threads; None keeps torch's default
     device: str = "auto"                     # one of DEVICES
+    execution: str = field(default="auto", metadata={
+        "help": "how a step runs: auto (llmd's CPU kernels and fused step, or an engine directory's compiled "
+                "step), cpu, or reference (plain torch: slow, the yardstick for checking the others)",
+        "choices": EXECUTIONS})
     # None: an engine directory's own draft, if it has one; "auto": that, else n-gram lookup for greedy
     # requests only (their output cannot change; sampled ones keep their seeds' texts); "ngram" (every
     # request); "none"; or the path of a draft model directory. A sampled request with its own seed never
@@ -74,6 +81,7 @@ class EngineConfig:
         check(1 <= self.max_queue <= 1 << 20, "max_queue must be positive")
         check(self.kv_dtype in KV_DTYPES, f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         check(self.device in DEVICES, f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        check(self.execution in EXECUTIONS, f"execution must be one of {', '.join(EXECUTIONS)}, got {self.execution!r}")
         check(self.attention in ("fast", "reference"), f"attention must be fast or reference, got {self.attention!r}")
         check(self.num_speculative_tokens is None or 0 <= self.num_speculative_tokens <= 16,
               "num_speculative_tokens must be in [0, 16]")
