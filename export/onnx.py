@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmd.runtime.models.llama import LlamaForCausalLM
+from llmd.runtime.models.llama import HalfRope, LlamaForCausalLM
 from llmd.runtime.models.loader import load_model
 
 INPUTS = ("input_ids", "positions", "past_k", "past_v")
@@ -48,7 +48,7 @@ class OnnxStep(nn.Module):
         new_k, new_v = [], []
         for i, layer in enumerate(m.layers):
             h = layer.input_layernorm(x)
-            q, k, v = layer.self_attn.project(h, cos, sin)              # [T, H, D], [T, kvh, D]
+            q, k, v = layer.self_attn.project(h, HalfRope(cos, sin))    # [T, H, D], [T, kvh, D]
             new_k.append(k)
             new_v.append(v)
             keys = torch.cat([past_k[i], k], dim=0)                      # [P+T, kvh, D]

@@ -82,14 +82,17 @@ class Group:
 
 
 class PagedAttention:
-    """Holds the step's metadata and the pools; ``attend`` is called by each layer."""
+    """Holds the step's metadata and the pools; ``attend`` is called by each layer. Whether its
+    kernel serves a step's few-row requests is settled when it is built (``kernel``: by default,
+    wherever the kernel can read these pools), never per step."""
 
     def __init__(self, k_pool: torch.Tensor, v_pool: torch.Tensor, block_size: int, reference: bool = False,
-                 scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
+                 scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None, kernel: Optional[bool] = None):
         self.k_pool, self.v_pool = k_pool, v_pool        # [L, S, kvh, d], owned by the ModelRunner
         self.scales = scales                             # int8 pools: ([L, blocks, kvh], [L, blocks, kvh])
         self.block_size = block_size
         self.reference = reference
+        self.kernel = self.kernel_fits() if kernel is None else kernel and self.kernel_fits()
         self.slot_mapping: torch.Tensor | None = None
         self.spans: list[SeqSpan] = []
         self.groups: list[Group] = []
@@ -100,15 +103,16 @@ class PagedAttention:
         """llmd's attention kernel can read these pools (float32 or bfloat16, head sizes it handles)."""
         d = self.k_pool.shape[-1]
         return (not self.reference and self.scales is None and self.k_pool.dtype in ops.ATTEND_POOL_DTYPES
-                and d % 16 == 0 and d <= 256 and kernels.available())
+                and d % 16 == 0 and d <= 256 and self.k_pool.is_cpu and kernels.available())
 
     def prepare(self, slot_mapping: torch.Tensor, spans: list[SeqSpan]) -> None:
+        """The step's metadata, built once for every layer: the kernel's rows and the torch groups."""
         self.slot_mapping, self.spans = slot_mapping, spans
         self.num_rows = slot_mapping.numel()
         self.kernel_rows, self.groups = None, []
         if self.reference:
             return
-        if self.kernel_fits():
+        if self.kernel:
             few = [s for s in spans if s.num_q <= KERNEL_MAX_Q]
             spans = [s for s in spans if s.num_q > KERNEL_MAX_Q]
             self.kernel_rows = KernelRows.build(few, self.block_size) if few else None
@@ -127,10 +131,7 @@ class PagedAttention:
         kp.index_copy_(0, self.slot_mapping, k.to(kp.dtype))
         vp.index_copy_(0, self.slot_mapping, v.to(vp.dtype))
         if self.kernel_rows is not None:
-            if kernels.usable(q):
-                return self._attend_kernel(q, kp, vp)
-            self.kernel_rows = None              # a graph being traced: torch's path for every request
-            self._build_groups(self.spans)
+            return self._attend_kernel(q, kp, vp)
         return self._attend(q, kp, vp)
 
     def _attend_kernel(self, q, kp, vp) -> torch.Tensor:

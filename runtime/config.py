@@ -15,6 +15,9 @@ from .errors import InvalidRequest
 
 KV_DTYPES = ("auto", "bfloat16", "int8")
 DEVICES = ("auto", "cpu", "cuda")
+# How a step runs (llmd.runtime.execution): auto picks cpu (llmd's kernels and the fused step), or an
+# engine directory's compiled step; reference runs plain torch, the yardstick the others are held to.
+EXECUTIONS = ("auto", "cpu", "reference")
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2, "mib": 1 << 20,
           "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30}
@@ -78,6 +81,10 @@ class EngineConfig:
              "provider when onnxruntime-gpu is installed; a TensorRT engine on the GPU), cpu, or cuda (an engine "
              "exported with --backend onnxruntime and llmd[gpu], or --backend tensorrt); a model that cannot run "
              "where asked is refused")
+    execution: str = setting(
+        "auto", choices=EXECUTIONS,
+        help="how a step runs: auto (llmd's CPU kernels and fused step, or an engine directory's compiled step), "
+             "cpu, or reference (plain torch: slow, the yardstick the others are held to)")
     draft: Optional[str] = setting(
         "auto",
         help="speculative decoding: a draft model directory (same tokenizer), 'ngram' (prompt lookup for every "

@@ -18,7 +18,7 @@ from .block_manager import BlockManager
 from .config import DRAFT_K, NGRAM_K, EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .errors import CapacityError, EngineDirError, InvalidRequest
-from .kernels.ops import argmax
+from .execution import choose
 from .loading import LoadedModel, load_for_engine
 from .model_runner import ModelRunner
 from .request import FinishReason, Priority, Request, SamplingParams
@@ -78,13 +78,13 @@ class Engine:
                                  "use --kv-dtype auto")
         self.runner = ModelRunner(loaded.model, loaded.num_blocks, config.block_size, config.dtype,
                                   reference_attention=config.attention == "reference", kv_dtype=loaded.kv_dtype,
-                                  backend=loaded.backend)
+                                  backend=loaded.backend, execution=loaded.execution)
         self.eos_token_ids = tuple(sorted(set(self.tokenizer.eos_token_ids) | set(loaded.config.eos_token_ids)))
         self.proposer: Optional[Proposer] = None
         self.spec: Optional[SpecController] = None
         if loaded.draft is not None:
             self.draft_runner = ModelRunner(loaded.draft, loaded.num_blocks, config.block_size, config.dtype,
-                                            kv_dtype=loaded.kv_dtype)
+                                            kv_dtype=loaded.kv_dtype, execution=choose(config.execution))
             self.proposer = DraftProposer(self.draft_runner)
         elif config.draft in ("ngram", "auto"):
             self.proposer = NgramProposer(config.ngram_n)
@@ -281,11 +281,11 @@ class Engine:
         rows = [self._row(req, x[:j]) for j in range(len(x) + 1)]
         p = req.params
         if p.greedy and not p.needs_penalties:
-            tokens = verify_greedy(argmax(logits).tolist(), x)
+            tokens = verify_greedy(self.runner.execution.greedy(logits).tolist(), x)
         else:
             probs = processed_probs(logits, rows)
             if p.greedy:
-                tokens = verify_greedy(argmax(probs).tolist(), x)
+                tokens = verify_greedy(self.runner.execution.greedy(probs).tolist(), x)
             else:
                 q = prop.probs if prop is not None else None
                 tokens = verify_sampled(probs, q, x, self._live[req.request_id].generator)

@@ -11,6 +11,7 @@ from .backends.base import create_backend
 from .errors import EngineDirError, ModelLoadError
 from .formats.engine_dir import engine_draft_dir, load_engine_draft, load_engine_model
 from .formats.manifest import read_manifest
+from .execution import backend_class, choose
 from .model_runner import kv_bytes_per_block
 from .models.config import ModelConfig
 from .models.llama import LlamaForCausalLM
@@ -28,6 +29,7 @@ class LoadedModel:
     draft_config: Optional[ModelConfig] = None
     kv_dtype: str = "auto"
     backend: Optional[object] = None          # a StepBackend when the engine directory was compiled for one
+    execution: str = "cpu"                    # the execution backend the model was prepared for (llmd.runtime.execution)
 
 
 def load_for_engine(config: EngineConfig, progress=None) -> LoadedModel:
@@ -52,12 +54,13 @@ def load_for_engine(config: EngineConfig, progress=None) -> LoadedModel:
                              "run `llmd export` again")
     else:
         check_device(path, "torch", config.device)
-        model, cfg, tokenizer = load_hf_model(path, config.dtype, progress)
+        model, cfg, tokenizer = load_hf_model(path, config.dtype, progress, choose(config.execution))
+    execution = choose(config.execution, backend)
     draft = draft_cfg = None
     if draft_path is not None:
         draft, draft_cfg = load_draft(draft_path, config, tokenizer)
     blocks = kv_blocks([cfg] + ([draft_cfg] if draft_cfg else []), config, kv_dtype)
-    return LoadedModel(model, cfg, tokenizer, blocks, draft, draft_cfg, kv_dtype, backend)
+    return LoadedModel(model, cfg, tokenizer, blocks, draft, draft_cfg, kv_dtype, backend, execution)
 
 
 def load_draft(path: Path, config: EngineConfig, target_tokenizer: Tokenizer):
@@ -67,7 +70,7 @@ def load_draft(path: Path, config: EngineConfig, target_tokenizer: Tokenizer):
     if (path / "manifest.json").is_file():
         model, cfg, tok = load_engine_draft(path, config) if engine_draft_dir(path) else load_engine_model(path, config)
     else:
-        model, cfg, tok = load_hf_model(path, config.dtype)
+        model, cfg, tok = load_hf_model(path, config.dtype, execution=choose(config.execution))
     if tok.vocab_size != target_tokenizer.vocab_size or tok.encode(PROBE) != target_tokenizer.encode(PROBE):
         raise ModelLoadError(f"{path / 'tokenizer.json'}: the draft's tokenizer differs from the target's; "
                              "speculative decoding needs the same tokenizer")
@@ -103,12 +106,14 @@ def engine_backend(path: Path, manifest: dict, device: str = "auto"):
     return create_backend(name, path, manifest, device)
 
 
-def load_hf_model(path: Path, dtype: str, progress=None) -> tuple[LlamaForCausalLM, ModelConfig, Tokenizer]:
+def load_hf_model(path: Path, dtype: str, progress=None,
+                  execution: str = "cpu") -> tuple[LlamaForCausalLM, ModelConfig, Tokenizer]:
+    """The model prepared for the ``execution`` backend, its config and tokenizer."""
     cfg = ModelConfig.from_dir(path)
     tokenizer = Tokenizer.from_dir(path)
     check_vocab(path, tokenizer, cfg)
     model = load_model(path, dtype, cfg, progress=progress)
-    model.prepare_for_inference()
+    backend_class(execution).prepare(model)
     return model, cfg, tokenizer
 
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .attention import PagedAttention, SeqSpan, int_tensor
-from .backends.paged import run_step
+from .attention import SeqSpan, int_tensor
+from .execution import backend_class
 from .models.config import ModelConfig
 from .models.llama import LlamaForCausalLM
 from .scheduler import ScheduledRequest
@@ -71,23 +71,28 @@ class StepBatch:
 
 
 class ModelRunner:
+    """``execution`` names the backend (llmd.runtime.execution) the model was prepared for; ``backend``
+    is an engine directory's compiled step (llmd.runtime.backends), which runs as the compiled one."""
+
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: str,
-                 reference_attention: bool = False, kv_dtype: str = "auto", backend=None):
+                 reference_attention: bool = False, kv_dtype: str = "auto", backend=None, execution: str = "cpu"):
         cfg = model.config
         self.model = model
         self.config = cfg
         self.backend = backend            # a compiled StepBackend (onnxruntime, aot, tensorrt) or None
         self.block_size = block_size
         self.num_blocks = num_blocks
+        cls = backend_class("compiled" if backend is not None else execution)
         shape = (cfg.num_layers, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
         element = pool_dtype(dtype, kv_dtype)
-        self.k_pool = torch.zeros(shape, dtype=element)
-        self.v_pool = torch.zeros(shape, dtype=element)
+        self.k_pool = torch.zeros(shape, dtype=element, device=cls.device)
+        self.v_pool = torch.zeros(shape, dtype=element, device=cls.device)
         scales = None
         if kv_dtype == "int8":
             scale_shape = (cfg.num_layers, num_blocks, cfg.num_kv_heads)
-            scales = (torch.zeros(scale_shape), torch.zeros(scale_shape))
-        self.attn = PagedAttention(self.k_pool, self.v_pool, block_size, reference=reference_attention, scales=scales)
+            scales = (torch.zeros(scale_shape, device=cls.device), torch.zeros(scale_shape, device=cls.device))
+        self.attn = cls.attention(self.k_pool, self.v_pool, block_size, scales, reference=reference_attention)
+        self.execution = cls(model, self.attn, backend) if backend is not None else cls(model, self.attn)
 
     def prepare(self, scheduled: list[ScheduledRequest]) -> StepBatch:
         return self.prepare_feeds(feeds_for(scheduled))
@@ -114,15 +119,6 @@ class ModelRunner:
         flat = int_tensor(ids + positions + slots + sample_rows, np.int64)   # one tensor, four views
         return StepBatch(flat[:n], flat[n:2 * n], flat[2 * n:3 * n], spans, flat[3 * n:], counts)
 
-    @torch.inference_mode()
     def run(self, batch: StepBatch) -> torch.Tensor:
         """Forward the packed step; returns float32 logits [len(sample_rows), vocab]."""
-        if self.backend is not None:
-            return run_step(self.backend, self.k_pool, self.v_pool, batch, self.block_size)
-        self.attn.prepare(batch.slot_mapping, batch.spans)
-        hidden = self.model(batch.input_ids, batch.positions, self.attn)
-        if batch.sample_rows.numel() == 0:
-            return hidden.new_empty(0, self.config.vocab_size, dtype=torch.float32)
-        if batch.sample_rows.numel() != hidden.shape[0]:
-            hidden = hidden.index_select(0, batch.sample_rows)
-        return self.model.compute_logits(hidden).float()
+        return self.execution.run(batch)

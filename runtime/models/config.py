@@ -8,13 +8,8 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import ModelLoadError
+from . import registry
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -29,8 +24,8 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str
-    family: str
+    architecture: str             # the registered name (llmd.runtime.models.registry)
+    family: str                   # its model_type
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -92,11 +87,10 @@ class ModelConfig:
         def fail(msg: str):
             raise ModelLoadError(f"{source}: {msg}")
 
-        archs = raw.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        arch = registry.find(raw)
         if arch is None:
-            fail(f"unsupported architecture {archs!r}; llmd supports {sorted(SUPPORTED_ARCHITECTURES)}")
-        family = SUPPORTED_ARCHITECTURES[arch]
+            fail(f"unsupported architecture {raw.get('architectures') or raw.get('model_type')!r}; "
+                 f"llmd supports {registry.supported()}")
 
         def get_int(key: str, default=None, minimum: int = 1) -> int:
             v = raw.get(key, default)
@@ -111,6 +105,12 @@ class ModelConfig:
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
                 fail(f"'{key}' must be a positive number, got {v!r}")
             return float(v)
+
+        def get_bool(key: str, default: bool) -> bool:
+            v = raw.get(key, default)
+            if not isinstance(v, bool):
+                fail(f"'{key}' must be true or false, got {v!r}")
+            return v
 
         act = raw.get("hidden_act", "silu")
         if act != "silu":
@@ -130,22 +130,13 @@ class ModelConfig:
         if head_dim % 2:
             fail(f"head_dim {head_dim} must be even for rotary embeddings")
         max_pos = get_int("max_position_embeddings", 2048)
-        # Mistral slides every layer (a config without the key means transformers' default, 4096); Qwen2/3
-        # only the layers from max_window_layers on, and only with use_sliding_window
-        window = raw.get("sliding_window", 4096 if family == "mistral" else None)
-        slides = (family == "mistral" or (raw.get("use_sliding_window", False)
-                                          and raw.get("max_window_layers", 28) < raw.get("num_hidden_layers", 0)))
-        if slides and isinstance(window, int) and 0 < window < max_pos:
+        traits = arch.traits(raw, get_bool("attention_bias", False))
+        window = traits.sliding_window
+        if isinstance(window, int) and not isinstance(window, bool) and 0 < window < max_pos:
             # llmd computes full attention; capping the context at the window keeps results exact.
             max_pos = window
 
         rope_theta, scaling = _rope(raw, fail)
-
-        def get_bool(key: str, default: bool) -> bool:
-            v = raw.get(key, default)
-            if not isinstance(v, bool):
-                fail(f"'{key}' must be true or false, got {v!r}")
-            return v
 
         def token_ids(key: str) -> tuple[int, ...]:
             v = raw.get(key)
@@ -159,20 +150,18 @@ class ModelConfig:
                  "float16 weights and quantizes them itself with `llmd export --quant ...`")
         eos_ids = token_ids("eos_token_id")
         bos_ids = token_ids("bos_token_id")
-        attention_bias = get_bool("attention_bias", False)
         dtype = raw.get("torch_dtype") or raw.get("dtype") or "float32"
         return cls(
-            architecture=arch, family=family,
+            architecture=arch.name, family=arch.model_type,
             vocab_size=get_int("vocab_size"), hidden_size=hidden,
             intermediate_size=get_int("intermediate_size"), num_layers=get_int("num_hidden_layers"),
             num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, max_position_embeddings=max_pos,
             rms_norm_eps=get_float("rms_norm_eps", 1e-6), rope_theta=rope_theta, rope_scaling=scaling,
             tie_word_embeddings=get_bool("tie_word_embeddings", False),
-            attention_bias=True if family == "qwen2" else attention_bias,
-            qk_norm=family == "qwen3", mlp_bias=get_bool("mlp_bias", False),
+            attention_bias=traits.qkv_bias, qk_norm=traits.qk_norm, mlp_bias=get_bool("mlp_bias", False),
             torch_dtype=str(dtype), bos_token_id=bos_ids[0] if bos_ids else None,
             eos_token_ids=eos_ids,
-            o_proj_bias=family in ("llama", "qwen3") and attention_bias,
+            o_proj_bias=traits.o_proj_bias,
         )
 
 

@@ -93,14 +93,20 @@ class FusedDecode:
         dims.pool_bytes = pools.element_size()
         return dims
 
+    @staticmethod
+    def serves(attn) -> bool:
+        """The fused calls read and write these pools (the cpu backend asks once, when it is built):
+        float32 or bfloat16 pools on the attention kernel, without int8 scales."""
+        return attn.kernel and attn.scales is None and not attn.reference and attn.k_pool.dtype in POOL_DTYPES
+
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor | None:
         """Final normed hidden states [T, hidden] of the packed rows, or None where this step needs
-        the Python forward. Writes this step's keys and values into the pools as that would."""
+        the Python forward (``attn``'s pools served, see ``serves``). Writes this step's keys and
+        values into the pools as that would."""
         t = x.shape[0]
         kr = attn.kernel_rows
-        if (t > self.max_rows or x.dtype != torch.float32 or x.dim() != 2 or not kernels.usable(x) or kr is None
-                or attn.groups or kr.rows.numel() != t or attn.scales is not None
-                or attn.k_pool.dtype not in POOL_DTYPES or positions.dtype != torch.int64):
+        if (t > self.max_rows or x.dtype != torch.float32 or x.dim() != 2 or kr is None or attn.groups
+                or kr.rows.numel() != t or positions.dtype != torch.int64):
             return None
         fn = getattr(kernels.lib(), "llmd_decode", None)     # None: a library built before it (kernel A/B)
         if fn is None:
@@ -131,17 +137,15 @@ class FusedDecode:
         request's tokens taken (all ``steps``, or fewer where the caller's own loop must go on: logits
         with NaN, a position past its blocks or the rotary tables), or None where the kernel cannot run
         this (more rows than the products take on the kernel, a head not on the kernel for this many
-        rows, a KV pool it does not write)."""
+        rows); ``runner``'s pools must be ones it ``serves``."""
         t, rows = len(feeds), sum(len(f) for f in feeds)
         fn = getattr(kernels.lib(), "llmd_draft", None)
         head, embed = self.head, self.embed
         attn = runner.attn
         if (fn is None or not 1 <= t <= rows <= self.max_rows or not all(feeds) or steps < 1 or head is None
                 or head.plan.layout != "blocked" or head.stored is None or head.plan.split_max_rows < t
-                or head.bias is not None or attn.scales is not None or attn.reference
-                or attn.k_pool.dtype not in POOL_DTYPES
-                or (embed is not None and (embed.dtype != torch.float32 or not embed.is_contiguous()))
-                or not kernels.usable(self._work, has_gradient=False)):      # writes plain tensors only
+                or head.bias is not None
+                or (embed is not None and (embed.dtype != torch.float32 or not embed.is_contiguous()))):
             return None
         # a request's own blocks bound its steps (the table's zero padding is no block of its own): its
         # last position at step s is positions[i] + len(feeds[i]) - 1 + s

@@ -198,26 +198,35 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == self.weight.dtype == torch.float32:
-            if kernels.usable(x) and x.shape[0] <= ops.F32_MAX_ROWS:     # decode: one call, not five
-                y = ops.rmsnorm(x, self.weight, self.eps)
-                if y is not None:
-                    return y
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
 
 
-def add_norm(x: torch.Tensor, h: torch.Tensor | None, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-    """The residual step: (x + h, norm(x + h)); h None adds nothing. Decode rows take one kernel
-    call instead of an add and a norm."""
-    if h is None:
-        return x, norm(x)
-    if (x.dtype == norm.weight.dtype == torch.float32 and kernels.usable(x) and x.dim() == 2
-            and x.shape[0] <= ops.F32_MAX_ROWS and (both := ops.add_rmsnorm(x, h, norm.weight, norm.eps)) is not None):
-        return both
-    x = x + h
-    return x, norm(x)
+class TorchOps:
+    """The row operations between a model's products, in plain torch: what the model computes. An
+    execution backend hands the model its own forms of them (llmd.runtime.execution); the dense
+    forward (training, references, export graphs) uses these."""
+
+    @staticmethod
+    def rmsnorm(x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        return norm(x)
+
+    def add_norm(self, x: torch.Tensor, h: torch.Tensor | None, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual step: (x + h, norm(x + h)); h None adds nothing."""
+        if h is None:
+            return x, self.rmsnorm(x, norm)
+        x = x + h
+        return x, self.rmsnorm(x, norm)
+
+    @staticmethod
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+TORCH_OPS = TorchOps()
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:

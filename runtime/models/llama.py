@@ -1,10 +1,12 @@
-"""The Llama-family decoder (Llama, Llama 3, Mistral, Qwen2, Qwen3) in PyTorch.
+"""The Llama-family decoder (Llama, Llama 3, Mistral, Qwen2, Qwen3) in PyTorch: what a step computes.
 
 Two ways to run it:
-- ``forward(input_ids [T], positions [T], attn)``: the serving path. All requests of a step are packed
-  into one token axis; ``attn`` (llmd.runtime.attention) writes each layer's new keys/values into the
-  paged pool and attends over it.
-- ``forward_dense(input_ids [B, T])``: plain causal attention over a batch, for training and references.
+- ``forward(input_ids [T], positions [T], step)``: the serving path. All requests of a step are packed
+  into one token axis; ``step`` comes from the execution backend (llmd.runtime.execution) and says
+  how: ``step.attend`` writes each layer's new keys/values into the paged pool and attends over it,
+  ``step.rope`` gives the step's rotary form and ``step.ops`` its norms and activation.
+- ``forward_dense(input_ids [B, T])``: plain causal attention over a batch, in plain torch, for
+  training and references.
 
 q/k/v and gate/up are fused into one projection each; the loader maps checkpoint names onto slices.
 """
@@ -16,22 +18,51 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmd.runtime import kernels
-from llmd.runtime.kernels import ops
 
 from .config import ModelConfig
 from .fused_decode import FusedDecode
-from .layers import Linear, RMSNorm, Rotary, add_norm, apply_rotary
+from .layers import TORCH_OPS, Linear, RMSNorm, Rotary, TorchOps, apply_rotary
 
 
 @dataclass
-class RopeRows:
-    """The step's positions and the rotary tables, for llmd's rotary kernel (float32 steps)."""
-    positions: torch.Tensor
-    rotary: Rotary
+class HalfRope:
+    """Rotary over rotate-half pairs (i, i + d/2), the checkpoint layout: cos and sin per row."""
+    cos: torch.Tensor
+    sin: torch.Tensor
 
-    def complex(self) -> torch.Tensor:
-        return self.rotary.lookup_cis(self.positions)
+    def rotate(self, attn: "Attention", qkv: torch.Tensor, ops: TorchOps):
+        q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+        q = q.unflatten(-1, (attn.num_heads, attn.head_dim))
+        k = k.unflatten(-1, (attn.num_kv_heads, attn.head_dim))
+        v = v.unflatten(-1, (attn.num_kv_heads, attn.head_dim))
+        if attn.q_norm is not None:
+            q, k = ops.rmsnorm(q, attn.q_norm), ops.rmsnorm(k, attn.k_norm)
+        return apply_rotary(q, self.cos, self.sin), apply_rotary(k, self.cos, self.sin), v
+
+
+@dataclass
+class PairRope:
+    """Rotary over adjacent pairs (2i, 2i + 1), the prepared layout (``interleave_rope``): one complex
+    multiply over q and k together, cis [T, 1, D/2]."""
+    cis: torch.Tensor
+
+    def rotate(self, attn: "Attention", qkv: torch.Tensor, ops: TorchOps):
+        """qkv [..., T, F] (packed rows, or a dense batch)."""
+        d, h = attn.head_dim, attn.num_heads
+        qk = qkv[..., :attn.q_size + attn.kv_size].unflatten(-1, (h + attn.num_kv_heads, d))
+        v = qkv[..., attn.q_size + attn.kv_size:].unflatten(-1, (attn.num_kv_heads, d))
+        if attn.q_norm is not None:
+            qk = torch.cat([ops.rmsnorm(qk[..., :h, :], attn.q_norm), ops.rmsnorm(qk[..., h:, :], attn.k_norm)], dim=-2)
+        rot = torch.view_as_real(torch.view_as_complex(qk.float().reshape(*qk.shape[:-1], d // 2, 2)) * self.cis)
+        rot = rot.reshape(qk.shape).to(qkv.dtype)
+        return rot[..., :h, :], rot[..., h:, :], v
+
+
+def causal_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Dense causal attention of a batch from position 0: q [B, T, H, D] -> [B, T, H, D]."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         is_causal=True, enable_gqa=True)
+    return out.transpose(1, 2)
 
 
 class Attention(nn.Module):
@@ -70,47 +101,13 @@ class Attention(nn.Module):
         self.interleaved = True
         return True
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cis=None):
-        qkv = self.qkv_proj(x)
-        if self.interleaved and isinstance(cis, RopeRows):
-            if self.q_norm is None:
-                qk = ops.rope_qk(qkv, self.num_heads, self.num_kv_heads, self.head_dim, cis.rotary.cos, cis.rotary.sin,
-                                 cis.positions)
-                if qk is not None:                  # one call for the whole rotation
-                    v = qkv[:, self.q_size + self.kv_size:].unflatten(-1, (self.num_kv_heads, self.head_dim))
-                    return qk[0], qk[1], v
-            cis = cis.complex()
-        if self.interleaved and cis is not None:
-            return self._project_interleaved(qkv, cis)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.unflatten(-1, (self.num_heads, self.head_dim))
-        k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
-        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+    def project(self, x: torch.Tensor, rope, ops: TorchOps = TORCH_OPS):
+        """q, k (rotated, as ``rope`` says) and v of x [..., T, hidden]: [..., T, heads, D] each."""
+        return rope.rotate(self, self.qkv_proj(x), ops)
 
-    def _project_interleaved(self, qkv: torch.Tensor, cis: torch.Tensor):
-        """qkv [..., T, F] (packed rows, or a dense batch) with cis [T, 1, D/2]."""
-        d, h = self.head_dim, self.num_heads
-        qk = qkv[..., :self.q_size + self.kv_size].unflatten(-1, (h + self.num_kv_heads, d))
-        v = qkv[..., self.q_size + self.kv_size:].unflatten(-1, (self.num_kv_heads, d))
-        if self.q_norm is not None:
-            qk = torch.cat([self.q_norm(qk[..., :h, :]), self.k_norm(qk[..., h:, :])], dim=-2)
-        rot = torch.view_as_real(torch.view_as_complex(qk.float().reshape(*qk.shape[:-1], d // 2, 2)) * cis)
-        rot = rot.reshape(qk.shape).to(qkv.dtype)
-        return rot[..., :h, :], rot[..., h:, :], v
-
-    def forward(self, x, cos, sin, attn, cis=None) -> torch.Tensor:
-        q, k, v = self.project(x, cos, sin, cis)
-        out = attn.attend(self.layer_idx, q, k, v)             # [T, H, D]
-        return self.o_proj(out.flatten(-2))
-
-    def forward_dense(self, x, cos, sin, cis=None) -> torch.Tensor:
-        q, k, v = self.project(x, cos, sin, cis)               # [B, T, H, D]
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             is_causal=True, enable_gqa=True)
-        return self.o_proj(out.transpose(1, 2).flatten(-2))
+    def forward(self, x, rope, attend, ops: TorchOps) -> torch.Tensor:
+        q, k, v = self.project(x, rope, ops)
+        return self.o_proj(attend(self.layer_idx, q, k, v).flatten(-2))
 
 
 class MLP(nn.Module):
@@ -120,14 +117,8 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if kernels.usable(gate_up) and gate_up.dtype == torch.float32 and gate_up.shape[0] <= ops.F32_MAX_ROWS:
-            h = ops.silu_mul(gate_up)                  # decode: one call, not three
-            if h is not None:
-                return self.down_proj(h)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops: TorchOps = TORCH_OPS) -> torch.Tensor:
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -138,13 +129,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, attn=None, cis=None, pending=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x, rope, attend, ops: TorchOps, pending=None) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (residual stream, this layer's MLP output): the caller adds the latter with the next
         norm (``add_norm``), so that decode rows take one call for each add and norm."""
-        x, h = add_norm(x, pending, self.input_layernorm)
-        h = self.self_attn(h, cos, sin, attn, cis) if attn is not None else self.self_attn.forward_dense(h, cos, sin, cis)
-        x, h = add_norm(x, h, self.post_attention_layernorm)
-        return x, self.mlp(h)
+        x, h = ops.add_norm(x, pending, self.input_layernorm)
+        x, h = ops.add_norm(x, self.self_attn(h, rope, attend, ops), self.post_attention_layernorm)
+        return x, self.mlp(h, ops)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -177,34 +167,34 @@ class LlamaForCausalLM(nn.Module):
                     module._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=dtype), p.requires_grad)
         return model
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
-        """Packed tokens [T] -> final hidden states [T, hidden]."""
-        x = self.embed(input_ids)
-        if self.fused_decode is not None and (h := self.fused_decode(x, positions, attn)) is not None:
-            return h
-        cos = sin = cis = None
-        if self._interleaved:           # prepared weights rotate adjacent pairs: cis only
-            fast = x.dtype == torch.float32 and kernels.usable(x)
-            cis = RopeRows(positions, self.rotary) if fast else self.rotary.lookup_cis(positions)
-        else:
-            cos, sin = self.rotary.lookup(positions, x.dtype)
-        return self._layers(x, cos, sin, attn, cis)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step) -> torch.Tensor:
+        """Packed tokens [T] -> final hidden states [T, hidden], run as the execution backend's
+        ``step`` says (llmd.runtime.execution.base)."""
+        return self.forward_hidden(self.embed(input_ids), positions, step)
+
+    def forward_hidden(self, x: torch.Tensor, positions: torch.Tensor, step) -> torch.Tensor:
+        """Embedded rows [T, hidden] -> final hidden states [T, hidden]."""
+        return self._layers(x, step.rope(self, positions, x.dtype), step.attend, step.ops)
 
     def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[B, T] -> logits [B, T, vocab], plain causal attention from position 0."""
         x = self.embed(input_ids)
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-        cos, sin = self.rotary.lookup(positions, x.dtype)
-        cis = self.rotary.lookup_cis(positions) if self._interleaved else None   # prepared weights are interleaved
-        return self.compute_logits(self._layers(x, cos, sin, None, cis))
+        return self.compute_logits(self._layers(x, self.rope(positions, x.dtype), causal_attention, TORCH_OPS))
 
-    def _layers(self, x, cos, sin, attn, cis) -> torch.Tensor:
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype):
+        """The rotary form of these positions for the weights' layout, in plain torch."""
+        if self._interleaved:           # prepared weights rotate adjacent pairs
+            return PairRope(self.rotary.lookup_cis(positions))
+        return HalfRope(*self.rotary.lookup(positions, dtype))
+
+    def _layers(self, x, rope, attend, ops: TorchOps) -> torch.Tensor:
         """Every decoder layer, then the final norm; each layer's MLP output is added with the next
         norm (``add_norm``)."""
         pending = None
         for layer in self.layers:
-            x, pending = layer(x, cos, sin, attn, cis, pending)
-        return add_norm(x, pending, self.norm)[1]
+            x, pending = layer(x, rope, attend, ops, pending)
+        return ops.add_norm(x, pending, self.norm)[1]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self._tied_head is not None:       # tied and prepared: rows live in the head's storage

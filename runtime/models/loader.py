@@ -15,6 +15,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ..errors import ModelLoadError
+from . import registry
 from .config import ModelConfig
 from .llama import LlamaForCausalLM
 
@@ -105,7 +106,7 @@ def load_model(path: str | Path, dtype: str = "float32", cfg: ModelConfig | None
     if cfg.num_parameters() * 2 > stored:     # no loadable dtype takes under 2 bytes a weight
         raise ModelLoadError(f"{path}: config.json describes {cfg.num_parameters():,} weights, more than "
                              f"{stored:,} bytes of safetensors can hold; is config.json from this model?")
-    model = LlamaForCausalLM.empty(cfg, torch_dtype)
+    model = registry.get(cfg.architecture).model_class.empty(cfg, torch_dtype)
     params = dict(model.named_parameters())
     seen: set[str] = set()
     for n, (f, name, tensor) in enumerate(iter_tensors(files)):

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from . import registry
 from .config import ModelConfig
 from .llama import LlamaForCausalLM
 from .loader import save_model
@@ -60,7 +61,8 @@ def write_random_model(path: str | Path, shape: str | dict = "tiny", seed: int =
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     raw = hf_config(shape, **overrides)
-    model = LlamaForCausalLM(ModelConfig.from_dict(raw))
+    cfg = ModelConfig.from_dict(raw)
+    model = registry.get(cfg.architecture).model_class(cfg)
     init_weights(model, seed, std)
     save_model(model, path)
     (path / "config.json").write_text(json.dumps(raw, indent=1))

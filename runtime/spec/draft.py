@@ -14,7 +14,6 @@ import time
 
 import torch
 
-from ..kernels.ops import argmax
 from ..model_runner import Feed, ModelRunner
 from ..request import Request
 from ..sampler import processed_probs, sample_from_probs
@@ -58,7 +57,7 @@ class DraftProposer(Proposer):
             rows = [rows_for(items[i][0], tokens[i]) for i in active]
             greedy = all(r.params.greedy for r in rows)
             if greedy:
-                picks = argmax(logits).tolist()
+                picks = self.runner.execution.greedy(logits).tolist()
             else:
                 q = processed_probs(logits, rows)
                 picks = sample_from_probs(q, rows).tolist()
@@ -82,19 +81,18 @@ class DraftProposer(Proposer):
         return [Proposal(tokens[i], torch.stack(probs[i]) if probs[i] else None, seconds) for i in range(len(items))]
 
     def _fused_steps(self, items, active, tokens, feeds, step, decode_times) -> int:
-        """As many greedy forwards as every active request still wants, in one kernel call
-        (FusedDecode.draft_greedy), from each request's next feed (at step 0 its catch-up on the tokens
-        the draft has not seen): the same tokens and KV as the loop's forwards. Returns the forwards it
-        made (0: none, the loop goes on); ``feeds`` are set for the step after them."""
-        fused = getattr(self.runner.model, "fused_decode", None)
-        if fused is None:
-            return 0
+        """As many greedy forwards as every active request still wants, in one call where the backend
+        has one (``greedy_rounds``: FusedDecode.draft_greedy on cpu), from each request's next feed (at
+        step 0 its catch-up on the tokens the draft has not seen): the same tokens and KV as the loop's
+        forwards. Returns the forwards it made (0: none, the loop goes on); ``feeds`` are set for the
+        step after them."""
         # the catch-up forward alone first: like the loop, the controller weighs draft forwards by the
         # later, single-token ones (the catch-up also reloads the draft's weights into cache)
         want = 1 if step == 0 else min(items[i][1] - step for i in active)
         t0 = time.perf_counter()
-        got = fused.draft_greedy(self.runner, [feeds[i].token_ids for i in active], [feeds[i].start for i in active],
-                                 [items[i][0].block_ids for i in active], want)
+        got = self.runner.execution.greedy_rounds(self.runner, [feeds[i].token_ids for i in active],
+                                                  [feeds[i].start for i in active],
+                                                  [items[i][0].block_ids for i in active], want)
         if not got or not got[0]:
             return 0
         if step:

@@ -1,0 +1,79 @@
+"""The architectures llmd runs, registered under the names a Hugging Face config.json gives them.
+
+An architecture is one file in ``architectures/`` that calls ``register``: its ``architectures``
+name (``Qwen2ForCausalLM``), its ``model_type`` (``qwen2``), the module that computes it, and the
+traits its family fixes that config.json does not always say (biases, q/k norms, a sliding window).
+The files are imported on the first lookup, so adding an architecture is a file and a test.
+"""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Traits:
+    """What a family decides for itself, from config.json's ``attention_bias`` and the rest."""
+    qkv_bias: bool                          # q, k, v projections carry a bias
+    o_proj_bias: bool = False
+    qk_norm: bool = False                   # per-head RMSNorm on q and k before rotary
+    sliding_window: Optional[int] = None    # every layer attends this many positions back, or None
+
+
+@dataclass(frozen=True)
+class Architecture:
+    name: str                                       # config.json "architectures" entry
+    model_type: str                                 # config.json "model_type"
+    model_class: type[nn.Module]                    # built from a ModelConfig; has ``empty(cfg, dtype)``
+    traits: Callable[[dict, bool], Traits]          # (config.json, its attention_bias) -> Traits
+
+
+_BY_NAME: dict[str, Architecture] = {}
+_BY_TYPE: dict[str, Architecture] = {}
+_discovered = False
+
+
+def register(arch: Architecture) -> Architecture:
+    if _BY_NAME.get(arch.name, arch) != arch or _BY_TYPE.get(arch.model_type, arch) != arch:
+        raise ValueError(f"architecture {arch.name!r} / model_type {arch.model_type!r} is already registered")
+    _BY_NAME[arch.name] = _BY_TYPE[arch.model_type] = arch
+    return arch
+
+
+def _discover() -> None:
+    """Import every file of ``architectures/`` once: each registers itself."""
+    global _discovered
+    if _discovered:
+        return
+    _discovered = True
+    package = importlib.import_module(f"{__package__}.architectures")
+    for info in pkgutil.iter_modules(package.__path__):
+        importlib.import_module(f"{package.__name__}.{info.name}")
+
+
+def find(raw: dict) -> Optional[Architecture]:
+    """The architecture config.json names: its first registered ``architectures`` entry; its
+    ``model_type`` only when it lists none (a listed head llmd lacks, a classifier say, is refused);
+    None when llmd runs neither."""
+    _discover()
+    names = raw.get("architectures")
+    if names:
+        names = names if isinstance(names, list) else [names]
+        return next((_BY_NAME[n] for n in names if isinstance(n, str) and n in _BY_NAME), None)
+    model_type = raw.get("model_type")
+    return _BY_TYPE.get(model_type) if isinstance(model_type, str) else None
+
+
+def get(name: str) -> Architecture:
+    """A registered architecture by its ``architectures`` name (ModelConfig.architecture)."""
+    _discover()
+    return _BY_NAME[name]
+
+
+def supported() -> list[str]:
+    _discover()
+    return sorted(_BY_NAME)
