@@ -237,9 +237,10 @@ class Engine:
             s.num_new_tokens -= missing
             s.request.spec_token_ids = got
             out[id(s)] = prop
-        if self.spec is not None and not self.spec.proposer_is_free:
+        if self.spec is not None:
+            self.spec.observe_proposals(len(items), sum(1 for s in items if s.num_spec_tokens))
             per_forward = getattr(self.proposer, "forward_s", None)
-            if per_forward is not None:
+            if per_forward is not None and not self.spec.proposer_is_free:
                 self.spec.observe_draft(len(items), per_forward)
         return out, seconds
 
