@@ -341,8 +341,6 @@ class Engine:
         live = self._live.pop(req.request_id)
         if self.proposer is not None:
             self.proposer.forget(req.request_id)
-        if self.spec is not None:
-            self.spec.forget(req.request_id)
         text = live.text
         if req.finish_reason is not FinishReason.STOP or not isinstance(req.stop_reason, str):
             text += live.detok.flush()

@@ -16,7 +16,8 @@ seconds. The controller picks the depth with the most expected tokens per second
   win is never tried, so where speculation never pays it costs a few steps, and where a deep depth wins
   it is reached (the first try is already half way down).
 - The acceptance a is the maximum-likelihood estimate from accepted proposals and first rejections
-  (Acceptance), per request shrunk toward the global one, which starts from a weak prior.
+  (Acceptance) over the last few hundred verified proposals of all requests (one depth serves the
+  whole batch), starting from a weak prior.
 - Measurements stay current: every so often one step takes the runner-up depth (twice as rarely each
   time it loses again). Where speculation is off and the proposer is a draft model, that step is a
   probe of one request only: speculating every request after a pause would make the draft catch up on
@@ -31,13 +32,12 @@ import statistics
 from ..request import Request
 
 PRIOR_ALPHA = 0.6
-PRIOR_WEIGHT = 4.0      # the prior counts as this many observed proposals (accepted or rejected)
-REQUEST_WEIGHT = 8.0    # a request's own acceptance is shrunk toward the global one by this many
-DECAY = 0.995           # global acceptance and proposal counts: weight of the past per observation
-REQUEST_DECAY = 0.98    # ... of a request's own
+PRIOR_WEIGHT = 2.0      # the prior counts as this many verified proposals (accepted or rejected)
+DECAY = 0.995           # acceptance and proposal counts: weight of the past, per decode step
 SWITCH = 1.02           # another measured depth must be this much faster to take over
 REFRESH_EVERY = 32      # steps of a batch size between refreshes of the runner-up depth ...
 REFRESH_MAX = 1024      # ... doubling each time it stays the runner-up, up to this many
+EXPLORE_EVERY = 8       # steps of a batch size between looks at the depths not measured there
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -98,22 +98,27 @@ class CostTable:
 
 class Acceptance:
     """Per-token acceptance from verified proposals: each accepted proposal a success, a rejection a
-    failure (the proposals after it were never tested). Counts decay so the estimate follows the text."""
+    failure (the proposals after it were never tested), beside a prior worth ``weight`` proposals.
+    Counts age by the step, not by the observation, so evidence from before a pause counts little."""
 
-    def __init__(self, prior: float, weight: float, decay: float):
-        self.accepted, self.rejected = prior * weight, (1 - prior) * weight
-        self.decay = decay
+    def __init__(self, prior: float, weight: float):
+        self.accepted = self.rejected = 0.0
+        self.prior, self.weight = prior, weight
+
+    def age(self) -> None:
+        self.accepted *= DECAY
+        self.rejected *= DECAY
 
     def observe(self, proposed: int, accepted: int) -> None:
-        self.accepted = self.decay * self.accepted + accepted
-        self.rejected = self.decay * self.rejected + (1 if accepted < proposed else 0)
+        self.accepted += accepted
+        self.rejected += 1 if accepted < proposed else 0
 
     def rate(self) -> float:
-        return self.accepted / (self.accepted + self.rejected)
+        return (self.accepted + self.prior * self.weight) / (self.accepted + self.rejected + self.weight)
 
     def upper(self) -> float:
         """Two standard errors above the estimate: how good it could still be."""
-        a, n = self.rate(), self.accepted + self.rejected
+        a, n = self.rate(), self.accepted + self.rejected + self.weight
         return min(0.999, a + 2 * math.sqrt(a * (1 - a) / n))
 
 
@@ -126,15 +131,19 @@ class DepthTimes:
 
     def __init__(self):
         self.samples: dict[int, collections.deque] = {}
+        self.medians: dict[int, float] = {}       # the trusted ones (read every step: kept, not computed)
 
     def observe(self, k: int, seconds: float) -> None:
-        self.samples.setdefault(k, collections.deque(maxlen=self.KEEP)).append(seconds)
+        got = self.samples.setdefault(k, collections.deque(maxlen=self.KEEP))
+        got.append(seconds)
+        if len(got) >= self.MIN_SAMPLES:
+            self.medians[k] = statistics.median(got)
 
     def count(self, k: int) -> int:
         return len(self.samples.get(k, ()))
 
     def measured(self) -> dict[int, float]:
-        return {k: statistics.median(s) for k, s in self.samples.items() if len(s) >= self.MIN_SAMPLES}
+        return self.medians
 
 
 class _Batch:
@@ -147,6 +156,8 @@ class _Batch:
         self.again: int | None = None   # a depth to take once more (a re-measure after its catch-up step)
         self.since_refresh = 0
         self.refresh_every = REFRESH_EVERY
+        self.explore_in = 0             # steps until unmeasured depths are weighed again
+        self.known = 0                  # depths measured when they last were
 
 
 class SpecController:
@@ -159,9 +170,8 @@ class SpecController:
         self.proposer_is_free = proposer_is_free      # n-gram lookup costs no forward
         self.target = CostTable()
         self.draft = CostTable()
-        self.acceptance = Acceptance(PRIOR_ALPHA, PRIOR_WEIGHT, DECAY)
-        self.requests: dict[str, Acceptance] = {}
-        self.found = Acceptance(1.0, 1.0, DECAY)      # share of asked requests that got any proposal
+        self.acceptance = Acceptance(PRIOR_ALPHA, PRIOR_WEIGHT)
+        self.found = Acceptance(1.0, 1.0)      # share of asked requests that got any proposal
         self.batches: dict[int, _Batch] = {}
         self._step: tuple | None = None       # (bucket, depth) of the step planned last, if it measures one
         self._plain_run = 0                   # consecutive steps without speculation, up to the last planned
@@ -173,13 +183,6 @@ class SpecController:
     @property
     def global_alpha(self) -> float:
         return self.acceptance.rate()
-
-    def alpha(self, request_id: str) -> float:
-        own = self.requests.get(request_id)
-        a = self.acceptance.rate()
-        if own is None:
-            return a
-        return (own.accepted + REQUEST_WEIGHT * a) / (own.accepted + own.rejected + REQUEST_WEIGHT)
 
     def may_speculate(self, r: Request) -> bool:
         """Greedy requests always: their output cannot change. A sampled one keeps the target's
@@ -201,20 +204,22 @@ class SpecController:
         b = len(decoding)
         if not b:
             return
+        self.acceptance.age()
+        self.found.age()
         key = (_bucket(b), _bucket(len(held)) if held else 0)
-        caps = [self._cap(r, self.max_k) for r in decoding]
-        if not self.adaptive:
-            ks = caps
+        k, probe = self._choose(decoding, key, len(held), other_tokens) if self.adaptive else (self.max_k, False)
+        if probe:               # one request refreshes the acceptance estimate
+            decoding[0].spec_k = self._cap(decoding[0], k)
+            for r in decoding[1:]:
+                r.spec_k = 0
         else:
-            k, probe = self._choose(decoding, key, len(held), other_tokens)
-            ks = [min(c, k) for c in caps]
-            if probe:           # one request refreshes the acceptance estimate
-                ks = [ks[0]] + [0] * (b - 1)
-            elif not other_tokens and all(c >= k for c in caps) and self._measures(k):
+            capped = False
+            for r in decoding:
+                r.spec_k = self._cap(r, k) if k else 0
+                capped = capped or r.spec_k < k
+            if not other_tokens and not capped and self._measures(k):
                 self._step = (key, k)
-        for r, k in zip(decoding, ks):
-            r.spec_k = k
-        depth = max(ks)
+        depth = max(r.spec_k for r in decoding)
         self._plain_run = 0 if depth else self._plain_run + 1
         self.depth_steps[depth] += 1
         if depth:
@@ -238,7 +243,7 @@ class SpecController:
         measured = st.times.measured()
         if 0 not in measured:
             return 0, False                      # measure plain decoding at this size first: the safe choice
-        gains = self._gains(decoding)
+        gains = self._gains(decoding, measured)
         rates = {k: gains[k] / t for k, t in measured.items()}
         if other_tokens:                        # prompt rows ride along: no exploring, no measuring
             return self._with_other_tokens(b, held, other_tokens, measured, gains), False
@@ -250,25 +255,27 @@ class SpecController:
             if best != st.best:
                 st.refresh_every = REFRESH_EVERY
             st.best = best
-        target = self._to_explore(b, st, measured, gains, rates[st.best])
-        if target is not None:
-            st.exploring = target
-            return target, False
+        st.explore_in -= 1
+        if st.explore_in <= 0 or st.known != len(measured):      # weighed now and then: it is the dear part
+            st.explore_in, st.known = EXPLORE_EVERY, len(measured)
+            target = self._to_explore(b, st, measured, self._gains(decoding), rates[st.best])
+            if target is not None:
+                st.exploring = target
+                return target, False
         self.last_plan = {"batch": b, "k": st.best, "alpha": self.global_alpha,
                           "predicted_speedup": rates[st.best] / rates[0]}
         return self._refresh(decoding, st, rates)
 
-    def _gains(self, decoding: list[Request], optimistic: bool = False) -> list[float]:
-        """Expected tokens of the step at each depth 0..max_k, summed over the requests (their mean
-        acceptance: E is convex in a, so this errs low); ``optimistic``: at the acceptance's upper bound."""
+    def _gains(self, decoding: list[Request], depths=None, optimistic: bool = False) -> dict[int, float]:
+        """Expected tokens of the step at each of ``depths`` (all by default), summed over the requests;
+        ``optimistic``: at the acceptance's upper bound."""
         b = len(decoding)
-        a = sum(self.alpha(r.request_id) for r in decoding) / b
-        if optimistic:
-            a = min(0.999, a + self.acceptance.upper() - self.acceptance.rate())
+        a = self.acceptance.upper() if optimistic else self.acceptance.rate()
         found = self.found.rate()
-        return [b * (found * expected_tokens(a, k) + (1 - found)) if k else float(b) for k in range(self.max_k + 1)]
+        return {k: b * (found * expected_tokens(a, k) + (1 - found)) if k else float(b)
+                for k in (range(self.max_k + 1) if depths is None else depths)}
 
-    def _to_explore(self, b: int, st: _Batch, measured: dict[int, float], gains: list[float],
+    def _to_explore(self, b: int, st: _Batch, measured: dict[int, float], gains: dict[int, float],
                     best_rate: float) -> int | None:
         """An unmeasured depth that could beat the best measured one, the most promising first; the
         first depth tried at a batch size goes half way down (shallow steps pay least for a round)."""
@@ -299,7 +306,7 @@ class SpecController:
                 floor = max(floor, t + (k - j + (j == 0)) * d + max(0.0, rows))
         return floor
 
-    def _with_other_tokens(self, b: int, held: int, other: int, measured: dict[int, float], gains: list[float]) -> int:
+    def _with_other_tokens(self, b: int, held: int, other: int, measured: dict[int, float], gains: dict) -> int:
         """The best measured depth once each step also carries ``other`` prompt rows: their cost
         beside b (k + 1) verification rows and the held ones, from the forward costs (unknown: left out)."""
         def cost(k, t):
@@ -329,7 +336,8 @@ class SpecController:
     def _could_win(self, decoding: list[Request], st: _Batch, k: int) -> bool:
         """Whether depth k would beat the one in force were the acceptance at its upper bound (a close
         call keeps its refreshes frequent; a clear one spaces them out)."""
-        gains, times = self._gains(decoding, optimistic=True), st.times.measured()
+        times = st.times.measured()
+        gains = self._gains(decoding, times, optimistic=True)
         return gains[k] / times[k] > gains[st.best] / times[st.best]
 
     def _cap(self, r: Request, k: int) -> int:
@@ -357,8 +365,3 @@ class SpecController:
     def observe_acceptance(self, request_id: str, proposed: int, accepted: int) -> None:
         if proposed:
             self.acceptance.observe(proposed, accepted)
-            own = self.requests.setdefault(request_id, Acceptance(0.0, 0.0, REQUEST_DECAY))
-            own.observe(proposed, accepted)
-
-    def forget(self, request_id: str) -> None:
-        self.requests.pop(request_id, None)
