@@ -149,7 +149,7 @@ def describe(llms: dict) -> dict:
         out[name] = {"alpha": round(alpha_from_accepted(accepted, k), 3) if accepted is not None and name != "adaptive" else None,
                      "accepted_per_step": accepted and round(accepted, 3)}
         if ctrl.adaptive:
-            out[name].update(depth_steps=dict(sorted(ctrl.depth_steps.items())), alpha_estimate=round(ctrl.global_alpha, 3),
+            out[name].update(depth_steps=st["spec_depth_steps"], alpha_estimate=round(ctrl.global_alpha, 3),
                              best_by_batch={str(key): b.best for key, b in ctrl.batches.items()})
     return out
 

@@ -371,4 +371,7 @@ class Engine:
             "kv_dtype": self.kv_dtype,
             "kv_pool_dtype": str(self.runner.k_pool.dtype).removeprefix("torch."),
             "max_model_len": self.max_model_len,
+            # decode steps by the deepest speculation they verified (the controller's choices)
+            **({"spec_depth_steps": {str(k): n for k, n in sorted(self.spec.depth_steps.items())}}
+               if self.spec is not None else {}),
         }

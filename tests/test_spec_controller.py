@@ -238,3 +238,22 @@ def test_greedy_only_leaves_sampled_requests_out_and_plans_them_as_plain_rows():
         ctrl.observe_step(2, 0.010, False)
     assert rs[0].spec_k and not rs[1].spec_k        # measured apart from steps without a held row
     assert list(ctrl.batches) == [(1, 1)]
+
+
+def test_the_engine_reports_its_decode_steps_by_depth(tiny_model_dir):
+    """Plain steps first (measured), then a depth tried; greedy text as without speculation."""
+    from llmd import LLM
+    params, prompt = SamplingParams(max_tokens=40, ignore_eos=True), [5, 6, 7, 8] * 6
+    want = LLM(str(tiny_model_dir), kv_memory="8MiB").generate([prompt], params)[0].token_ids
+    llm = LLM(str(tiny_model_dir), kv_memory="8MiB", draft="ngram")
+    assert llm.generate([prompt], params)[0].token_ids == want
+    depths = {int(k): n for k, n in llm.stats()["spec_depth_steps"].items()}
+    assert depths[0] >= 3 and max(depths) > 0 and sum(depths.values()) < 40
+
+
+def test_a_fixed_depth_plans_the_most_and_measures_nothing():
+    ctrl = SpecController(4, 2048, adaptive=False)
+    rs = reqs(2)
+    ctrl.plan(rs, 0)
+    ctrl.observe_step(10, 0.01, True)
+    assert [r.spec_k for r in rs] == [4, 4] and not ctrl.batches

@@ -172,8 +172,8 @@ class SpecController:
         self.draft = CostTable()
         self.acceptance = Acceptance(PRIOR_ALPHA, PRIOR_WEIGHT)
         self.found = Acceptance(1.0, 1.0)      # share of asked requests that got any proposal
-        self.batches: dict[int, _Batch] = {}
-        self._step: tuple | None = None       # (bucket, depth) of the step planned last, if it measures one
+        self.batches: dict[tuple, _Batch] = {}
+        self._step: tuple | None = None       # (batch key, depth) of the step planned last, if it measures one
         self._plain_run = 0                   # consecutive steps without speculation, up to the last planned
         self.enabled_steps = 0
         self.disabled_steps = 0
@@ -217,7 +217,7 @@ class SpecController:
             for r in decoding:
                 r.spec_k = self._cap(r, k) if k else 0
                 capped = capped or r.spec_k < k
-            if not other_tokens and not capped and self._measures(k):
+            if self.adaptive and not other_tokens and not capped and self._measures(k):
                 self._step = (key, k)
         depth = max(r.spec_k for r in decoding)
         self._plain_run = 0 if depth else self._plain_run + 1
