@@ -35,6 +35,7 @@ PRIOR_ALPHA = 0.6
 PRIOR_WEIGHT = 2.0      # the prior counts as this many verified proposals (accepted or rejected)
 DECAY = 0.995           # acceptance and proposal counts: weight of the past, per decode step
 SWITCH = 1.02           # another measured depth must be this much faster to take over
+SWITCH_ON = 1.10        # ... and speculation, where a draft is off over several streams (a catch-up to pay)
 REFRESH_EVERY = 32      # steps of a batch size between refreshes of the runner-up depth ...
 REFRESH_MAX = 1024      # ... doubling each time it stays the runner-up, up to this many
 EXPLORE_EVERY = 8       # steps of a batch size between looks at the depths not measured there
@@ -151,9 +152,10 @@ class _Batch:
 
     def __init__(self):
         self.times = DepthTimes()
+        self.probe_times = DepthTimes()  # by (depth, requests): steps where some requests speculated
         self.best = 0                   # the depth in force
-        self.exploring: int | None = None
-        self.again: int | None = None   # a depth to take once more (a re-measure after its catch-up step)
+        self.exploring: tuple | None = None   # (depth, requests) being measured
+        self.again: tuple | None = None  # (depth, requests) once more: a re-measure after its catch-up step
         self.since_refresh = 0
         self.refresh_every = REFRESH_EVERY
         self.explore_in = 0             # steps until unmeasured depths are weighed again
@@ -175,6 +177,7 @@ class SpecController:
         self.batches: dict[tuple, _Batch] = {}
         self._step: tuple | None = None       # (batch key, depth) of the step planned last, if it measures one
         self._plain_run = 0                   # consecutive steps without speculation, up to the last planned
+        self._spec_m = 0                      # requests that speculated in the last step that did
         self.enabled_steps = 0
         self.disabled_steps = 0
         self.depth_steps: collections.Counter = collections.Counter()
@@ -207,64 +210,95 @@ class SpecController:
         self.acceptance.age()
         self.found.age()
         key = (_bucket(b), _bucket(len(held)) if held else 0)
-        k, probe = self._choose(decoding, key, len(held), other_tokens) if self.adaptive else (self.max_k, False)
-        if probe:               # one request refreshes the acceptance estimate
-            decoding[0].spec_k = self._cap(decoding[0], k)
-            for r in decoding[1:]:
-                r.spec_k = 0
-        else:
-            capped = False
-            for r in decoding:
-                r.spec_k = self._cap(r, k) if k else 0
-                capped = capped or r.spec_k < k
-            if self.adaptive and not other_tokens and not capped and self._measures(k):
-                self._step = (key, k)
+        k, m = self._choose(decoding, key, len(held), other_tokens) if self.adaptive else (self.max_k, b)
+        capped = False
+        for i, r in enumerate(decoding):     # the first m requests speculate (all but in a probe)
+            r.spec_k = self._cap(r, k) if k and i < m else 0
+            capped = capped or (i < m and r.spec_k < k)
+        if self.adaptive and not other_tokens and not capped and self._measures(k, m):
+            self._step = (key, k, m if m < b else 0)
         depth = max(r.spec_k for r in decoding)
         self._plain_run = 0 if depth else self._plain_run + 1
+        if depth:
+            self._spec_m = m
         self.depth_steps[depth] += 1
         if depth:
             self.enabled_steps += 1
         else:
             self.disabled_steps += 1
 
-    def _measures(self, k: int) -> bool:
-        """Whether a step at depth k shows that depth's cost: not where a draft catches up on the text of
-        more than one plain step first (the first speculating step after a pause)."""
-        return not k or self.proposer_is_free or self._plain_run <= 1
+    def _measures(self, k: int, m: int) -> bool:
+        """Whether a step at depth k over m requests shows its cost: not where a draft catches up on
+        the text of more than one plain step first (the first speculating step after a pause, or the
+        first for requests that did not speculate in the last one)."""
+        return not k or self.proposer_is_free or (self._plain_run <= 1 and self._spec_m >= m)
 
-    def _choose(self, decoding: list[Request], key: tuple, held: int, other_tokens: int) -> tuple[int, bool]:
-        """(depth for this step, whether it is a one-request probe), beside ``held`` rows of requests
+    def _probing(self, b: int, st: _Batch) -> bool:
+        """Whether speculating depths are tried on some requests only: where a draft is off over several
+        streams (speculating all of them would make the draft catch up on all their text at once)."""
+        return b > 1 and st.best == 0 and not self.proposer_is_free
+
+    def _estimates(self, b: int, st: _Batch) -> tuple[dict[int, float], dict[int, tuple[float, int]]]:
+        """Seconds of a whole step at each measured depth, and for the depths tried on m of b requests
+        only, (a likely step's seconds, m) for the largest m. The first counts those requests' extra
+        cost b / m times over: the dearest case (nothing of a draft round shared), which alone turns
+        speculation on. The second, which decides whether to try more requests, is the cheapest case
+        (the requests beyond m free) or, once two sizes are tried, each further request costing what
+        one more cost there."""
+        measured = st.times.measured()
+        levels: dict[int, list] = {}
+        for (k, m), t in st.probe_times.measured().items():
+            if k not in measured:
+                levels.setdefault(k, []).append((m, t))
+        if not levels or 0 not in measured:
+            return measured, {}
+        t0 = measured[0]
+        dearest, likely = {}, {}
+        for k, got in levels.items():
+            got.sort()
+            m, t = got[-1]
+            extra = (t - got[-2][1]) / (m - got[-2][0]) if len(got) > 1 else 0.0
+            likely[k] = (t + (b - m) * max(0.0, extra), m)
+            dearest[k] = t0 + b / m * max(0.0, t - t0)
+        return {**dearest, **measured}, likely
+
+    def _choose(self, decoding: list[Request], key: tuple, held: int, other_tokens: int) -> tuple[int, int]:
+        """(depth for this step, how many of the requests take it), beside ``held`` rows of requests
         that do not speculate and ``other_tokens`` prompt rows."""
         b = len(decoding)
         st = self.batches.setdefault(key, _Batch())
         if st.again is not None and not other_tokens:
-            k, st.again = st.again, None
-            return k, False
-        measured = st.times.measured()
+            (k, m), st.again = st.again, None
+            return k, m
+        measured, partial = self._estimates(b, st)
         if 0 not in measured:
-            return 0, False                      # measure plain decoding at this size first: the safe choice
+            return 0, b                          # measure plain decoding at this size first: the safe choice
         gains = self._gains(decoding, measured)
         rates = {k: gains[k] / t for k, t in measured.items()}
         if other_tokens:                        # prompt rows ride along: no exploring, no measuring
-            return self._with_other_tokens(b, held, other_tokens, measured, gains), False
-        if st.exploring is not None and st.times.count(st.exploring) < DepthTimes.MIN_SAMPLES:
-            return st.exploring, False
+            return self._with_other_tokens(b, held, other_tokens, measured, gains), b
+        if st.exploring is not None:
+            k, m = st.exploring
+            if (st.times.count(k) if m >= b else st.probe_times.count((k, m))) < DepthTimes.MIN_SAMPLES:
+                return k, m
         st.exploring = None
+        probing = self._probing(b, st)
         best = max(rates, key=rates.get)
-        if st.best not in rates or rates[best] > rates[st.best] * SWITCH:
+        if st.best not in rates or rates[best] > rates[st.best] * (SWITCH_ON if probing else SWITCH):
             if best != st.best:
                 st.refresh_every = REFRESH_EVERY
             st.best = best
+        probing = self._probing(b, st)
         st.explore_in -= 1
-        if st.explore_in <= 0 or st.known != len(measured):      # weighed now and then: it is the dear part
-            st.explore_in, st.known = EXPLORE_EVERY, len(measured)
-            target = self._to_explore(b, st, measured, self._gains(decoding), rates[st.best])
+        if st.explore_in <= 0 or st.known != len(measured) + len(partial):   # now and then: the dear part
+            st.explore_in, st.known = EXPLORE_EVERY, len(measured) + len(partial)
+            target = self._to_explore(b, st, measured, partial, self._gains(decoding), rates[st.best], probing)
             if target is not None:
                 st.exploring = target
-                return target, False
+                return target
         self.last_plan = {"batch": b, "k": st.best, "alpha": self.global_alpha,
                           "predicted_speedup": rates[st.best] / rates[0]}
-        return self._refresh(decoding, st, rates)
+        return self._refresh(decoding, st, rates, probing)
 
     def _gains(self, decoding: list[Request], depths=None, optimistic: bool = False) -> dict[int, float]:
         """Expected tokens of the step at each of ``depths`` (all by default), summed over the requests;
@@ -275,19 +309,28 @@ class SpecController:
         return {k: b * (found * expected_tokens(a, k) + (1 - found)) if k else float(b)
                 for k in (range(self.max_k + 1) if depths is None else depths)}
 
-    def _to_explore(self, b: int, st: _Batch, measured: dict[int, float], gains: dict[int, float],
-                    best_rate: float) -> int | None:
-        """An unmeasured depth that could beat the best measured one, the most promising first; the
-        first depth tried at a batch size goes half way down (shallow steps pay least for a round)."""
+    def _to_explore(self, b: int, st: _Batch, measured: dict[int, float], partial: dict, gains: dict[int, float],
+                    best_rate: float, probing: bool) -> tuple[int, int] | None:
+        """(depth, requests) to measure next: an unmeasured depth that could beat the best measured one,
+        the most promising first (the first tried at a batch size goes half way down); where depths
+        are tried on some requests only, one tried on m requests that could still win goes on to 2 m."""
         if len(measured) == 1:
-            return self._first_depth(b)
+            return self._first_depth(b), 1 if probing else b
         best_k, best = None, best_rate * SWITCH
         for k in range(1, self.max_k + 1):
-            if k not in measured:
+            if k in partial:                    # measured on m requests: the cheapest case could win?
+                t, m = partial[k]
+                rate = gains[k] / t
+            elif k not in measured:
                 rate = gains[k] / self._cost_floor(b, k, measured)
-                if rate > best:
-                    best_k, best = k, rate
-        return best_k
+            else:
+                continue
+            if rate > best:
+                best_k, best = k, rate
+        if best_k is None:
+            return None
+        m = partial[best_k][1] * 2 if best_k in partial else (1 if probing else b)
+        return best_k, min(m, b)
 
     def _first_depth(self, b: int) -> int:
         """The depth in force at the nearest batch size that speculates, else half the maximum."""
@@ -315,28 +358,29 @@ class SpecController:
             return t + (with_other - alone if with_other is not None and alone is not None else 0.0)
         return max(measured, key=lambda k: gains[k] / cost(k, measured[k]))
 
-    def _refresh(self, decoding: list[Request], st: _Batch, rates: dict[int, float]) -> tuple[int, bool]:
+    def _refresh(self, decoding: list[Request], st: _Batch, rates: dict[int, float],
+                 probing: bool) -> tuple[int, int]:
         """The depth in force, or now and then the runner-up, so that its cost and the acceptance stay
         measured. Where a draft is off, a speculating step first catches up on the text since the last
-        one: one stream takes a second step to measure, several probe with one request (all of them
-        catching up at once is a prompt-sized step) and only the acceptance is refreshed."""
+        one: a second step measures."""
         st.since_refresh += 1
         others = {k: r for k, r in rates.items() if k != st.best}
+        b = len(decoding)
         if st.since_refresh < st.refresh_every or not others:
-            return st.best, False
+            return st.best, b
         st.since_refresh = 0
         k = max(others, key=others.get)
         if not self._could_win(decoding, st, k):
             st.refresh_every = min(2 * st.refresh_every, REFRESH_MAX)
-        catch_up = k and not self._measures(k)
-        if catch_up and len(decoding) == 1:
-            st.again = k
-        return k, bool(catch_up and len(decoding) > 1)
+        m = 1 if probing else b
+        if k and not self._measures(k, m):
+            st.again = k, m
+        return k, m
 
     def _could_win(self, decoding: list[Request], st: _Batch, k: int) -> bool:
         """Whether depth k would beat the one in force were the acceptance at its upper bound (a close
         call keeps its refreshes frequent; a clear one spaces them out)."""
-        times = st.times.measured()
+        times = self._estimates(len(decoding), st)[0]
         gains = self._gains(decoding, times, optimistic=True)
         return gains[k] / times[k] > gains[st.best] / times[st.best]
 
@@ -348,8 +392,12 @@ class SpecController:
     def observe_step(self, tokens: int, seconds: float, speculated: bool) -> None:
         """The whole step just planned: its generated tokens and wall time."""
         if self._step is not None:
-            bucket, k = self._step
-            self.batches[bucket].times.observe(k, seconds)
+            key, k, m = self._step
+            st = self.batches[key]
+            if m:
+                st.probe_times.observe((k, m), seconds)
+            else:
+                st.times.observe(k, seconds)
 
     def observe_target(self, rows: int, seconds: float) -> None:
         self.target.observe(rows, seconds)
