@@ -9,7 +9,8 @@ import random
 import pytest
 
 from llmd.runtime.request import Request, SamplingParams
-from llmd.runtime.spec.controller import REFRESH_MAX, CostTable, SpecController, expected_tokens
+from llmd.runtime.spec.controller import REFRESH_MAX, SpecController, expected_tokens
+from llmd.runtime.spec.measures import CostTable
 
 
 def reqs(n, prefix="r"):
@@ -257,3 +258,20 @@ def test_a_fixed_depth_plans_the_most_and_measures_nothing():
     ctrl.plan(rs, 0)
     ctrl.observe_step(10, 0.01, True)
     assert [r.spec_k for r in rs] == [4, 4] and not ctrl.batches
+
+
+def test_several_streams_try_a_depth_on_ever_more_requests_before_all():
+    """Where a draft is off over sixteen streams, a depth is tried on 1, then 2, 4, ... requests (each
+    new request's first step a catch-up, not measured), and all speculate only once that pays."""
+    costs, alpha, b, max_k, free = CASES["sixteen streams, depth 2 best"]
+    ctrl = SpecController(max_k, 1 << 21, proposer_is_free=free)
+    sizes = []
+    real_plan = ctrl.plan
+
+    def plan(rs, other):
+        real_plan(rs, other)
+        sizes.append(sum(1 for r in rs if r.spec_k))
+    ctrl.plan = plan
+    simulate(ctrl, costs, alpha, b, steps=400)
+    ramp = [n for i, n in enumerate(sizes) if n and (i == 0 or n != sizes[i - 1])]
+    assert ramp[:2] == [1, 2] and 16 in ramp and sizes[-50:].count(16) >= 45

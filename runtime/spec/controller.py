@@ -9,27 +9,33 @@ seconds. The controller picks the depth with the most expected tokens per second
 
 - T(k) is measured, not modelled: the median wall time of the last whole decode steps taken at depth k
   at this batch size (DepthTimes). The overhead, the draft round's catch-up (which reloads the draft's
-  weights after each target step) and the Python around the forward are all in it.
+  weights after each target step) and the Python around the forward are all in it. A step where a
+  draft first catches up on text it missed while speculation was off is not a sample.
 - A depth not yet measured is tried when even a lower bound on its cost would beat the best measured
   depth: the nearest shallower measured step, plus a draft forward per extra proposal and the cheapest
   verification its rows could cost (CostTable). Optimism bounded by the cost model: a depth that cannot
   win is never tried, so where speculation never pays it costs a few steps, and where a deep depth wins
   it is reached (the first try is already half way down).
+- Where a draft is off over several streams, depths are tried on 1, 2, 4, ... of the requests, not all
+  at once (each new one costs a catch-up on its whole text), while the likely cost of the whole batch
+  could still win; all speculate once the dearest reading of those steps wins (_estimates).
 - The acceptance a is the maximum-likelihood estimate from accepted proposals and first rejections
-  (Acceptance) over the last few hundred verified proposals of all requests (one depth serves the
-  whole batch), starting from a weak prior.
-- Measurements stay current: every so often one step takes the runner-up depth (twice as rarely each
-  time it loses again). Where speculation is off and the proposer is a draft model, that step is a
-  probe of one request only: speculating every request after a pause would make the draft catch up on
-  all their text at once.
+  (Acceptance) over the last few hundred decode steps of all requests (one depth serves the whole
+  batch), starting from a weak prior.
+- Measurements stay current: every so often one step takes the runner-up depth, twice as rarely each
+  time, unless the acceptance's upper bound could still make the runner-up win (then the interval
+  stays). Where a draft is off over several streams that step speculates on one request.
+
+                     plan(): _choose -> spec_k per request
+    engine step ->   observe_target / observe_draft / observe_proposals / observe_acceptance
+                     observe_step: the step's wall time, a sample of (batch size, depth[, requests])
 """
 from __future__ import annotations
 
 import collections
-import math
-import statistics
 
 from ..request import Request
+from .measures import Acceptance, CostTable, DepthTimes, bucket
 
 PRIOR_ALPHA = 0.6
 PRIOR_WEIGHT = 2.0      # the prior counts as this many verified proposals (accepted or rejected)
@@ -47,104 +53,6 @@ def expected_tokens(alpha: float, k: int) -> float:
     if alpha >= 0.999:
         return k + 1.0
     return (1 - alpha ** (k + 1)) / (1 - alpha)
-
-
-def _bucket(n: int) -> int:
-    return max(1, n).bit_length()
-
-
-class CostTable:
-    """Seconds per forward, by the power-of-two bucket of its row count: the median of the last few
-    samples, trusted after MIN_SAMPLES (a first call at a new shape is often slow)."""
-
-    MIN_SAMPLES = 3
-    KEEP = 9
-
-    def __init__(self):
-        self.samples: dict[int, collections.deque] = {}
-        self.medians: dict[int, float] = {}     # per bucket, until its next sample (planning asks often)
-
-    def observe(self, rows: int, seconds: float) -> None:
-        b = _bucket(rows)
-        self.samples.setdefault(b, collections.deque(maxlen=self.KEEP)).append(seconds)
-        self.medians.pop(b, None)
-
-    def _median(self, b: int) -> float | None:
-        got = self.samples.get(b)
-        if not got or len(got) < self.MIN_SAMPLES:
-            return None
-        if (m := self.medians.get(b)) is None:
-            m = self.medians[b] = statistics.median(got)
-        return m
-
-    def estimate(self, rows: int) -> float | None:
-        """The bucket's median, capped by any larger bucket's: more rows never cost less, and a
-        rarely used bucket (one-row steps while speculating, which are mostly the first decode
-        after a prompt) can hold unrepresentative samples."""
-        b = _bucket(rows)
-        own = self._median(b)
-        if own is None:
-            return None
-        larger = [m for k in self.samples if k > b and (m := self._median(k)) is not None]
-        return min([own, *larger])
-
-    def floor(self, rows: int) -> float:
-        """A lower bound on a forward over ``rows``: the dearest bucket measured at or below it (0 if none)."""
-        b = _bucket(rows)
-        return max([m for k in self.samples if k <= b and (m := self.estimate(1 << (k - 1))) is not None], default=0.0)
-
-    def snapshot(self) -> dict:
-        return {f"<{2 ** b}": statistics.median(v) for b, v in sorted(self.samples.items())}
-
-
-class Acceptance:
-    """Per-token acceptance from verified proposals: each accepted proposal a success, a rejection a
-    failure (the proposals after it were never tested), beside a prior worth ``weight`` proposals.
-    Counts age by the step, not by the observation, so evidence from before a pause counts little."""
-
-    def __init__(self, prior: float, weight: float):
-        self.accepted = self.rejected = 0.0
-        self.prior, self.weight = prior, weight
-
-    def age(self) -> None:
-        self.accepted *= DECAY
-        self.rejected *= DECAY
-
-    def observe(self, proposed: int, accepted: int) -> None:
-        self.accepted += accepted
-        self.rejected += 1 if accepted < proposed else 0
-
-    def rate(self) -> float:
-        return (self.accepted + self.prior * self.weight) / (self.accepted + self.rejected + self.weight)
-
-    def upper(self) -> float:
-        """Two standard errors above the estimate: how good it could still be."""
-        a, n = self.rate(), self.accepted + self.rejected + self.weight
-        return min(0.999, a + 2 * math.sqrt(a * (1 - a) / n))
-
-
-class DepthTimes:
-    """Wall seconds of whole decode steps at one batch size, by depth: the median of the last KEEP,
-    trusted after MIN_SAMPLES."""
-
-    MIN_SAMPLES = 3
-    KEEP = 5
-
-    def __init__(self):
-        self.samples: dict[int, collections.deque] = {}
-        self.medians: dict[int, float] = {}       # the trusted ones (read every step: kept, not computed)
-
-    def observe(self, k: int, seconds: float) -> None:
-        got = self.samples.setdefault(k, collections.deque(maxlen=self.KEEP))
-        got.append(seconds)
-        if len(got) >= self.MIN_SAMPLES:
-            self.medians[k] = statistics.median(got)
-
-    def count(self, k: int) -> int:
-        return len(self.samples.get(k, ()))
-
-    def measured(self) -> dict[int, float]:
-        return self.medians
 
 
 class _Batch:
@@ -172,8 +80,8 @@ class SpecController:
         self.proposer_is_free = proposer_is_free      # n-gram lookup costs no forward
         self.target = CostTable()
         self.draft = CostTable()
-        self.acceptance = Acceptance(PRIOR_ALPHA, PRIOR_WEIGHT)
-        self.found = Acceptance(1.0, 1.0)      # share of asked requests that got any proposal
+        self.acceptance = Acceptance(PRIOR_ALPHA, PRIOR_WEIGHT, DECAY)
+        self.found = Acceptance(1.0, 1.0, DECAY)      # share of asked requests that got any proposal
         self.batches: dict[tuple, _Batch] = {}
         self._step: tuple | None = None       # (batch key, depth) of the step planned last, if it measures one
         self._plain_run = 0                   # consecutive steps without speculation, up to the last planned
@@ -209,7 +117,7 @@ class SpecController:
             return
         self.acceptance.age()
         self.found.age()
-        key = (_bucket(b), _bucket(len(held)) if held else 0)
+        key = (bucket(b), bucket(len(held)) if held else 0)
         k, m = self._choose(decoding, key, len(held), other_tokens) if self.adaptive else (self.max_k, b)
         capped = False
         for i, r in enumerate(decoding):     # the first m requests speculate (all but in a probe)
@@ -334,7 +242,7 @@ class SpecController:
 
     def _first_depth(self, b: int) -> int:
         """The depth in force at the nearest batch size that speculates, else half the maximum."""
-        near = sorted((abs(key[0] - _bucket(b)), st.best) for key, st in self.batches.items() if st.best)
+        near = sorted((abs(key[0] - bucket(b)), st.best) for key, st in self.batches.items() if st.best)
         return near[0][1] if near else max(1, (self.max_k + 1) // 2)
 
     def _cost_floor(self, b: int, k: int, measured: dict[int, float]) -> float:
