@@ -158,7 +158,7 @@ class Engine:
 
     # ---- the step --------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         if self.spec is not None:
             self._plan_speculation()
         sched = self.scheduler.schedule()
@@ -204,7 +204,7 @@ class Engine:
         outputs.extend(self._collect(touched))
         seconds = time.perf_counter() - t0
         if self.spec is not None:
-            self.spec.observe_step(sum(len(t) for t in sampled), seconds, proposed > 0)
+            self.spec.observe_step(sum(len(t) for t in sampled), seconds, proposed > 0, time.process_time() - cpu0)
         self.stats_.record_step(sched.num_tokens, len(sched.scheduled), seconds)
         return outputs
 

@@ -129,7 +129,7 @@ def test_speculation_that_never_pays_costs_few_speculating_steps():
     costs, alpha, b, max_k, free = CASES["sixteen streams, compute-bound"]
     ctrl = SpecController(max_k, 1 << 21, proposer_is_free=free)
     _, depths = simulate(ctrl, costs, alpha, b, steps=3000)
-    assert sum(1 for k in depths if k) <= 30
+    assert sum(1 for k in depths if k) <= 40
 
 
 def test_it_follows_a_change_of_acceptance():
@@ -173,7 +173,7 @@ def test_several_streams_probe_with_one_request_where_a_draft_is_off():
     costs, alpha, b, max_k, free = CASES["sixteen streams, compute-bound"]
     ctrl = SpecController(max_k, 1 << 21, proposer_is_free=free)
     rs = reqs(b)
-    simulate(ctrl, costs, alpha, b, steps=200)
+    simulate(ctrl, costs, alpha, b, steps=1000)
     counts = []
     for _ in range(REFRESH_MAX):
         ctrl.plan(rs, 0)

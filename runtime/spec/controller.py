@@ -297,8 +297,13 @@ class SpecController:
         return max(0, min(k, room))
 
     # ---- measurements ----------------------------------------------------------------------
-    def observe_step(self, tokens: int, seconds: float, speculated: bool) -> None:
-        """The whole step just planned: its generated tokens and wall time."""
+    def observe_step(self, tokens: int, seconds: float, speculated: bool, cpu_seconds: float | None = None) -> None:
+        """The whole step just planned: its generated tokens, wall time and the process's CPU time in
+        it. Its cost is the lesser: where other processes hold the cores the wall time mostly measures
+        them (and changes with their load, so depths measured at different moments would not compare);
+        where torch runs several threads the CPU time counts each."""
+        if cpu_seconds is not None:
+            seconds = min(seconds, cpu_seconds)
         if self._step is not None:
             key, k, m = self._step
             st = self.batches[key]

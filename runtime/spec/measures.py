@@ -88,7 +88,7 @@ class DepthTimes:
     trusted after MIN_SAMPLES."""
 
     MIN_SAMPLES = 3
-    KEEP = 5
+    KEEP = 7
 
     def __init__(self):
         self.samples: dict[int, collections.deque] = {}
