@@ -160,13 +160,13 @@ def test_a_draft_catching_up_after_a_pause_is_not_taken_as_the_depths_cost():
     for _ in range(3):
         ctrl.plan(rs, 0)
         ctrl.observe_step(1, 0.010, False)
-    assert rs[0].spec_k == 0 and ctrl.batches[(1, 0)].times.count(0) == 3
+    assert rs[0].spec_k == 0 and ctrl.batches[(0, 0)].times.count(0) == 3
     ctrl.plan(rs, 0)
     ctrl.observe_step(3, 0.100, True)
-    assert rs[0].spec_k == 2 and ctrl.batches[(1, 0)].times.count(2) == 0
+    assert rs[0].spec_k == 2 and ctrl.batches[(0, 0)].times.count(2) == 0
     ctrl.plan(rs, 0)
     ctrl.observe_step(3, 0.012, True)
-    assert ctrl.batches[(1, 0)].times.count(2) == 1
+    assert ctrl.batches[(0, 0)].times.count(2) == 1
 
 
 def test_several_streams_probe_with_one_request_where_a_draft_is_off():
@@ -187,7 +187,7 @@ def test_prompt_rows_in_the_step_neither_explore_nor_measure():
     rs = reqs(1)
     ctrl.plan(rs, 40)
     ctrl.observe_step(1, 0.05, False)
-    assert rs[0].spec_k == 0 and not ctrl.batches[(1, 0)].times.count(0)
+    assert rs[0].spec_k == 0 and not ctrl.batches[(0, 0)].times.count(0)
 
 
 def test_depth_capped_by_max_tokens():
@@ -238,7 +238,7 @@ def test_greedy_only_leaves_sampled_requests_out_and_plans_them_as_plain_rows():
         ctrl.plan(rs, 0)
         ctrl.observe_step(2, 0.010, False)
     assert rs[0].spec_k and not rs[1].spec_k        # measured apart from steps without a held row
-    assert list(ctrl.batches) == [(1, 1)]
+    assert list(ctrl.batches) == [(0, 1)]
 
 
 def test_the_engine_reports_its_decode_steps_by_depth(tiny_model_dir):

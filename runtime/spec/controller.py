@@ -117,7 +117,7 @@ class SpecController:
             return
         self.acceptance.age()
         self.found.age()
-        key = (bucket(b), bucket(len(held)) if held else 0)
+        key = ((b - 1).bit_length(), bucket(len(held)) if held else 0)   # 1, 2, 3-4, 5-8, 9-16, ... streams
         k, m = self._choose(decoding, key, len(held), other_tokens) if self.adaptive else (self.max_k, b)
         capped = False
         for i, r in enumerate(decoding):     # the first m requests speculate (all but in a probe)
@@ -224,7 +224,7 @@ class SpecController:
         are tried on some requests only, one tried on m requests that could still win goes on to 2 m."""
         if len(measured) == 1:
             return self._first_depth(b), 1 if probing else b
-        best_k, best = None, best_rate * SWITCH
+        best_k, best = None, best_rate * (SWITCH_ON if probing else SWITCH)
         for k in range(1, self.max_k + 1):
             if k in partial:                    # measured on m requests: the cheapest case could win?
                 t, m = partial[k]
@@ -242,7 +242,7 @@ class SpecController:
 
     def _first_depth(self, b: int) -> int:
         """The depth in force at the nearest batch size that speculates, else half the maximum."""
-        near = sorted((abs(key[0] - bucket(b)), st.best) for key, st in self.batches.items() if st.best)
+        near = sorted((abs(key[0] - (b - 1).bit_length()), st.best) for key, st in self.batches.items() if st.best)
         return near[0][1] if near else max(1, (self.max_k + 1) // 2)
 
     def _cost_floor(self, b: int, k: int, measured: dict[int, float]) -> float:
