@@ -1,17 +1,15 @@
-"""Speculative decoding benchmark: measured against predicted speedup, side by side in one process.
+"""Speculative decoding benchmark: off, each fixed depth and the adaptive controller, side by side.
 
-    python -m llmd.bench.bench_spec --target models/code-target --draft models/code-draft
+    python -m llmd.bench.bench_spec --threads 1 --prompts 20 --max-tokens 64 --rounds 3
 
-1. Code completion, single stream, held-out stdlib files: plain decoding and the draft at a fixed depth
-   k, interleaved. Reports the per-token acceptance a (from the mean accepted tokens per step; see
-   alpha_from_accepted), the draft's cost c (one draft forward / one plain
-   target step), the verification cost v (a target step over k+1 tokens / a plain step), the predicted
-   speedup E(a, k) / (k c + v) with E = (1 - a^(k+1)) / (1 - a), the measured speedup, and their ratio;
-   then the same draft under the adaptive controller (depth up to k, per request and per step).
-2. Code edit (output copies the input), single stream: n-gram lookup (at most --ngram-k proposals,
-   fixed and adaptive) against plain decoding.
-3. 16 concurrent streams: adaptive speculation (the draft, and n-gram lookup) against none, the order
-   reversed each round.
+1. The draft model (--draft) on code completion (the first lines of held-out stdlib functions): one
+   stream, the engines taking turns prompt by prompt (decode tok/s after the first token), then
+   --streams requests at once (output tok/s over wall time), the order rotating each round.
+2. N-gram lookup on code edits (the answer copies the prompt), the same two ways.
+
+Each engine's ratio to speculation off is the median of the rounds' ratios (their range beside it).
+The detail gives each fixed depth's per-token acceptance (from its mean accepted tokens per step; see
+alpha_from_accepted) and the adaptive controller's steps by depth and its depth in force per batch size.
 """
 from __future__ import annotations
 
@@ -25,8 +23,6 @@ import time
 import torch
 
 from llmd import LLM, SamplingParams
-from llmd.runtime.config import DRAFT_K, NGRAM_K
-from llmd.runtime.model_runner import Feed
 from llmd.runtime.spec.controller import expected_tokens
 from llmd.training.corpus import list_sources, read_source, split
 
@@ -65,41 +61,6 @@ def edit_prompts(n: int) -> list[str]:
     return out
 
 
-def decode_rate(llm: LLM, prompts: list[str], max_tokens: int) -> tuple[float, dict]:
-    """Total output tokens / total decode time (after the first token), one request at a time."""
-    toks, secs = 0, 0.0
-    for p in prompts:
-        out = llm.generate([p], SamplingParams(max_tokens=max_tokens, ignore_eos=True))[0]
-        m = out.metrics
-        toks += m["output_tokens"] - 1
-        secs += m["decode_s"]
-    return toks / secs, llm.stats()
-
-
-def forward_time(llm: LLM, tokens: int, repeat: int = 20, draft: bool = False) -> float:
-    """Median seconds of one forward over `tokens` rows at a context of about 100 tokens."""
-    e = llm.engine
-    runner = e.draft_runner if draft else e.runner
-    blocks = list(range(-(-(100 + tokens) // e.config.block_size)))
-    feed = Feed(list(range(10, 10 + tokens)), 100, blocks, tokens)
-    times = []
-    for _ in range(repeat):
-        batch = runner.prepare_feeds([feed])
-        t0 = time.perf_counter()
-        runner.run(batch)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def mean_rates(llms: dict, prompts: list, max_tokens: int) -> dict[str, float]:
-    """Mean decode tokens/s of each engine, interleaved prompt by prompt."""
-    rates: dict[str, list[float]] = {name: [] for name in llms}
-    for p in prompts:
-        for name, llm in llms.items():
-            rates[name].append(decode_rate(llm, [p], max_tokens)[0])
-    return {name: statistics.mean(r) for name, r in rates.items()}
-
-
 def alpha_from_accepted(mean_accepted: float, k: int) -> float:
     """The per-token acceptance a of the speedup model: the a whose expected accepted tokens per step,
     a + a^2 + ... + a^k = E(a, k) - 1, equal the measured mean. (The fraction of proposed tokens
@@ -115,90 +76,125 @@ def alpha_from_accepted(mean_accepted: float, k: int) -> float:
     return lo
 
 
-def completion(target: str, draft: str, k: int, n: int, max_tokens: int) -> dict:
-    prompts = completion_prompts(n)
-    llms = {"plain": LLM(target, draft="none", kv_memory="256MiB"),
-            "spec": LLM(target, draft=draft, kv_memory="256MiB", num_speculative_tokens=k, adaptive_speculation=False),
-            "adaptive": LLM(target, draft=draft, kv_memory="256MiB", num_speculative_tokens=k)}
-    mean = mean_rates(llms, prompts, max_tokens)
-    spec = llms["spec"]
-    stats = spec.stats()
-    alpha = alpha_from_accepted(stats["spec_mean_accepted_len"], k)
-    t1 = forward_time(spec, 1)
-    c = forward_time(spec, 1, draft=True) / t1
-    v = forward_time(spec, k + 1) / t1
-    predicted = expected_tokens(alpha, k) / (k * c + v)
-    measured = mean["spec"] / mean["plain"]
-    return {"k": k, "prompts": len(prompts), "alpha": alpha, "accepted_fraction": stats["spec_acceptance_rate"],
-            "mean_accepted_per_step": stats["spec_mean_accepted_len"], "draft_cost_c": c, "verify_cost_v": v,
-            "plain_tok_s": mean["plain"], "spec_tok_s": mean["spec"],
-            "predicted_speedup": predicted, "measured_speedup": measured, "measured_over_predicted": measured / predicted,
-            "adaptive_tok_s": mean["adaptive"], "adaptive_speedup": mean["adaptive"] / mean["plain"]}
+def engines(target: str, draft: str, depths: list[int], kv_memory: str, **adaptive_kw) -> dict[str, LLM]:
+    """Speculation off, the proposer at each fixed depth, and the adaptive controller over it."""
+    out = {"off": LLM(target, draft="none", kv_memory=kv_memory)}
+    for k in depths:
+        out[f"k{k}"] = LLM(target, draft=draft, kv_memory=kv_memory, num_speculative_tokens=k, adaptive_speculation=False)
+    out["adaptive"] = LLM(target, draft=draft, kv_memory=kv_memory, **adaptive_kw)
+    return out
 
 
-def code_edit(target: str, n: int, max_tokens: int, k: int) -> dict:
-    """Plain decoding, n-gram lookup at a fixed depth k, and n-gram under the adaptive controller,
-    interleaved prompt by prompt."""
-    prompts = edit_prompts(n)
-    llms = {"plain": LLM(target, draft="none", kv_memory="256MiB"),
-            "ngram_fixed": LLM(target, draft="ngram", kv_memory="256MiB", num_speculative_tokens=k,
-                               adaptive_speculation=False),
-            "ngram_adaptive": LLM(target, draft="ngram", kv_memory="256MiB", num_speculative_tokens=k)}
-    mean = mean_rates(llms, prompts, max_tokens)
-    return {"prompts": len(prompts), "k": k, "plain_tok_s": mean["plain"],
-            "ngram_fixed_tok_s": mean["ngram_fixed"], "ngram_adaptive_tok_s": mean["ngram_adaptive"],
-            "speedup_fixed": mean["ngram_fixed"] / mean["plain"],
-            "speedup_adaptive": mean["ngram_adaptive"] / mean["plain"],
-            "alpha_fixed": llms["ngram_fixed"].stats()["spec_acceptance_rate"],
-            "alpha_adaptive": llms["ngram_adaptive"].stats()["spec_acceptance_rate"]}
+def rotated(llms: dict, r: int) -> list:
+    """The engines in a different order each round: none always runs right after the same one."""
+    items = list(llms.items())
+    shift = r % len(items)
+    items = items[shift:] + items[:shift]
+    return items if r % 2 == 0 else items[::-1]
 
 
-def concurrent(target: str, draft: str, streams: int, max_tokens: int, rounds: int = 2) -> dict:
-    prompts = completion_prompts(streams)
+def ratios(rates: dict[str, list[float]]) -> dict:
+    """Per engine: tok/s (median over rounds) and its ratio to speculation off (median of the rounds'
+    ratios, and their range)."""
+    out = {}
+    for name, rs in rates.items():
+        per_round = [x / o for x, o in zip(rs, rates["off"])]
+        out[name] = {"tok_s": round(statistics.median(rs), 1), "ratio": round(statistics.median(per_round), 3),
+                     "ratio_min": round(min(per_round), 3), "ratio_max": round(max(per_round), 3)}
+    return out
+
+
+def warm(llms: dict, prompt: str) -> None:
+    for llm in llms.values():
+        llm.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))
+
+
+def one_stream(llms: dict, prompts: list[str], max_tokens: int, rounds: int) -> dict:
+    """Decode tok/s of each engine, one request at a time, the engines taking turns prompt by prompt."""
+    warm(llms, prompts[0])
+    toks = {name: [0] * rounds for name in llms}
+    secs = {name: [0.0] * rounds for name in llms}
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    off = LLM(target, draft="none", kv_memory="512MiB")
-    adaptive = LLM(target, draft=draft, kv_memory="512MiB", num_speculative_tokens=4)
-    ngram = LLM(target, draft="ngram", kv_memory="512MiB")
-    rates = {"off": [], "adaptive": [], "ngram": []}
-    order = (("off", off), ("adaptive", adaptive), ("ngram", ngram))
-    for r in range(rounds):     # the order reverses each round: none always runs on a warmer cache
-        for name, llm in (order if r % 2 == 0 else order[::-1]):
+    for r in range(rounds):
+        for i, p in enumerate(prompts):
+            for name, llm in rotated(llms, r + i):
+                m = llm.generate([p], params)[0].metrics
+                toks[name][r] += m["output_tokens"] - 1
+                secs[name][r] += m["decode_s"]
+    return ratios({name: [t / s for t, s in zip(toks[name], secs[name])] for name in llms})
+
+
+def streams(llms: dict, prompts: list[str], max_tokens: int, rounds: int) -> dict:
+    """Output tok/s of each engine over all prompts at once (wall time), the order rotating each round."""
+    warm(llms, prompts[0])
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    rates: dict[str, list[float]] = {name: [] for name in llms}
+    for r in range(rounds):
+        for name, llm in rotated(llms, r):
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params)
             rates[name].append(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0))
-    ctrl, nctrl = adaptive.engine.spec, ngram.engine.spec
-    med = {name: statistics.median(r) for name, r in rates.items()}
-    return {"streams": streams, "off_tok_s": med["off"], "adaptive_tok_s": med["adaptive"],
-            "ratio": med["adaptive"] / med["off"],
-            "spec_enabled_steps": ctrl.enabled_steps, "spec_disabled_steps": ctrl.disabled_steps,
-            "ngram_tok_s": med["ngram"], "ngram_ratio": med["ngram"] / med["off"],
-            "ngram_enabled_steps": nctrl.enabled_steps, "ngram_disabled_steps": nctrl.disabled_steps}
+    return ratios(rates)
+
+
+def describe(llms: dict) -> dict:
+    """Acceptance and the adaptive controller's choices, for the report."""
+    out = {}
+    for name, llm in llms.items():
+        st, ctrl = llm.stats(), llm.engine.spec
+        if ctrl is None:
+            continue
+        k = llm.engine.num_speculative_tokens
+        accepted = st["spec_mean_accepted_len"]
+        out[name] = {"alpha": round(alpha_from_accepted(accepted, k), 3) if accepted is not None and name != "adaptive" else None,
+                     "accepted_per_step": accepted and round(accepted, 3)}
+        if ctrl.adaptive:
+            out[name].update(depth_steps=st["spec_depth_steps"], alpha_estimate=round(ctrl.global_alpha, 3),
+                             best_by_batch={str(key): b.best for key, b in ctrl.batches.items()})
+    return out
+
+
+def sweep(target: str, draft: str, depths: list[int], n: int, max_tokens: int, rounds: int, batch: int,
+          prompts: list[str], max_k: int | None) -> dict:
+    """Off, each fixed depth and adaptive, for one stream and for ``batch`` streams (fresh engines each)."""
+    res = {}
+    llms = engines(target, draft, depths, "64MiB", num_speculative_tokens=max_k)
+    res["one_stream"] = one_stream(llms, prompts[:n], max_tokens, rounds)
+    res["one_stream_detail"] = describe(llms)
+    llms = engines(target, draft, depths, "128MiB", num_speculative_tokens=max_k)
+    res[f"streams_{batch}"] = streams(llms, prompts[:batch], max_tokens, rounds)
+    res[f"streams_{batch}_detail"] = describe(llms)
+    return res
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="models/code-target", help="target model directory (default %(default)s)")
     ap.add_argument("--draft", default="models/code-draft", help="draft model directory (default %(default)s)")
-    ap.add_argument("--k", type=int, default=DRAFT_K, help="fixed depth for the predicted-vs-measured test")
-    ap.add_argument("--ngram-k", type=int, default=NGRAM_K, help="most n-gram proposals per step (the engine's default)")
-    ap.add_argument("--prompts", type=int, default=20, help="held-out completion prompts per workload (default %(default)s)")
+    ap.add_argument("--depths", default="1,2,3,4,5,6", help="fixed depths to run beside off and adaptive (default %(default)s)")
+    ap.add_argument("--max-k", type=int, default=None,
+                    help="deepest the adaptive controller may go (default: the engine's, by proposer)")
+    ap.add_argument("--ngram-depths", default="2,4,8", help="fixed n-gram depths for the edit workload (default %(default)s)")
+    ap.add_argument("--prompts", type=int, default=20, help="prompts per round, one stream (default %(default)s)")
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens generated per prompt (default %(default)s)")
-    ap.add_argument("--streams", type=int, default=16, help="concurrent streams in the batched comparison (default %(default)s)")
+    ap.add_argument("--streams", type=int, default=16, help="concurrent streams in the batched runs (default %(default)s)")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads (default %(default)s)")
-    ap.add_argument("--rounds", type=int, default=5, help="rounds of the 16-stream comparison; medians reported")
-    ap.add_argument("--only", choices=("completion", "edit", "concurrent"), action="append",
-                    help="run only this workload (repeatable; default all three)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds; ratios are medians of the rounds' (default %(default)s)")
+    ap.add_argument("--only", choices=("draft", "edit"), action="append",
+                    help="run only this workload (repeatable; default both)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    parts = args.only or ["completion", "edit", "concurrent"]
+    parts = args.only or ["draft", "edit"]
+    ints = lambda text: [int(x) for x in text.split(",") if x]        # noqa: E731
     res = {}
-    if "completion" in parts:
-        res["completion"] = completion(args.target, args.draft, args.k, args.prompts, args.max_tokens)
+    if "draft" in parts:
+        res["draft"] = sweep(args.target, args.draft, ints(args.depths), args.prompts, args.max_tokens, args.rounds,
+                             args.streams, completion_prompts(max(args.prompts, args.streams)), args.max_k)
+        print(json.dumps(res["draft"], indent=1), flush=True)
     if "edit" in parts:
-        res["code_edit_ngram"] = code_edit(args.target, args.prompts, args.max_tokens, args.ngram_k)
-    if "concurrent" in parts:
-        res["concurrent"] = concurrent(args.target, args.draft, args.streams, args.max_tokens, args.rounds)
-    print(json.dumps(res, indent=1))
+        res["ngram_edit"] = sweep(args.target, "ngram", ints(args.ngram_depths), args.prompts, args.max_tokens,
+                                  args.rounds, args.streams, edit_prompts(max(args.prompts, args.streams)), None)
+        print(json.dumps(res["ngram_edit"], indent=1), flush=True)
     return 0
 
 

@@ -158,7 +158,7 @@ class Engine:
 
     # ---- the step --------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         if self.spec is not None:
             self._plan_speculation()
         sched = self.scheduler.schedule()
@@ -204,7 +204,7 @@ class Engine:
         outputs.extend(self._collect(touched))
         seconds = time.perf_counter() - t0
         if self.spec is not None:
-            self.spec.observe_step(sum(len(t) for t in sampled), seconds, proposed > 0)
+            self.spec.observe_step(sum(len(t) for t in sampled), seconds, proposed > 0, time.process_time() - cpu0)
         self.stats_.record_step(sched.num_tokens, len(sched.scheduled), seconds)
         return outputs
 
@@ -237,9 +237,10 @@ class Engine:
             s.num_new_tokens -= missing
             s.request.spec_token_ids = got
             out[id(s)] = prop
-        if self.spec is not None and not self.spec.proposer_is_free:
+        if self.spec is not None:
+            self.spec.observe_proposals(len(items), sum(1 for s in items if s.num_spec_tokens))
             per_forward = getattr(self.proposer, "forward_s", None)
-            if per_forward is not None:
+            if per_forward is not None and not self.spec.proposer_is_free:
                 self.spec.observe_draft(len(items), per_forward)
         return out, seconds
 
@@ -340,8 +341,6 @@ class Engine:
         live = self._live.pop(req.request_id)
         if self.proposer is not None:
             self.proposer.forget(req.request_id)
-        if self.spec is not None:
-            self.spec.forget(req.request_id)
         text = live.text
         if req.finish_reason is not FinishReason.STOP or not isinstance(req.stop_reason, str):
             text += live.detok.flush()
@@ -372,4 +371,7 @@ class Engine:
             "kv_dtype": self.kv_dtype,
             "kv_pool_dtype": str(self.runner.k_pool.dtype).removeprefix("torch."),
             "max_model_len": self.max_model_len,
+            # decode steps by the deepest speculation they verified (the controller's choices)
+            **({"spec_depth_steps": {str(k): n for k, n in sorted(self.spec.depth_steps.items())}}
+               if self.spec is not None else {}),
         }

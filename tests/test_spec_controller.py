@@ -1,96 +1,193 @@
-"""The adaptive depth rule, on synthetic measured costs."""
+"""The adaptive depth rule against synthetic step costs where the best depth is known.
+
+A simulated engine charges each step what a cost table says (overhead + verification rows + the draft's
+catch-up and proposals), accepts proposals with a fixed per-token probability, and reports to the
+controller what the real engine reports. The controller must end at the best depth, and over the run
+reach most of the best fixed depth's speed and never fall much below plain decoding."""
+import random
+
+import pytest
+
 from llmd.runtime.request import Request, SamplingParams
-from llmd.runtime.spec.controller import SpecController, expected_tokens
+from llmd.runtime.spec.controller import REFRESH_MAX, SpecController, expected_tokens
+from llmd.runtime.spec.measures import CostTable
 
 
-def reqs(n):
-    return [Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=100)) for i in range(n)]
+def reqs(n, prefix="r"):
+    return [Request(f"{prefix}{i}", [1, 2, 3], SamplingParams(max_tokens=1 << 20)) for i in range(n)]
 
 
-def feed(ctrl, target_cost, draft_cost, b, k_max=4):
-    for _ in range(3):                             # a bucket is trusted after three samples
-        for k in range(0, k_max + 1):
-            ctrl.observe_target(b * (1 + k), target_cost(b * (1 + k)))
-        ctrl.observe_draft(b, draft_cost)
+class Costs:
+    """A step's seconds: overhead + verify(rows) + [any proposals] (catch-up + deepest depth x draft),
+    the catch-up growing with the text the draft has not seen."""
+
+    def __init__(self, overhead, verify, catch_up, draft, per_unseen=0.0):
+        self.overhead, self.verify, self.catch_up, self.draft, self.per_unseen = \
+            overhead, verify, catch_up, draft, per_unseen
+
+    def step(self, ks, unseen=0):
+        rows = sum(k + 1 for k in ks)
+        t = self.overhead + self.verify(rows)
+        if any(ks):
+            t += self.catch_up + self.per_unseen * unseen + max(ks) * self.draft
+        return t
+
+    def rate(self, b, k, alpha):
+        """Expected tokens per second at a fixed depth k."""
+        return b * expected_tokens(alpha, k) / self.step([k] * b)
+
+    def best(self, b, alpha, max_k):
+        return max(range(max_k + 1), key=lambda k: self.rate(b, k, alpha))
 
 
-def test_expected_tokens():
-    assert expected_tokens(0.0, 4) == 1.0
-    assert abs(expected_tokens(0.5, 2) - 1.75) < 1e-12
-    assert expected_tokens(1.0, 3) == 4.0
+def simulate(ctrl, costs, alpha, b, steps, seed=0, noise=0.05):
+    """Run the controller over ``steps`` decode steps of b requests; returns (tokens/s, depth of each step)."""
+    rng = random.Random(seed)
+    rs = reqs(b)
+    unseen = {r.request_id: 0 for r in rs}       # tokens the draft has not seen, per request
+    tokens = seconds = 0.0
+    depths = []
+    for _ in range(steps):
+        ctrl.plan(rs, 0)
+        ks = [r.spec_k for r in rs]
+        spec = [r for r in rs if r.spec_k]
+        ctrl_free = ctrl.proposer_is_free
+        t = costs.step(ks, 0 if ctrl_free else sum(unseen[r.request_id] for r in spec))
+        t *= 1 + noise * (2 * rng.random() - 1)
+        got = 0
+        for r in rs:
+            accepted = 0
+            while accepted < r.spec_k and rng.random() < alpha:
+                accepted += 1
+            if r.spec_k:
+                ctrl.observe_acceptance(r.request_id, r.spec_k, accepted)
+                unseen[r.request_id] = 0
+            else:
+                unseen[r.request_id] += 1
+            got += accepted + 1
+        if spec:
+            ctrl.observe_proposals(len(spec), len(spec))
+            if max(ks) >= 2 and not ctrl_free:
+                ctrl.observe_draft(len(spec), costs.draft)
+        ctrl.observe_target(sum(k + 1 for k in ks), costs.verify(sum(k + 1 for k in ks)))
+        ctrl.observe_step(got, t, bool(spec))
+        tokens += got
+        seconds += t
+        depths.append(max(ks))
+    return tokens / seconds, depths
 
 
-def test_measures_plain_first_then_explores():
-    ctrl = SpecController(4, 2048)
+def linear(fixed, per_row):
+    return lambda rows: fixed + per_row * rows
+
+
+# name, costs, acceptance, batch, most proposals, free proposer
+CASES = {
+    # one stream of a small pair: a draft round costs a catch-up forward and its proposals, and a step
+    # has fixed overhead, so one or two proposals lose to plain decoding while four win
+    "one stream, shallow loses, deep wins": (Costs(0.002, linear(0.004, 0.0002), 0.004, 0.0012), 0.83, 1, 6, False),
+    "one stream, verification free, deepest": (Costs(0.001, lambda rows: 0.010, 0.001, 0.0005), 0.9, 1, 6, False),
+    "one stream, depth 2 best": (Costs(0.001, linear(0.004, 0.001), 0.001, 0.0015), 0.7, 1, 6, False),
+    "one stream, a useless draft": (Costs(0.002, linear(0.004, 0.0002), 0.002, 0.001), 0.1, 1, 4, False),
+    "sixteen streams, compute-bound": (Costs(0.002, linear(0.0, 0.0005), 0.003, 0.002), 0.6, 16, 4, False),
+    "sixteen streams, a good draft still loses": (Costs(0.003, linear(0.004, 0.0006), 0.004, 0.0015), 0.83, 16, 6, False),
+    "sixteen streams, depth 2 best": (Costs(0.004, linear(0.008, 0.00025), 0.002, 0.0015), 0.75, 16, 6, False),
+    "n-gram lookup, one stream, deep": (Costs(0.001, linear(0.008, 0.0001), 0.0, 0.0), 0.9, 1, 8, True),
+    "n-gram lookup, sixteen streams, off": (Costs(0.002, linear(0.0, 0.0006), 0.0, 0.0), 0.5, 16, 8, True),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_controller_finds_the_best_depth_of_a_cost_table(name):
+    costs, alpha, b, max_k, free = CASES[name]
+    best = costs.best(b, alpha, max_k)
+    ctrl = SpecController(max_k, 1 << 21, proposer_is_free=free)
+    rate, depths = simulate(ctrl, costs, alpha, b, steps=1500)
+    settled = max(set(depths[-300:]), key=depths[-300:].count)
+    assert costs.rate(b, settled, alpha) >= 0.97 * costs.rate(b, best, alpha), (name, settled, best)
+    assert rate >= 0.9 * costs.rate(b, best, alpha), name
+    assert rate >= 0.97 * costs.rate(b, 0, alpha), name
+
+
+def test_the_cases_cover_what_they_claim():
+    """The tables are what their names say: shallow depths slower than plain where deep ones win,
+    off best where it should be, and deep depths best where named so."""
+    def best(name):
+        costs, alpha, b, max_k, _ = CASES[name]
+        return costs.best(b, alpha, max_k)
+    costs, alpha, b, _, _ = CASES["one stream, shallow loses, deep wins"]
+    assert costs.rate(b, 1, alpha) < costs.rate(b, 0, alpha) and best("one stream, shallow loses, deep wins") >= 4
+    assert best("one stream, verification free, deepest") == 6
+    assert best("one stream, depth 2 best") == 2 and best("sixteen streams, depth 2 best") == 2
+    for name in ("one stream, a useless draft", "sixteen streams, compute-bound",
+                 "sixteen streams, a good draft still loses", "n-gram lookup, sixteen streams, off"):
+        assert best(name) == 0, name
+    assert best("n-gram lookup, one stream, deep") == 8
+
+
+def test_speculation_that_never_pays_costs_few_speculating_steps():
+    costs, alpha, b, max_k, free = CASES["sixteen streams, compute-bound"]
+    ctrl = SpecController(max_k, 1 << 21, proposer_is_free=free)
+    _, depths = simulate(ctrl, costs, alpha, b, steps=3000)
+    assert sum(1 for k in depths if k) <= 40
+
+
+def test_it_follows_a_change_of_acceptance():
+    """Off while the draft is poor; on once its proposals start to be accepted (a refresh sees it)."""
+    costs = Costs(0.002, linear(0.004, 0.0002), 0.002, 0.0008)
+    ctrl = SpecController(4, 1 << 21)
+    _, depths = simulate(ctrl, costs, 0.1, 1, steps=600)
+    assert depths[-100:].count(0) >= 95
+    _, depths = simulate(ctrl, costs, 0.9, 1, steps=3 * REFRESH_MAX, seed=1)
+    assert costs.best(1, 0.9, 4) == 4 and depths[-100:].count(4) >= 90
+
+
+def test_measures_plain_first_then_explores_half_way_down():
+    ctrl = SpecController(6, 2048)
     rs = reqs(1)
     ctrl.plan(rs, 0)
     assert rs[0].spec_k == 0                       # nothing measured: plain decoding, and measure it
     for _ in range(3):
-        ctrl.observe_target(1, 0.010)
-    ctrl.plan(rs, 0)
-    assert rs[0].spec_k >= 2                       # draft cost unknown: speculate (depth >= 2) to measure it
-    for _ in range(3):
-        ctrl.observe_draft(1, 0.001)
-    ctrl.plan(rs, 0)
-    assert rs[0].spec_k == 1                       # verification of 2 rows unmeasured: explore depth 1
-
-
-def test_memory_bound_single_stream_speculates():
-    ctrl = SpecController(4, 2048)
-    rs = reqs(1)
-    for r in rs:
-        ctrl.alpha[r.request_id] = 0.8
-    feed(ctrl, lambda rows: 0.010 + 0.0002 * rows, 0.001, 1)   # verifying 5 tokens costs ~ one step
-    ctrl.plan(rs, 0)
-    assert rs[0].spec_k >= 2
-
-
-def compute_bound_batch():
-    """Sixteen streams whose step cost is linear in rows: verification is never free."""
-    ctrl = SpecController(4, 2048)
-    rs = reqs(16)
-    for r in rs:
-        ctrl.alpha[r.request_id] = 0.6
-    feed(ctrl, lambda rows: 0.0005 * rows, 0.002, 16)
-    return ctrl, rs
-
-
-def test_compute_bound_batch_turns_speculation_off():
-    ctrl, rs = compute_bound_batch()
-    ctrl.plan(rs, 0)
-    assert all(r.spec_k == 0 for r in rs)
-
-
-def test_an_off_decision_stands_until_the_batch_changes_or_a_probe_is_due():
-    ctrl, rs = compute_bound_batch()
-    ctrl.plan(rs, 0)
-    assert all(r.spec_k == 0 for r in rs)
-
-    def replan(*_):
-        raise AssertionError("planned afresh")
-    compare, ctrl._best_depth = ctrl._best_depth, replan
-    for _ in range(ctrl.probe_every - 1):             # the same sixteen streams: the choice stands
+        ctrl.observe_step(1, 0.010, False)
         ctrl.plan(rs, 0)
-        assert all(r.spec_k == 0 for r in rs)
-    calls = []
-    ctrl._best_depth = lambda *a: calls.append(a) or compare(*a)
-    ctrl.plan(rs, 0)                                   # a probe is due
-    ctrl.plan(rs, 0)                                   # after it: compared afresh, off again
-    ctrl.plan(rs, 0)
-    assert len(calls) == 2
-    other = [Request("new", [1, 2, 3], SamplingParams(max_tokens=100))]
-    ctrl.plan(rs[:15] + other, 0)                      # as many streams, one of them new
-    ctrl.plan(rs[:15], 0)                              # a stream left
-    assert len(calls) == 4
+    assert rs[0].spec_k == 3
 
 
-def test_low_acceptance_turns_speculation_off():
+def test_a_draft_catching_up_after_a_pause_is_not_taken_as_the_depths_cost():
+    """The first speculating step after plain ones pays the draft's catch-up: not a sample of its depth."""
     ctrl = SpecController(4, 2048)
     rs = reqs(1)
-    ctrl.alpha[rs[0].request_id] = 0.05
-    feed(ctrl, lambda rows: 0.010 + 0.0002 * rows, 0.003, 1)
+    for _ in range(3):
+        ctrl.plan(rs, 0)
+        ctrl.observe_step(1, 0.010, False)
+    assert rs[0].spec_k == 0 and ctrl.batches[(0, 0)].times.count(0) == 3
     ctrl.plan(rs, 0)
-    assert rs[0].spec_k == 0
+    ctrl.observe_step(3, 0.100, True)
+    assert rs[0].spec_k == 2 and ctrl.batches[(0, 0)].times.count(2) == 0
+    ctrl.plan(rs, 0)
+    ctrl.observe_step(3, 0.012, True)
+    assert ctrl.batches[(0, 0)].times.count(2) == 1
+
+
+def test_several_streams_probe_with_one_request_where_a_draft_is_off():
+    costs, alpha, b, max_k, free = CASES["sixteen streams, compute-bound"]
+    ctrl = SpecController(max_k, 1 << 21, proposer_is_free=free)
+    rs = reqs(b)
+    simulate(ctrl, costs, alpha, b, steps=1000)
+    counts = []
+    for _ in range(REFRESH_MAX):
+        ctrl.plan(rs, 0)
+        counts.append(sum(1 for r in rs if r.spec_k))
+        ctrl.observe_step(b, costs.step([r.spec_k for r in rs]), any(counts[-1:]))
+    assert set(counts) == {0, 1}                   # speculating steps are one-request probes
+
+
+def test_prompt_rows_in_the_step_neither_explore_nor_measure():
+    ctrl = SpecController(4, 2048)
+    rs = reqs(1)
+    ctrl.plan(rs, 40)
+    ctrl.observe_step(1, 0.05, False)
+    assert rs[0].spec_k == 0 and not ctrl.batches[(0, 0)].times.count(0)
 
 
 def test_depth_capped_by_max_tokens():
@@ -101,48 +198,15 @@ def test_depth_capped_by_max_tokens():
     assert r.spec_k == 1
 
 
-def test_a_probe_after_a_long_pause_speculates_for_one_request_only():
-    from llmd.runtime.spec.controller import PROBE_EVERY
-    ctrl, rs = compute_bound_batch()
-    for _ in range(PROBE_EVERY):
-        ctrl.plan(rs, 0)
-        assert all(r.spec_k == 0 for r in rs)      # compute-bound: off
-    ctrl.plan(rs, 0)
-    assert [r.spec_k for r in rs] == [1] + [0] * 15
-    ctrl.plan(rs, 0)
-    assert all(r.spec_k == 0 for r in rs)          # back off after the probe
-
-
-def test_probes_that_leave_speculation_off_come_ever_less_often():
-    from llmd.runtime.spec.controller import PROBE_EVERY, PROBE_MAX
+def test_acceptance_is_the_share_of_proposals_tested_that_passed():
+    """Three proposals accepted then one rejected, at any depth: a = 3 / 4 once the prior has faded."""
     ctrl = SpecController(4, 2048)
-    rs = reqs(16)
-    feed(ctrl, lambda rows: 0.0005 * rows, 0.002, 16)
-    probes = []
-    for step in range(4 * PROBE_MAX):
-        ctrl.plan(rs, 0)
-        if any(r.spec_k for r in rs):
-            probes.append(step)
-        if step % 100 == 0:                        # keep the cost table fresh, as real steps would
-            feed(ctrl, lambda rows: 0.0005 * rows, 0.002, 16)
-    gaps = [b - a for a, b in zip(probes, probes[1:])]
-    assert gaps[:4] == [2 * PROBE_EVERY + 1, 4 * PROBE_EVERY + 1, 8 * PROBE_EVERY + 1, 16 * PROBE_EVERY + 1]
-    assert max(gaps) == PROBE_MAX + 1
-
-
-def test_speculation_that_pays_again_resets_the_probe_interval():
-    from llmd.runtime.spec.controller import PROBE_EVERY
-    ctrl = SpecController(4, 2048)
-    rs = reqs(1)
-    ctrl.probe_every = 8 * PROBE_EVERY
-    feed(ctrl, lambda rows: 0.010, 0.001, 1)        # memory-bound: verification rows are free
-    ctrl.alpha[rs[0].request_id] = 0.9
-    ctrl.plan(rs, 0)
-    assert rs[0].spec_k > 0 and ctrl.probe_every == PROBE_EVERY
+    for _ in range(3000):
+        ctrl.observe_acceptance("r", 4, 3)
+    assert abs(ctrl.global_alpha - 0.75) < 0.01
 
 
 def test_a_bucket_never_costs_more_than_a_larger_one():
-    from llmd.runtime.spec.controller import CostTable
     t = CostTable()
     for _ in range(3):
         t.observe(1, 0.0044)          # one-row steps caught at a bad moment
@@ -150,6 +214,13 @@ def test_a_bucket_never_costs_more_than_a_larger_one():
         t.observe(40, 0.0100)
     assert t.estimate(1) == 0.0029 and t.estimate(3) == 0.0029 and t.estimate(40) == 0.0100
     assert t.estimate(200) is None    # nothing measured there yet
+    assert t.floor(200) == 0.0100 and t.floor(2) == 0.0029 and CostTable().floor(5) == 0.0
+
+
+def test_expected_tokens():
+    assert expected_tokens(0.0, 4) == 1.0
+    assert abs(expected_tokens(0.5, 2) - 1.75) < 1e-12
+    assert expected_tokens(1.0, 3) == 4.0
 
 
 def test_the_benchmark_reads_acceptance_back_from_accepted_tokens_per_step():
@@ -159,60 +230,48 @@ def test_the_benchmark_reads_acceptance_back_from_accepted_tokens_per_step():
     assert alpha_from_accepted(4.0, 4) >= 0.998            # every proposal accepted (E saturates at 0.999)
 
 
-def test_an_off_decision_is_replanned_when_a_step_cost_bucket_or_a_request_changes():
-    ctrl, rs = compute_bound_batch()
-    ctrl.plan(rs, 0)
-    assert all(r.spec_k == 0 for r in rs)
-    calls = []
-    compare = ctrl._best_depth
-    ctrl._best_depth = lambda *a: calls.append(a) or compare(*a)
-    ctrl.plan(rs, 0)
-    assert calls == []                          # unchanged: the choice stands
-    ctrl.plan(rs, 40)                           # 16 + 40 rows: the plain step moved from bucket 16-31 to 32-63
-    assert len(calls) == 1
-    ctrl.plan(rs, 40)
-    ctrl.forget(rs[0].request_id)               # a finished request's id may return: plan afresh
-    ctrl.plan(rs, 40)
-    assert len(calls) == 2
-
-
-def test_measured_whole_steps_overrule_a_model_that_predicts_a_gain():
-    """The cost model says speculating pays (memory-bound verification), but whole decode steps
-    measured otherwise: speculation goes off, with a speculating step now and then (CHECK_EVERY steps,
-    then twice as many each time) so that the measure stays current; and where speculating steps are
-    faster, one in CHECK_EVERY is plain."""
-    from llmd.runtime.spec.controller import CHECK_EVERY
-    ctrl = SpecController(4, 2048, proposer_is_free=True)
-    rs = reqs(1)
-    ctrl.alpha[rs[0].request_id] = 0.8
-    feed(ctrl, lambda rows: 0.010 + 0.0002 * rows, 0.0, 1)
-    for _ in range(8):
-        ctrl.rates.observe(1, 1, 0.010, speculated=False)        # 10 ms a token plain
-        ctrl.rates.observe(1, 2, 0.030, speculated=True)         # 15 ms a token speculating
-    ks = []
-    for _ in range(7 * CHECK_EVERY):
-        ctrl.plan(rs, 0)
-        ks.append(rs[0].spec_k)
-    # the measuring steps only, each wait twice the last while it keeps measuring slower
-    assert [i for i, k in enumerate(ks) if k] == [CHECK_EVERY - 1, 3 * CHECK_EVERY - 1, 7 * CHECK_EVERY - 1]
-    for _ in range(32):
-        ctrl.rates.observe(1, 3, 0.012, speculated=True)         # now 4 ms a token: it pays
-    ks = []
-    for _ in range(2 * CHECK_EVERY):
-        ctrl.plan(rs, 0)
-        ks.append(rs[0].spec_k)
-    assert sum(k == 0 for k in ks) == 2
-
-
 def test_greedy_only_leaves_sampled_requests_out_and_plans_them_as_plain_rows():
     ctrl = SpecController(4, 2048, greedy_only=True)
     rs = reqs(2)
     rs[1].params = SamplingParams(max_tokens=100, temperature=0.8, seed=1)
-    for r in rs:
-        ctrl.alpha[r.request_id] = 0.8
-    cost = lambda rows: 0.010 + 0.0002 * rows          # noqa: E731
-    feed(ctrl, cost, 0.001, 1)
-    for _ in range(3):                                 # steps of the greedy one beside the sampled one
-        ctrl.observe_target(2, cost(2))
+    for _ in range(4):
+        ctrl.plan(rs, 0)
+        ctrl.observe_step(2, 0.010, False)
+    assert rs[0].spec_k and not rs[1].spec_k        # measured apart from steps without a held row
+    assert list(ctrl.batches) == [(0, 1)]
+
+
+def test_the_engine_reports_its_decode_steps_by_depth(tiny_model_dir):
+    """Plain steps first (measured), then a depth tried; greedy text as without speculation."""
+    from llmd import LLM
+    params, prompt = SamplingParams(max_tokens=40, ignore_eos=True), [5, 6, 7, 8] * 6
+    want = LLM(str(tiny_model_dir), kv_memory="8MiB").generate([prompt], params)[0].token_ids
+    llm = LLM(str(tiny_model_dir), kv_memory="8MiB", draft="ngram")
+    assert llm.generate([prompt], params)[0].token_ids == want
+    depths = {int(k): n for k, n in llm.stats()["spec_depth_steps"].items()}
+    assert depths[0] >= 3 and max(depths) > 0 and sum(depths.values()) < 40
+
+
+def test_a_fixed_depth_plans_the_most_and_measures_nothing():
+    ctrl = SpecController(4, 2048, adaptive=False)
+    rs = reqs(2)
     ctrl.plan(rs, 0)
-    assert rs[0].spec_k >= 2 and rs[1].spec_k == 0
+    ctrl.observe_step(10, 0.01, True)
+    assert [r.spec_k for r in rs] == [4, 4] and not ctrl.batches
+
+
+def test_several_streams_try_a_depth_on_ever_more_requests_before_all():
+    """Where a draft is off over sixteen streams, a depth is tried on 1, then 2, 4, ... requests (each
+    new request's first step a catch-up, not measured), and all speculate only once that pays."""
+    costs, alpha, b, max_k, free = CASES["sixteen streams, depth 2 best"]
+    ctrl = SpecController(max_k, 1 << 21, proposer_is_free=free)
+    sizes = []
+    real_plan = ctrl.plan
+
+    def plan(rs, other):
+        real_plan(rs, other)
+        sizes.append(sum(1 for r in rs if r.spec_k))
+    ctrl.plan = plan
+    simulate(ctrl, costs, alpha, b, steps=400)
+    ramp = [n for i, n in enumerate(sizes) if n and (i == 0 or n != sizes[i - 1])]
+    assert ramp[:2] == [1, 2] and 16 in ramp and sizes[-50:].count(16) >= 45

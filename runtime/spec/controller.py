@@ -1,30 +1,50 @@
-"""Adaptive speculation depth: how many tokens each request proposes this step, if any.
+"""Adaptive speculation depth: how many tokens the decoding requests propose this step, if any.
 
-With acceptance rate a and k proposals, a step yields E(a, k) = (1 - a^(k+1)) / (1 - a) tokens on
-average. It costs k draft forwards plus one target forward over (1 + k) tokens per speculating request.
-Both costs are measured at run time (moving averages bucketed by rows), so the same rule switches
-speculation off where verification is compute-bound (large batches) and on where it is memory-bound.
-Each request's own acceptance (a moving average, starting from a prior) sets its own depth.
-The model is then held to what whole decode steps measured (StepRates): where speculating steps
-produced tokens more slowly than plain ones at this batch size, speculation stays off, and now and
-then a step takes the other side so that both figures stay current.
+A step at depth k over b decoding requests yields, per request with per-token acceptance a,
+
+    E(a, k) = (1 - a^(k+1)) / (1 - a)        tokens on average, and takes
+    T(k) = overhead + verify(b (k+1) rows) + [k > 0] (draft catch-up + k draft forwards)
+
+seconds. The controller picks the depth with the most expected tokens per second, b E(a, k) / T(k).
+
+- T(k) is measured, not modelled: the median wall time of the last whole decode steps taken at depth k
+  at this batch size (DepthTimes). The overhead, the draft round's catch-up (which reloads the draft's
+  weights after each target step) and the Python around the forward are all in it. A step where a
+  draft first catches up on text it missed while speculation was off is not a sample.
+- A depth not yet measured is tried when even a lower bound on its cost would beat the best measured
+  depth: the nearest shallower measured step, plus a draft forward per extra proposal and the cheapest
+  verification its rows could cost (CostTable). Optimism bounded by the cost model: a depth that cannot
+  win is never tried, so where speculation never pays it costs a few steps, and where a deep depth wins
+  it is reached (the first try is already half way down).
+- Where a draft is off over several streams, depths are tried on 1, 2, 4, ... of the requests, not all
+  at once (each new one costs a catch-up on its whole text), while the likely cost of the whole batch
+  could still win; all speculate once the dearest reading of those steps wins (_estimates).
+- The acceptance a is the maximum-likelihood estimate from accepted proposals and first rejections
+  (Acceptance) over the last few hundred decode steps of all requests (one depth serves the whole
+  batch), starting from a weak prior.
+- Measurements stay current: every so often one step takes the runner-up depth, twice as rarely each
+  time, unless the acceptance's upper bound could still make the runner-up win (then the interval
+  stays). Where a draft is off over several streams that step speculates on one request.
+
+                     plan(): _choose -> spec_k per request
+    engine step ->   observe_target / observe_draft / observe_proposals / observe_acceptance
+                     observe_step: the step's wall time, a sample of (batch size, depth[, requests])
 """
 from __future__ import annotations
 
 import collections
-import statistics
 
 from ..request import Request
+from .measures import Acceptance, CostTable, DepthTimes, bucket
 
 PRIOR_ALPHA = 0.6
-EMA = 0.2
-MARGIN = 1.05          # speculate only when predicted at least 5% better than plain decoding
-PROBE_EVERY = 64       # with speculation off this many steps, probe once to refresh the acceptance
-PROBE_MAX = 1024       # ... doubling after each probe that leaves it off, up to this many
-CHECK_EVERY = 16       # decode steps of a batch size between steps that take the measured-worse side
-LEARN_EVERY = 4        # ... while one side is not yet measured there
-CHECK_MAX = 1024       # ... and at most this many while speculating keeps measuring slower
-SLOWER = 1.02          # speculating steps this much slower per token than plain ones: speculation off
+PRIOR_WEIGHT = 2.0      # the prior counts as this many verified proposals (accepted or rejected)
+DECAY = 0.995           # acceptance and proposal counts: weight of the past, per decode step
+SWITCH = 1.02           # another measured depth must be this much faster to take over
+SWITCH_ON = 1.10        # ... and speculation, where a draft is off over several streams (a catch-up to pay)
+REFRESH_EVERY = 32      # steps of a batch size between refreshes of the runner-up depth ...
+REFRESH_MAX = 1024      # ... doubling each time it stays the runner-up, up to this many
+EXPLORE_EVERY = 8       # steps of a batch size between looks at the depths not measured there
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -35,82 +55,19 @@ def expected_tokens(alpha: float, k: int) -> float:
     return (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
-def _bucket(n: int) -> int:
-    return max(1, n).bit_length()
-
-
-class CostTable:
-    """Seconds per forward, by the power-of-two bucket of its row count: the median of the last few
-    samples, trusted after MIN_SAMPLES (a first call at a new shape is often slow). A bucket not
-    measured in the last ``max_age`` observations counts as unknown, so choices are re-checked."""
-
-    MIN_SAMPLES = 3
-    KEEP = 9
-
-    def __init__(self, max_age: int = 512):
-        self.samples: dict[int, collections.deque] = {}
-        self.seen: dict[int, int] = {}
-        self.medians: dict[int, float] = {}     # per bucket, until its next sample (planning asks often)
-        self.clock = 0
-        self.max_age = max_age
-
-    def observe(self, rows: int, seconds: float) -> None:
-        self.clock += 1
-        b = _bucket(rows)
-        self.samples.setdefault(b, collections.deque(maxlen=self.KEEP)).append(seconds)
-        self.seen[b] = self.clock
-        self.medians.pop(b, None)
-
-    def _median(self, b: int) -> float | None:
-        got = self.samples.get(b)
-        if not got or len(got) < self.MIN_SAMPLES or self.clock - self.seen[b] > self.max_age:
-            return None
-        if (m := self.medians.get(b)) is None:
-            m = self.medians[b] = statistics.median(got)
-        return m
-
-    def estimate(self, rows: int) -> float | None:
-        """The bucket's median, capped by any larger bucket's: more rows never cost less, and a
-        rarely used bucket (one-row steps while speculating, which are mostly the first decode
-        after a prompt) can hold unrepresentative samples."""
-        b = _bucket(rows)
-        own = self._median(b)
-        if own is None:
-            return None
-        larger = [m for k in self.samples if k > b and (m := self._median(k)) is not None]
-        return min([own, *larger])
-
-    def snapshot(self) -> dict:
-        return {f"<{2 ** b}": statistics.median(v) for b, v in sorted(self.samples.items())}
-
-
-class StepRates:
-    """Seconds per generated token of whole decode steps (no prompt rows), by the power-of-two bucket
-    of the batch size, for steps that speculated and steps that did not: what the cost model
-    predicts, measured after the fact, Python around the forward included. Each side is the sum of
-    seconds over the sum of tokens of its last WINDOW steps (a step's own ratio swings 5x with how
-    many proposals it accepted, so a median of ratios flickered)."""
-
-    WINDOW, MIN_STEPS = 32, 4
+class _Batch:
+    """What the controller knows and intends at one batch-size bucket."""
 
     def __init__(self):
-        self.steps: dict[tuple[int, bool], collections.deque] = {}
-
-    def observe(self, batch: int, tokens: int, seconds: float, speculated: bool) -> None:
-        key = (_bucket(batch), speculated)
-        self.steps.setdefault(key, collections.deque(maxlen=self.WINDOW)).append((tokens, seconds))
-
-    def per_token(self, batch: int, speculated: bool) -> float | None:
-        got = self.steps.get((_bucket(batch), speculated))
-        if not got or len(got) < self.MIN_STEPS:
-            return None
-        tokens = sum(t for t, _ in got)
-        return sum(s for _, s in got) / tokens if tokens else None
-
-    def speculation_pays(self, batch: int) -> bool | None:
-        """None until both sides are measured at this batch size."""
-        on, off = self.per_token(batch, True), self.per_token(batch, False)
-        return None if on is None or off is None else on <= off * SLOWER
+        self.times = DepthTimes()
+        self.probe_times = DepthTimes()  # by (depth, requests): steps where some requests speculated
+        self.best = 0                   # the depth in force
+        self.exploring: tuple | None = None   # (depth, requests) being measured
+        self.again: tuple | None = None  # (depth, requests) once more: a re-measure after its catch-up step
+        self.since_refresh = 0
+        self.refresh_every = REFRESH_EVERY
+        self.explore_in = 0             # steps until unmeasured depths are weighed again
+        self.known = 0                  # depths measured when they last were
 
 
 class SpecController:
@@ -123,20 +80,20 @@ class SpecController:
         self.proposer_is_free = proposer_is_free      # n-gram lookup costs no forward
         self.target = CostTable()
         self.draft = CostTable()
-        self.alpha: dict[str, float] = {}
-        self.global_alpha = PRIOR_ALPHA       # acceptance over all requests: the prior of a new one
-        self.steps_off = 0                    # consecutive steps without speculation
-        self.probe_every = PROBE_EVERY        # steps off before the next probe (backs off, see plan)
-        self._probed = False                  # the last speculating step was a probe
-        self._off_for = None                  # (other-token bucket, request ids) the last "off" plan was for
-        self._compared = False
-        self.rates = StepRates()
-        self._since: dict[int, int] = {}      # decode steps since the last check, by batch-size bucket
-        self._check_every: dict[int, int] = {}
-        self._step = (0, 1)                   # (decoding requests, other tokens) of the step planned last
+        self.acceptance = Acceptance(PRIOR_ALPHA, PRIOR_WEIGHT, DECAY)
+        self.found = Acceptance(1.0, 1.0, DECAY)      # share of asked requests that got any proposal
+        self.batches: dict[tuple, _Batch] = {}
+        self._step: tuple | None = None       # (batch key, depth) of the step planned last, if it measures one
+        self._plain_run = 0                   # consecutive steps without speculation, up to the last planned
+        self._spec_m = 0                      # requests that speculated in the last step that did
         self.enabled_steps = 0
         self.disabled_steps = 0
+        self.depth_steps: collections.Counter = collections.Counter()
         self.last_plan: dict = {}
+
+    @property
+    def global_alpha(self) -> float:
+        return self.acceptance.rate()
 
     def may_speculate(self, r: Request) -> bool:
         """Greedy requests always: their output cannot change. A sampled one keeps the target's
@@ -146,164 +103,214 @@ class SpecController:
         p = r.params
         return p.greedy or (not self.greedy_only and p.seed is None)
 
+    # ---- planning --------------------------------------------------------------------------
     def plan(self, decoding: list[Request], other_tokens: int) -> None:
         """Set ``spec_k`` on each decoding request (0 = no speculation this step)."""
         held = [r for r in decoding if not self.may_speculate(r)]
         for r in held:
             r.spec_k = 0
-        if held:            # they decode one row each, as prompt chunks add rows: planned as other tokens
+        if held:            # they decode one row each, beside the speculating ones: measured apart
             decoding = [r for r in decoding if self.may_speculate(r)]
-            other_tokens += len(held)
+        self._step = None
         b = len(decoding)
-        self._step = (b, other_tokens)
-        # what an "off" choice rests on: the requests (no acceptance is observed while off) and the
-        # cost buckets each depth's step falls in
-        shape = (*(_bucket(b * (1 + k) + other_tokens) for k in range(self.max_k + 1)),
-                 *(r.request_id for r in decoding))
-        if (self.adaptive and b and self._off_for == shape
-                and 0 < self.steps_off < min(self.probe_every, self.target.max_age)):
-            # nothing it rests on has moved: keep it until the next probe, or until a verification cost
-            # could have aged out (planning many streams costs a measurable part of a step)
-            for r in decoding:
-                r.spec_k = 0
-            self.disabled_steps += 1
-            self.steps_off += 1
+        if not b:
             return
-        ks = {r.request_id: self._cap(r, self.max_k) for r in decoding}
-        if self.adaptive and b:
-            k_star, probing = self._best_depth(decoding, other_tokens)
-            if k_star and not probing and not other_tokens:
-                k_star = self._held_to_measure(b, k_star)
-            ks = {rid: min(k, k_star) for rid, k in ks.items()}
-            if probing:
-                # one request refreshes the acceptance estimate; probing all of them would make the
-                # draft catch up on every request's context at once, a prompt-sized step
-                first = decoding[0].request_id
-                ks = {rid: (k if rid == first else 0) for rid, k in ks.items()}
-            if k_star and not self.proposer_is_free:
-                # a draft forward per proposal: a request stops where its next token is unlikely to pay
-                # for one. A free proposer (n-gram) costs only verification rows, which k_star weighs.
-                for r in decoding:
-                    ks[r.request_id] = min(ks[r.request_id], self._own_depth(self.alpha.get(r.request_id, self.global_alpha), b))
-            # a probe that leaves speculation off doubles the wait for the next one: each probe costs
-            # a draft catch-up on one request's context, which a steady large batch never repays (an
-            # n-gram probe costs no catch-up, and one answered by a guess observes nothing: no back-off)
-            if any(ks.values()) and not probing:
-                self.probe_every = PROBE_EVERY
-            elif not any(ks.values()) and self._probed and not self.proposer_is_free:
-                self.probe_every = min(2 * self.probe_every, PROBE_MAX)
-            self._probed = probing
-            self._off_for = shape if self._compared and not any(ks.values()) else None
-        for r in decoding:
-            r.spec_k = ks[r.request_id]
-        if b:
-            if any(ks.values()):
-                self.enabled_steps += 1
-                self.steps_off = 0
-            else:
-                self.disabled_steps += 1
-                self.steps_off += 1
-
-    def _held_to_measure(self, b: int, k: int) -> int:
-        """The model's depth, held to what whole decode steps measured at this batch size. Every
-        CHECK_EVERY-th such step takes the other side (plain while speculating, speculating while
-        plain wins), so both stay measured; where speculating steps produced tokens more slowly than
-        plain ones, speculation stays off (n-gram lookup over many streams measured slower than off
-        while the model predicted a gain)."""
-        pays = self.rates.speculation_pays(b)
-        key = _bucket(b)
-        every = LEARN_EVERY if pays is None else self._check_every.get(key, CHECK_EVERY)
-        self._since[key] = self._since.get(key, 0) + 1
-        flip = self._since[key] >= every
-        if flip:
-            self._since[key] = 0
-        if pays is False:
-            # each check that finds it still slower doubles the wait for the next: a speculating step
-            # of 16 streams can cost several plain ones
-            if flip:
-                self._check_every[key] = min(2 * every, CHECK_MAX)
-            k = k if flip else 0
+        self.acceptance.age()
+        self.found.age()
+        key = ((b - 1).bit_length(), bucket(len(held)) if held else 0)   # 1, 2, 3-4, 5-8, 9-16, ... streams
+        k, m = self._choose(decoding, key, len(held), other_tokens) if self.adaptive else (self.max_k, b)
+        capped = False
+        for i, r in enumerate(decoding):     # the first m requests speculate (all but in a probe)
+            r.spec_k = self._cap(r, k) if k and i < m else 0
+            capped = capped or (i < m and r.spec_k < k)
+        if self.adaptive and not other_tokens and not capped and self._measures(k, m):
+            self._step = (key, k, m if m < b else 0)
+        depth = max(r.spec_k for r in decoding)
+        self._plain_run = 0 if depth else self._plain_run + 1
+        if depth:
+            self._spec_m = m
+        self.depth_steps[depth] += 1
+        if depth:
+            self.enabled_steps += 1
         else:
-            if pays:
-                self._check_every[key] = CHECK_EVERY
-            k = 0 if flip else k
-        if not k:
-            self._compared = False            # an off from the measure or its schedule: planned each step
-        return k
+            self.disabled_steps += 1
 
-    def observe_step(self, tokens: int, seconds: float, speculated: bool) -> None:
-        """The whole step just planned: its generated tokens and wall time."""
-        b, other = self._step
-        if b and not other:
-            self.rates.observe(b, tokens, seconds, speculated)
+    def _measures(self, k: int, m: int) -> bool:
+        """Whether a step at depth k over m requests shows its cost: not where a draft catches up on
+        the text of more than one plain step first (the first speculating step after a pause, or the
+        first for requests that did not speculate in the last one)."""
+        return not k or self.proposer_is_free or (self._plain_run <= 1 and self._spec_m >= m)
+
+    def _probing(self, b: int, st: _Batch) -> bool:
+        """Whether speculating depths are tried on some requests only: where a draft is off over several
+        streams (speculating all of them would make the draft catch up on all their text at once)."""
+        return b > 1 and st.best == 0 and not self.proposer_is_free
+
+    def _estimates(self, b: int, st: _Batch) -> tuple[dict[int, float], dict[int, tuple[float, int]]]:
+        """Seconds of a whole step at each measured depth, and for the depths tried on m of b requests
+        only, (a likely step's seconds, m) for the largest m. The first counts those requests' extra
+        cost b / m times over: the dearest case (nothing of a draft round shared), which alone turns
+        speculation on. The second, which decides whether to try more requests, is the cheapest case
+        (the requests beyond m free) or, once two sizes are tried, each further request costing what
+        one more cost there."""
+        measured = st.times.measured()
+        levels: dict[int, list] = {}
+        for (k, m), t in st.probe_times.measured().items():
+            if k not in measured:
+                levels.setdefault(k, []).append((m, t))
+        if not levels or 0 not in measured:
+            return measured, {}
+        t0 = measured[0]
+        dearest, likely = {}, {}
+        for k, got in levels.items():
+            got.sort()
+            m, t = got[-1]
+            extra = (t - got[-2][1]) / (m - got[-2][0]) if len(got) > 1 else 0.0
+            likely[k] = (t + (b - m) * max(0.0, extra), m)
+            dearest[k] = t0 + b / m * max(0.0, t - t0)
+        return {**dearest, **measured}, likely
+
+    def _choose(self, decoding: list[Request], key: tuple, held: int, other_tokens: int) -> tuple[int, int]:
+        """(depth for this step, how many of the requests take it), beside ``held`` rows of requests
+        that do not speculate and ``other_tokens`` prompt rows."""
+        b = len(decoding)
+        st = self.batches.setdefault(key, _Batch())
+        if st.again is not None and not other_tokens:
+            (k, m), st.again = st.again, None
+            return k, m
+        measured, partial = self._estimates(b, st)
+        if 0 not in measured:
+            return 0, b                          # measure plain decoding at this size first: the safe choice
+        gains = self._gains(decoding, measured)
+        rates = {k: gains[k] / t for k, t in measured.items()}
+        if other_tokens:                        # prompt rows ride along: no exploring, no measuring
+            return self._with_other_tokens(b, held, other_tokens, measured, gains), b
+        if st.exploring is not None:
+            k, m = st.exploring
+            if (st.times.count(k) if m >= b else st.probe_times.count((k, m))) < DepthTimes.MIN_SAMPLES:
+                return k, m
+        st.exploring = None
+        probing = self._probing(b, st)
+        best = max(rates, key=rates.get)
+        if st.best not in rates or rates[best] > rates[st.best] * (SWITCH_ON if probing else SWITCH):
+            if best != st.best:
+                st.refresh_every = REFRESH_EVERY
+            st.best = best
+        probing = self._probing(b, st)
+        st.explore_in -= 1
+        if st.explore_in <= 0 or st.known != len(measured) + len(partial):   # now and then: the dear part
+            st.explore_in, st.known = EXPLORE_EVERY, len(measured) + len(partial)
+            target = self._to_explore(b, st, measured, partial, self._gains(decoding), rates[st.best], probing)
+            if target is not None:
+                st.exploring = target
+                return target
+        self.last_plan = {"batch": b, "k": st.best, "alpha": self.global_alpha,
+                          "predicted_speedup": rates[st.best] / rates[0]}
+        return self._refresh(decoding, st, rates, probing)
+
+    def _gains(self, decoding: list[Request], depths=None, optimistic: bool = False) -> dict[int, float]:
+        """Expected tokens of the step at each of ``depths`` (all by default), summed over the requests;
+        ``optimistic``: at the acceptance's upper bound."""
+        b = len(decoding)
+        a = self.acceptance.upper() if optimistic else self.acceptance.rate()
+        found = self.found.rate()
+        return {k: b * (found * expected_tokens(a, k) + (1 - found)) if k else float(b)
+                for k in (range(self.max_k + 1) if depths is None else depths)}
+
+    def _to_explore(self, b: int, st: _Batch, measured: dict[int, float], partial: dict, gains: dict[int, float],
+                    best_rate: float, probing: bool) -> tuple[int, int] | None:
+        """(depth, requests) to measure next: an unmeasured depth that could beat the best measured one,
+        the most promising first (the first tried at a batch size goes half way down); where depths
+        are tried on some requests only, one tried on m requests that could still win goes on to 2 m."""
+        if len(measured) == 1:
+            return self._first_depth(b), 1 if probing else b
+        best_k, best = None, best_rate * (SWITCH_ON if probing else SWITCH)
+        for k in range(1, self.max_k + 1):
+            if k in partial:                    # measured on m requests: the cheapest case could win?
+                t, m = partial[k]
+                rate = gains[k] / t
+            elif k not in measured:
+                rate = gains[k] / self._cost_floor(b, k, measured)
+            else:
+                continue
+            if rate > best:
+                best_k, best = k, rate
+        if best_k is None:
+            return None
+        m = partial[best_k][1] * 2 if best_k in partial else (1 if probing else b)
+        return best_k, min(m, b)
+
+    def _first_depth(self, b: int) -> int:
+        """The depth in force at the nearest batch size that speculates, else half the maximum."""
+        near = sorted((abs(key[0] - (b - 1).bit_length()), st.best) for key, st in self.batches.items() if st.best)
+        return near[0][1] if near else max(1, (self.max_k + 1) // 2)
+
+    def _cost_floor(self, b: int, k: int, measured: dict[int, float]) -> float:
+        """A lower bound on a step at depth k: a shallower measured step j, plus k - j draft forwards
+        (and the catch-up, one forward or more, from j = 0) and at least what its verification rows
+        cost beyond j's. Unknown forward costs count as free."""
+        d = 0.0 if self.proposer_is_free else (self.draft.estimate(b) or 0.0)
+        floor = 0.0
+        for j, t in measured.items():
+            if j < k:
+                rows = self.target.floor(b * (k + 1)) - (self.target.estimate(b * (j + 1)) or 0.0)
+                floor = max(floor, t + (k - j + (j == 0)) * d + max(0.0, rows))
+        return floor
+
+    def _with_other_tokens(self, b: int, held: int, other: int, measured: dict[int, float], gains: dict) -> int:
+        """The best measured depth once each step also carries ``other`` prompt rows: their cost
+        beside b (k + 1) verification rows and the held ones, from the forward costs (unknown: left out)."""
+        def cost(k, t):
+            rows = b * (k + 1) + held
+            with_other, alone = self.target.estimate(rows + other), self.target.estimate(rows)
+            return t + (with_other - alone if with_other is not None and alone is not None else 0.0)
+        return max(measured, key=lambda k: gains[k] / cost(k, measured[k]))
+
+    def _refresh(self, decoding: list[Request], st: _Batch, rates: dict[int, float],
+                 probing: bool) -> tuple[int, int]:
+        """The depth in force, or now and then the runner-up, so that its cost and the acceptance stay
+        measured. Where a draft is off, a speculating step first catches up on the text since the last
+        one: a second step measures."""
+        st.since_refresh += 1
+        others = {k: r for k, r in rates.items() if k != st.best}
+        b = len(decoding)
+        if st.since_refresh < st.refresh_every or not others:
+            return st.best, b
+        st.since_refresh = 0
+        k = max(others, key=others.get)
+        if not self._could_win(decoding, st, k):
+            st.refresh_every = min(2 * st.refresh_every, REFRESH_MAX)
+        m = 1 if probing else b
+        if k and not self._measures(k, m):
+            st.again = k, m
+        return k, m
+
+    def _could_win(self, decoding: list[Request], st: _Batch, k: int) -> bool:
+        """Whether depth k would beat the one in force were the acceptance at its upper bound (a close
+        call keeps its refreshes frequent; a clear one spaces them out)."""
+        times = self._estimates(len(decoding), st)[0]
+        gains = self._gains(decoding, times, optimistic=True)
+        return gains[k] / times[k] > gains[st.best] / times[st.best]
 
     def _cap(self, r: Request, k: int) -> int:
         room = min(r.params.max_tokens - r.num_output_tokens - 1, self.max_model_len - r.num_tokens - 1)
         return max(0, min(k, room))
 
-    def _step_cost(self, k: int, b: int, other_tokens: int) -> float | None:
-        t = self.target.estimate(b * (1 + k) + other_tokens)
-        if t is None:
-            return None
-        if k and not self.proposer_is_free:
-            d = self.draft.estimate(b)
-            if d is None:
-                return None
-            t += k * d
-        return t
-
-    def _best_depth(self, decoding: list[Request], other_tokens: int) -> tuple[int, bool]:
-        """(depth for this step, whether it is a probe). ``_compared`` says whether the depth came
-        from comparing known costs (not from a measurement still missing)."""
-        self._compared = False
-        b = len(decoding)
-        plain = self._step_cost(0, b, other_tokens)
-        if plain is None:
-            return 0, False              # measure plain decoding at this size first: the safe choice
-        if not self.proposer_is_free and self.draft.estimate(b) is None:
-            return min(2, self.max_k), False   # measure the draft's single-token forward (needs depth >= 2)
-        if self.steps_off >= self.probe_every:
-            return 1, True               # a cheap probe now and then keeps the acceptance estimate current
-        alphas = [self.alpha.get(r.request_id, self.global_alpha) for r in decoding]
-        best_k, best_rate = 0, b / plain
-        for k in range(1, self.max_k + 1):
-            cost = self._step_cost(k, b, other_tokens)
-            if cost is None:
-                if k == 1:
-                    return 1, False      # measure one verification step; deeper ones are extrapolated
-                if b == 1 and not other_tokens and self._worth_exploring(k, alphas, best_rate):
-                    return k, False      # one stream: measuring a deeper verification is cheap
-                cost = self._extrapolated_cost(k, b, other_tokens)
-            rate = sum(expected_tokens(a, k) for a in alphas) / cost
-            if rate > best_rate * MARGIN:
-                best_k, best_rate = k, rate
-        self.last_plan = {"k": best_k, "predicted_speedup": best_rate / (b / plain)}
-        self._compared = True
-        return best_k, False
-
-    def _worth_exploring(self, k: int, alphas: list[float], best_rate: float) -> bool:
-        """Would depth k win if its extra verification rows cost no more than depth 1's? Costs are not
-        linear in rows (one row runs a matrix-vector product, several rows a matrix product), so the
-        linear extrapolation from depth 1 can hide a depth that pays."""
-        optimistic = self._step_cost(1, 1, 0) + (0.0 if self.proposer_is_free else (k - 1) * self.draft.estimate(1))
-        return sum(expected_tokens(a, k) for a in alphas) / optimistic > best_rate * MARGIN
-
-    def _extrapolated_cost(self, k: int, b: int, other_tokens: int) -> float:
-        """Cost of depth k from plain and depth-1 measurements, linear in the rows verified (exploring
-        every depth at a large batch would itself cost a few slow steps)."""
-        t0 = self.target.estimate(b + other_tokens)
-        t1 = self.target.estimate(2 * b + other_tokens)
-        t = t0 + k * max(0.0, t1 - t0)
-        if not self.proposer_is_free:
-            t += k * self.draft.estimate(b)
-        return t
-
-    def _own_depth(self, alpha: float, b: int) -> int:
-        """Deepest k whose marginal expected token is still likely enough to pay for a draft step."""
-        k = 1
-        while k < self.max_k and alpha ** (k + 1) > 0.15:
-            k += 1
-        return k
+    # ---- measurements ----------------------------------------------------------------------
+    def observe_step(self, tokens: int, seconds: float, speculated: bool, cpu_seconds: float | None = None) -> None:
+        """The whole step just planned: its generated tokens, wall time and the process's CPU time in
+        it. Its cost is the lesser: where other processes hold the cores the wall time mostly measures
+        them (and changes with their load, so depths measured at different moments would not compare);
+        where torch runs several threads the CPU time counts each."""
+        if cpu_seconds is not None:
+            seconds = min(seconds, cpu_seconds)
+        if self._step is not None:
+            key, k, m = self._step
+            st = self.batches[key]
+            if m:
+                st.probe_times.observe((k, m), seconds)
+            else:
+                st.times.observe(k, seconds)
 
     def observe_target(self, rows: int, seconds: float) -> None:
         self.target.observe(rows, seconds)
@@ -311,14 +318,11 @@ class SpecController:
     def observe_draft(self, rows: int, seconds_per_forward: float) -> None:
         self.draft.observe(rows, seconds_per_forward)
 
+    def observe_proposals(self, asked: int, made: int) -> None:
+        """Of ``asked`` requests planned to speculate, ``made`` got proposals (a lookup can find none)."""
+        for i in range(asked):
+            self.found.observe(1, 1 if i < made else 0)
+
     def observe_acceptance(self, request_id: str, proposed: int, accepted: int) -> None:
         if proposed:
-            a = self.alpha.get(request_id, self.global_alpha)
-            # per-token acceptance: each accepted proposal is a success, the first rejection a failure
-            rate = accepted / (accepted + (1 if accepted < proposed else 0))
-            self.alpha[request_id] = (1 - EMA) * a + EMA * rate
-            self.global_alpha = (1 - EMA / 4) * self.global_alpha + EMA / 4 * rate
-
-    def forget(self, request_id: str) -> None:
-        self.alpha.pop(request_id, None)
-        self._off_for = None        # an id may come back (callers choose them): plan it afresh
+            self.acceptance.observe(proposed, accepted)
