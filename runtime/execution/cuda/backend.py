@@ -45,7 +45,9 @@ class CudaModelRunner:
             raise ValueError("the CUDA backend keeps keys and values in bfloat16 or float32, not int8")
         cfg = model.config
         self.device = torch.device(device)
-        self.model = model.requires_grad_(False).to(self.device)
+        self.model = model.requires_grad_(False)
+        if any(t.device.type != self.device.type for t in [*model.parameters(), *model.buffers()]):
+            self.model.to(self.device)
         self.config = cfg
         self.block_size, self.num_blocks = block_size, num_blocks
         self.host_logits = host_logits        # run() returns CPU logits (a proposer that samples on the host)

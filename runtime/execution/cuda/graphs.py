@@ -18,7 +18,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .metadata import StepMetadata, StepShape, build_metadata, fits
+from .metadata import StepMetadata, StepShape, build_metadata, fits, pinned
 
 Forward = Callable[[StepMetadata, int], torch.Tensor]       # (metadata, key splits) -> logits of every row
 
@@ -79,7 +79,7 @@ class StepGraphs:
     def run(self, host: StepMetadata) -> torch.Tensor:
         """Logits of the step's real rows; ``host`` was built with ``pad_to`` a bucket's shape."""
         b = self.buckets[host.shape]
-        b.static.flat.copy_(host.flat.pin_memory() if self.device.type == "cuda" else host.flat, non_blocking=True)
+        b.static.flat.copy_(pinned(host.flat), non_blocking=True)
         self.replays += 1
         if b.graph is not None:
             b.graph.replay()

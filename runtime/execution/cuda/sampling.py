@@ -33,30 +33,42 @@ class SamplingBatch:
 
     @classmethod
     def build(cls, rows: list[SamplingRow], device) -> "SamplingBatch":
+        return cls.from_host(*host_values(rows), device)
+
+    @classmethod
+    def from_host(cls, flat: np.ndarray, rows: list[SamplingRow], num_seen: int, device) -> "SamplingBatch":
+        """One copy of ``host_values``' array to ``device``, and views of it."""
         n = len(rows)
-        vals = np.zeros((9, n))
-        seen: list[tuple[int, int]] = []
-        output: list[tuple[int, int, int]] = []
-        for i, r in enumerate(rows):
-            p = r.params
-            vals[:, i] = (1.0 if p.greedy else p.temperature, p.top_k, p.top_p, p.min_p, _uniform(r),
-                          p.repetition_penalty, float(p.greedy), p.presence_penalty, p.frequency_penalty)
-            if p.needs_penalties:
-                if r.history is None:
-                    raise ValueError(f"row {i} has penalties but no history")
-                if p.repetition_penalty != 1.0:
-                    seen += [(i, t) for t in sorted(set(r.history))]
-                ids, counts = np.unique(np.asarray(r.history[r.num_prompt:], dtype=np.int64), return_counts=True)
-                output += [(i, int(t), int(c)) for t, c in zip(ids, counts)]
-        ints = np.array([x for pair in seen for x in pair] + [x for tri in output for x in tri], dtype=np.float64)
-        flat = torch.from_numpy(np.concatenate([vals.ravel(), ints])).to(device, non_blocking=True)
-        v, rest = flat[:7 * n].view(7, n), flat[9 * n:].long()
-        s = 2 * len(seen)
+        dev = torch.from_numpy(flat).to(device, non_blocking=True)
+        v, rest = dev[:7 * n].view(7, n), dev[9 * n:].long()
+        s = 2 * num_seen
         params = [r.params for r in rows]
-        return cls(v, rest[:s].view(-1, 2).t(), rest[s:].view(-1, 3).t(), flat[7 * n:9 * n].view(2, n),
+        return cls(v, rest[:s].view(-1, 2).t(), rest[s:].view(-1, 3).t(), dev[7 * n:9 * n].view(2, n),
                    greedy_only=all(p.greedy for p in params), top_k=any(p.top_k > 0 for p in params),
                    top_p=any(p.top_p < 1.0 for p in params), min_p=any(p.min_p > 0 for p in params),
                    penalties=any(p.needs_penalties for p in params))
+
+
+def host_values(rows: list[SamplingRow]) -> tuple[np.ndarray, list[SamplingRow], int]:
+    """Every per-row value in one float64 array (the layout SamplingBatch views), drawing each random
+    row's uniform number from its generator; and the number of (row, token) pairs seen."""
+    n = len(rows)
+    vals = np.zeros((9, n))
+    seen: list[tuple[int, int]] = []
+    output: list[tuple[int, int, int]] = []
+    for i, r in enumerate(rows):
+        p = r.params
+        vals[:, i] = (1.0 if p.greedy else p.temperature, p.top_k, p.top_p, p.min_p, _uniform(r),
+                      p.repetition_penalty, float(p.greedy), p.presence_penalty, p.frequency_penalty)
+        if p.needs_penalties:
+            if r.history is None:
+                raise ValueError(f"row {i} has penalties but no history")
+            if p.repetition_penalty != 1.0:
+                seen += [(i, t) for t in sorted(set(r.history))]
+            ids, counts = np.unique(np.asarray(r.history[r.num_prompt:], dtype=np.int64), return_counts=True)
+            output += [(i, int(t), int(c)) for t, c in zip(ids, counts)]
+    ints = np.array([x for pair in seen for x in pair] + [x for tri in output for x in tri], dtype=np.float64)
+    return np.concatenate([vals.ravel(), ints]), rows, len(seen)
 
 
 def _uniform(row: SamplingRow) -> float:
