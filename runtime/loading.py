@@ -25,6 +25,7 @@ class LoadedModel:
     draft_config: Optional[ModelConfig] = None
     kv_dtype: str = "auto"
     backend: Optional[object] = None          # a StepBackend when the engine directory was compiled for one
+    device: str = "cpu"                       # where llmd's own model code runs: cpu, or cuda (CudaModelRunner)
 
 
 def load_for_engine(config: EngineConfig, progress=None) -> LoadedModel:
@@ -34,6 +35,7 @@ def load_for_engine(config: EngineConfig, progress=None) -> LoadedModel:
                              "(config.json, *.safetensors, tokenizer.json) or an llmd engine directory")
     kv_dtype = config.kv_dtype
     backend = None
+    device = "cpu"
     draft_path = Path(config.draft) if config.draft and config.draft not in ("ngram", "auto", "none") else None
     if (path / "manifest.json").is_file():
         from llmd.export.engine_dir import engine_draft_dir, load_engine_model     # quantized / compiled engines
@@ -50,16 +52,53 @@ def load_for_engine(config: EngineConfig, progress=None) -> LoadedModel:
         raise EngineDirError(f"{path}: an engine directory without manifest.json: the export did not finish; "
                              "run `llmd export` again")
     else:
-        check_device(path, "torch", config.device)
-        model, cfg, tokenizer = load_hf_model(path, config.dtype, progress)
+        device = hf_device(config)
+        model, cfg, tokenizer = load_hf_model(path, config.dtype, progress, prepare=device == "cpu")
+    if device == "cuda" and draft_path is not None and (draft_path / "manifest.json").is_file():
+        raise EngineDirError(f"{draft_path}: a draft from an engine directory runs on the CPU only; with "
+                             "--device cuda give a Hugging Face directory as --draft, or 'ngram'")
     draft = draft_cfg = None
     if draft_path is not None:
-        draft, draft_cfg = load_draft(draft_path, config, tokenizer)
+        draft, draft_cfg = load_draft(draft_path, config, tokenizer, prepare=device == "cpu")
     blocks = kv_blocks([cfg] + ([draft_cfg] if draft_cfg else []), config, kv_dtype)
-    return LoadedModel(model, cfg, tokenizer, blocks, draft, draft_cfg, kv_dtype, backend)
+    return LoadedModel(model, cfg, tokenizer, blocks, draft, draft_cfg, kv_dtype, backend, device)
 
 
-def load_draft(path: Path, config: EngineConfig, target_tokenizer: Tokenizer):
+def hf_device(config: EngineConfig) -> str:
+    """Where a Hugging Face directory runs: the GPU when asked (refused, before any weights load, where
+    it cannot run) or, with ``auto``, when torch sees one; else the CPU."""
+    if config.device == "cpu":
+        return "cpu"
+    why = cuda_missing()
+    if config.device == "cuda" and why:
+        raise ModelLoadError(f"--device cuda: {why}; install torch with CUDA and triton (pip install triton) on a "
+                             "machine with an NVIDIA GPU, or use --device cpu")
+    if why:
+        return "cpu"
+    for what, ok in (("--block-size 16", config.block_size == 16), ("--kv-dtype auto or bfloat16", config.kv_dtype != "int8"),
+                     ("--attention fast", config.attention == "fast")):
+        if not ok:
+            if config.device == "cuda":
+                raise ModelLoadError(f"--device cuda needs {what}")
+            return "cpu"
+    return "cuda"
+
+
+def cuda_missing() -> Optional[str]:
+    """None when the CUDA backend can run here, else what is missing."""
+    import torch
+    if not torch.cuda.is_available():
+        if torch.version.cuda is None:
+            return f"this torch ({torch.__version__}) is built without CUDA"
+        return f"torch (CUDA {torch.version.cuda}) sees no GPU"
+    try:
+        import triton  # noqa: F401  (the CUDA backend's kernels)
+    except ImportError:
+        return "triton is not installed"
+    return None
+
+
+def load_draft(path: Path, config: EngineConfig, target_tokenizer: Tokenizer, prepare: bool = True):
     """A draft from a model directory, an engine directory's own draft, or an engine directory."""
     if not path.exists():
         raise ModelLoadError(f"{path}: no such draft model directory; pass a directory, 'ngram', or no draft")
@@ -67,7 +106,7 @@ def load_draft(path: Path, config: EngineConfig, target_tokenizer: Tokenizer):
         from llmd.export.engine_dir import engine_draft_dir, load_engine_draft, load_engine_model
         model, cfg, tok = load_engine_draft(path, config) if engine_draft_dir(path) else load_engine_model(path, config)
     else:
-        model, cfg, tok = load_hf_model(path, config.dtype)
+        model, cfg, tok = load_hf_model(path, config.dtype, prepare=prepare)
     if tok.vocab_size != target_tokenizer.vocab_size or tok.encode(PROBE) != target_tokenizer.encode(PROBE):
         raise ModelLoadError(f"{path / 'tokenizer.json'}: the draft's tokenizer differs from the target's; "
                              "speculative decoding needs the same tokenizer")
@@ -83,13 +122,14 @@ def backend_name(manifest: dict) -> str:
 
 
 def check_device(path: Path, backend: str, device: str) -> None:
-    """Refuse, before any weights load, a device the model cannot run on. llmd's own model code and
-    kernels (Hugging Face directories, torch and AOT engines) run on the CPU; a GPU is reached through
-    an engine directory compiled for ONNX Runtime or TensorRT (the backend checks its provider)."""
+    """Refuse, before any weights load, a device an engine directory cannot run on. Torch and AOT engines
+    hold layouts for llmd's CPU kernels; a GPU is reached through a Hugging Face directory (the CUDA
+    backend) or an engine directory compiled for ONNX Runtime or TensorRT (the backend checks its provider)."""
     if device == "cuda" and backend in ("torch", "aot"):
-        raise EngineDirError(f"{path}: llmd runs {'this AOT engine' if backend == 'aot' else 'this model'} on the CPU "
-                             "only; for a GPU, export an engine with `llmd export --backend onnxruntime` (needs "
-                             "llmd[gpu], onnxruntime-gpu) or `--backend tensorrt`, or serve with --device cpu")
+        raise EngineDirError(f"{path}: llmd runs {'this AOT engine' if backend == 'aot' else 'this engine'} on the CPU "
+                             "only; for a GPU, serve the Hugging Face model directory with --device cuda, export an "
+                             "engine with `llmd export --backend onnxruntime` (needs llmd[gpu], onnxruntime-gpu) or "
+                             "`--backend tensorrt`, or use --device cpu")
     if device == "cpu" and backend == "tensorrt":
         raise EngineDirError(f"{path}: a TensorRT engine runs only on a CUDA GPU; export for the CPU with "
                              "`llmd export --backend torch` or `--backend onnxruntime`")
@@ -104,12 +144,15 @@ def engine_backend(path: Path, manifest: dict, device: str = "auto"):
     return create_backend(name, path, manifest, device)
 
 
-def load_hf_model(path: Path, dtype: str, progress=None) -> tuple[LlamaForCausalLM, ModelConfig, Tokenizer]:
+def load_hf_model(path: Path, dtype: str, progress=None,
+                  prepare: bool = True) -> tuple[LlamaForCausalLM, ModelConfig, Tokenizer]:
+    """``prepare``: lay the weights out for the CPU kernels (the CUDA backend takes them as loaded)."""
     cfg = ModelConfig.from_dir(path)
     tokenizer = Tokenizer.from_dir(path)
     check_vocab(path, tokenizer, cfg)
     model = load_model(path, dtype, cfg, progress=progress)
-    model.prepare_for_inference()
+    if prepare:
+        model.prepare_for_inference()
     return model, cfg, tokenizer
 
 
