@@ -88,6 +88,7 @@ class StepGraphs:
             out = self.forward(b.static, b.splits)
         return out[:host.real_rows]
 
+    @torch.inference_mode()
     def _capture_all(self) -> None:
         pool = torch.cuda.graph_pool_handle()
         for shape in sorted(self.shapes, key=lambda s: -s.num_rows):
