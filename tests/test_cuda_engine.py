@@ -13,8 +13,8 @@ from llmd.runtime.request import SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET, DRAFT = REPO / "models" / "code-target", REPO / "models" / "code-draft"
-PROMPTS = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n"]
-GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+PROMPTS = ["def fibonacci(n):\n"]
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="interpreted kernels only"),
@@ -37,6 +37,7 @@ def with_cuda_runner(llm: LLM, k: int) -> LLM:
     return llm
 
 
+@pytest.mark.timeout(3600)
 @pytest.mark.parametrize("draft", [None, "ngram", str(DRAFT)])
 def test_greedy_tokens_match_the_cpu_engine(draft):
     opts = dict(kv_memory="16MiB", max_num_seqs=4, draft=draft, num_speculative_tokens=3 if draft else None,
