@@ -267,9 +267,12 @@ class Engine:
                 proposals: dict[int, Proposal]) -> list[list]:
         """Per scheduled request, the (token, logprobs) pairs it gains this step."""
         out: list[list] = [[] for _ in scheduled]
-        if logits.device.type != "cpu" and not all(s.request.params.logprobs is None and not s.num_spec_tokens
-                                                   for s in scheduled):
-            logits = logits.cpu()      # verification and logprobs read the logits on the host (one copy)
+        on_device = getattr(self.runner, "samples_on_device", False)     # the CUDA runner's logits stay there
+        if on_device and any(s.request.params.logprobs is not None or s.num_spec_tokens for s in scheduled):
+            p = [s.request.params for s in scheduled]
+            if all(x.greedy and not x.needs_penalties and x.logprobs is None for x in p):
+                return self._greedy(scheduled, counts, logits.argmax(-1).tolist())   # one copy: the ids
+            logits, on_device = logits.cpu(), False    # sampled verification and logprobs read them on the host
         plain_rows, plain_idx, plain_at = [], [], []
         offset = 0
         for i, (s, k) in enumerate(zip(scheduled, counts)):
@@ -282,13 +285,23 @@ class Engine:
             offset += k
         if plain_rows:
             rows_logits = logits if len(plain_at) == logits.shape[0] else logits[torch.tensor(plain_at)]
-            if rows_logits.device.type != "cpu":          # drawn on the device, the ids back in one copy
+            if on_device:                  # drawn on the device, the ids back in one copy
                 for i, tok in zip(plain_idx, self.runner.sample(rows_logits, plain_rows)):
                     out[i] = [(tok, None)]
                 return out
             result = sample(rows_logits, plain_rows)
             for j, (i, tok) in enumerate(zip(plain_idx, result.token_ids.tolist())):
                 out[i] = [(tok, result.logprobs[j] if result.logprobs else None)]
+        return out
+
+    def _greedy(self, scheduled: list[ScheduledRequest], counts: list[int], picks: list[int]) -> list[list]:
+        """Per scheduled request, its tokens from the argmax of each of its sampled rows."""
+        out, offset = [], 0
+        for s, k in zip(scheduled, counts):
+            row = picks[offset:offset + k]
+            tokens = verify_greedy(row, s.request.spec_token_ids) if s.num_spec_tokens else row
+            out.append([(t, None) for t in tokens])
+            offset += k
         return out
 
     def _verify(self, s: ScheduledRequest, logits: torch.Tensor, prop: Optional[Proposal]) -> list:

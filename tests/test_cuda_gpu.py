@@ -80,7 +80,7 @@ def test_graph_replay_matches_eager_after_metadata_changes():
     from llmd.runtime.models.loader import load_model
     runners = [CudaModelRunner(load_model(TARGET, "float32"), 256, 16, "float32", max_num_seqs=8, num_spec_tokens=3,
                                max_model_len=512, graphs=g) for g in ("capture", "off")]
-    tables = [[5, 9, 1], [0, 2], [7, 3, 8], [4]]
+    tables = [[5, 9, 1, 30, 31], [0, 2, 32, 33, 34], [7, 3, 8, 35, 36], [4, 37, 38, 39, 40]]
     lens = [40, 20, 33, 9]
     steps = [[Feed(list(range(3, 3 + n)), 0, t, 1) for n, t in zip(lens, tables)]]
     for i in range(6):                           # the batch changes every step: 4, 3, 2, 4 requests, then verification

@@ -30,6 +30,7 @@ def test_attention_matches_float32_reference(heads, kv_heads, dtype):
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_attention_matches_flex_attention_paged():
     q, kc, vc, meta, spans = make_case(MIXED, 7, 1, 16)
     got = attend(q, kc, vc, meta)
