@@ -107,9 +107,8 @@ class Engine:
         c = self.config
         if loaded.device == "cuda":
             from .execution.cuda.backend import CudaModelRunner     # needs triton: imported for the GPU only
-            # a draft's logits go to the host: its proposer samples there
             return CudaModelRunner(model, loaded.num_blocks, c.block_size, c.dtype, loaded.kv_dtype, "cuda",
-                                   c.max_num_seqs, num_spec_tokens, self.max_model_len, host_logits=draft)
+                                   c.max_num_seqs, num_spec_tokens, self.max_model_len)
         if draft:
             return ModelRunner(model, loaded.num_blocks, c.block_size, c.dtype, kv_dtype=loaded.kv_dtype)
         return ModelRunner(model, loaded.num_blocks, c.block_size, c.dtype, reference_attention=c.attention == "reference",

@@ -32,7 +32,7 @@ def with_cuda_runner(llm: LLM, k: int) -> LLM:
     if getattr(e, "draft_runner", None) is not None:
         e.draft_runner = CudaModelRunner(load_model(DRAFT, c.dtype), e.block_manager.num_blocks, c.block_size,
                                          c.dtype, device="cpu", max_num_seqs=c.max_num_seqs,
-                                         max_model_len=e.max_model_len, graphs="standin", host_logits=True)
+                                         max_model_len=e.max_model_len, graphs="standin")
         e.proposer.runner = e.draft_runner
     return llm
 

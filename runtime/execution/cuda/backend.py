@@ -38,7 +38,7 @@ class CudaModelRunner:
 
     def __init__(self, model, num_blocks: int, block_size: int, dtype: str, kv_dtype: str = "auto",
                  device: str | torch.device = "cuda", max_num_seqs: int = 64, num_spec_tokens: int = 0,
-                 max_model_len: Optional[int] = None, graphs: Optional[str] = None, host_logits: bool = False):
+                 max_model_len: Optional[int] = None, graphs: Optional[str] = None):
         if block_size != BLOCK_SIZE:
             raise ValueError(f"the CUDA backend's attention reads blocks of {BLOCK_SIZE} tokens, not {block_size}")
         if kv_dtype == "int8":
@@ -50,7 +50,6 @@ class CudaModelRunner:
             self.model.to(self.device)
         self.config = cfg
         self.block_size, self.num_blocks = block_size, num_blocks
-        self.host_logits = host_logits        # run() returns CPU logits (a proposer that samples on the host)
         shape = (cfg.num_layers, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
         element = pool_dtype(dtype, kv_dtype)
         self.k_pool = torch.zeros(shape, dtype=element, device=self.device)
@@ -75,11 +74,8 @@ class CudaModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: CudaBatch) -> torch.Tensor:
-        """Float32 logits of the sampled rows, on the device (on the host with ``host_logits``)."""
-        logits = self._run(batch.feeds)
-        return logits.cpu() if self.host_logits else logits
-
-    def _run(self, feeds: list[Feed]) -> torch.Tensor:
+        """Float32 logits of the sampled rows, on the device."""
+        feeds = batch.feeds
         bucket = self.graphs.bucket_for(feeds) if self.graphs is not None else None
         if bucket is not None:
             return self.graphs.run(build_metadata(feeds, self.block_size, pad_to=bucket))
