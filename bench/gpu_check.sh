@@ -43,13 +43,13 @@ test -x "$VENV/bin/python" || "$PY" -m venv --system-site-packages "$VENV"
 VPY="$VENV/bin/python"
 missing=()
 for pair in safetensors:safetensors tokenizers:tokenizers zmq:pyzmq msgpack:msgpack pydantic:pydantic \
-            jinja2:jinja2 tqdm:tqdm pytest:pytest pytest_timeout:pytest-timeout setuptools:setuptools; do
+            jinja2:jinja2 tqdm:tqdm pytest:pytest pytest_timeout:pytest-timeout; do
     "$VPY" -c "import ${pair%%:*}" 2>/dev/null || missing+=("${pair#*:}")
 done
-if [ ${#missing[@]} -gt 0 ]; then
-    say "installing from gpu-wheels/: ${missing[*]}"
-    "$VPY" -m pip install -q --no-index --find-links gpu-wheels "${missing[@]}" || { say "wheel install failed"; exit 2; }
-fi
+say "installing from gpu-wheels/: ${missing[*]} setuptools>=70.1"
+# (setuptools >= 70.1 builds the editable install without the wheel package; a venv starts with an older one)
+"$VPY" -m pip install -q --no-index --find-links gpu-wheels "${missing[@]}" "setuptools>=70.1" \
+    || { say "wheel install failed"; exit 2; }
 "$VPY" -m pip install -q --no-index --no-deps --no-build-isolation -e . || { say "llmd install failed"; exit 2; }
 git rev-parse HEAD > "$RESULTS/commit.txt" 2>/dev/null
 

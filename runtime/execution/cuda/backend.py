@@ -38,13 +38,14 @@ class CudaModelRunner:
 
     def __init__(self, model, num_blocks: int, block_size: int, dtype: str, kv_dtype: str = "auto",
                  device: str | torch.device = "cuda", max_num_seqs: int = 64, num_spec_tokens: int = 0,
-                 max_model_len: Optional[int] = None, graphs: Optional[str] = None):
+                 max_model_len: Optional[int] = None, graphs: Optional[str] = None, pin: Optional[bool] = None):
         if block_size != BLOCK_SIZE:
             raise ValueError(f"the CUDA backend's attention reads blocks of {BLOCK_SIZE} tokens, not {block_size}")
         if kv_dtype == "int8":
             raise ValueError("the CUDA backend keeps keys and values in bfloat16 or float32, not int8")
         cfg = model.config
         self.device = torch.device(device)
+        self.pin = self.device.type == "cuda" if pin is None else pin   # host buffers page-locked: asynchronous copies
         self.model = model.requires_grad_(False)
         if any(t.device.type != self.device.type for t in [*model.parameters(), *model.buffers()]):
             self.model.to(self.device)
@@ -64,7 +65,7 @@ class CudaModelRunner:
             shapes = bucket_shapes(max_num_seqs, self.width, num_spec_tokens)
             self.graphs = StepGraphs(self._forward_all, shapes, block_size, self.device,
                                      lambda s: decode_splits(s.num_seqs, cfg.num_kv_heads, s.width),
-                                     capture=mode == "capture")
+                                     capture=mode == "capture", pin=self.pin)
 
     def prepare(self, scheduled: list[ScheduledRequest]) -> CudaBatch:
         return self.prepare_feeds(feeds_for(scheduled))
@@ -79,7 +80,7 @@ class CudaModelRunner:
         bucket = self.graphs.bucket_for(feeds) if self.graphs is not None else None
         if bucket is not None:
             return self.graphs.run(build_metadata(feeds, self.block_size, pad_to=bucket))
-        meta = build_metadata(feeds, self.block_size).to(self.device)
+        meta = build_metadata(feeds, self.block_size).to(self.device, self.pin)
         splits = decode_splits(meta.shape.num_seqs, self.config.num_kv_heads, meta.shape.width) \
             if meta.shape.max_query_len == 1 else 1
         self.attn.prepare(meta, splits)

@@ -18,7 +18,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .metadata import StepMetadata, StepShape, build_metadata, fits, pinned
+from .metadata import StepMetadata, StepShape, build_metadata, fits
 
 Forward = Callable[[StepMetadata, int], torch.Tensor]       # (metadata, key splits) -> logits of every row
 
@@ -57,8 +57,8 @@ class Bucket:
 
 class StepGraphs:
     def __init__(self, forward: Forward, shapes: list[StepShape], block_size: int, device: torch.device,
-                 splits_for: Callable[[StepShape], int], capture: bool):
-        self.forward, self.block_size, self.device = forward, block_size, torch.device(device)
+                 splits_for: Callable[[StepShape], int], capture: bool, pin: bool = False):
+        self.forward, self.block_size, self.device, self.pin = forward, block_size, torch.device(device), pin
         self.shapes = shapes
         self.buckets = {s: Bucket(s, build_metadata([], block_size, pad_to=s).to(device), splits_for(s)) for s in shapes}
         self.capture = capture
@@ -79,7 +79,7 @@ class StepGraphs:
     def run(self, host: StepMetadata) -> torch.Tensor:
         """Logits of the step's real rows; ``host`` was built with ``pad_to`` a bucket's shape."""
         b = self.buckets[host.shape]
-        b.static.flat.copy_(pinned(host.flat), non_blocking=True)
+        b.static.flat.copy_(host.flat.pin_memory() if self.pin else host.flat, non_blocking=True)
         self.replays += 1
         if b.graph is not None:
             b.graph.replay()

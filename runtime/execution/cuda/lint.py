@@ -45,7 +45,7 @@ def lint_steps(cfg: ModelConfig, steps: list[tuple[list[Feed], list[SamplingRow]
         with mode:
             model = fake_cuda_model(cfg, getattr(torch, dtype), mode)
             runner = CudaModelRunner(model, num_blocks, 16, dtype, device=DEVICE, max_num_seqs=max_num_seqs,
-                                     num_spec_tokens=num_spec_tokens, graphs=graphs)
+                                     num_spec_tokens=num_spec_tokens, graphs=graphs, pin=False)
             if runner_hook is not None:
                 runner_hook(runner)
             for feeds, rows in steps:

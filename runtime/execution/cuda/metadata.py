@@ -55,12 +55,12 @@ class StepMetadata:
         self.input_ids, self.positions, self.slot_mapping, self.query_start, self.seq_lens, table = parts
         self.block_table = table.view(b, w)
 
-    def to(self, device: torch.device | str) -> "StepMetadata":
+    def to(self, device: torch.device | str, pin: bool = False) -> "StepMetadata":
         """The same metadata on ``device``: one copy for the flat buffer, one for the sample rows
-        (asynchronous from pinned host memory on a GPU)."""
-        return StepMetadata(self.shape, pinned(self.flat).to(device, non_blocking=True),
-                            pinned(self.sample_rows).to(device, non_blocking=True), self.sample_counts,
-                            self.real_rows, self.real_seqs)
+        (asynchronous with ``pin``: from page-locked host memory, on a GPU)."""
+        flat, rows = (self.flat.pin_memory(), self.sample_rows.pin_memory()) if pin else (self.flat, self.sample_rows)
+        return StepMetadata(self.shape, flat.to(device, non_blocking=True), rows.to(device, non_blocking=True),
+                            self.sample_counts, self.real_rows, self.real_seqs)
 
 
 def build_metadata(feeds: list[Feed], block_size: int, width: int | None = None,
@@ -103,11 +103,6 @@ def build_metadata(feeds: list[Feed], block_size: int, width: int | None = None,
     qstart[len(feeds) + 1:] = row          # padding requests: no rows
     return StepMetadata(shape, torch.from_numpy(flat), torch.tensor(sample_rows, dtype=torch.long), counts,
                         rows, len(feeds))
-
-
-def pinned(host: torch.Tensor) -> torch.Tensor:
-    """``host`` in page-locked memory where a GPU is present, so that a copy from it is asynchronous."""
-    return host.pin_memory() if torch.cuda.is_available() else host
 
 
 def fits(shape: StepShape, rows: int, seqs: int, max_query_len: int, blocks: int) -> bool:
