@@ -58,9 +58,10 @@ def paged_attention_kernel(
     split = tl.program_id(2) % NUM_SPLITS
     num_kv_heads = tl.num_programs(2) // NUM_SPLITS
 
-    q_begin = tl.load(query_start_ptr + b)
-    q_len = tl.load(query_start_ptr + b + 1) - q_begin
-    seq_len = tl.load(seq_lens_ptr + b)
+    # (int32 scalars: the loop bounds below must share one type whatever the metadata's integer type)
+    q_begin = tl.load(query_start_ptr + b).to(tl.int32)
+    q_len = tl.load(query_start_ptr + b + 1).to(tl.int32) - q_begin
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
 
     # rows of the tile: (query row i, head g of the group), flattened as i * GROUP_PAD + g
     M: tl.constexpr = BLOCK_Q * GROUP_PAD
@@ -85,12 +86,12 @@ def paged_attention_kernel(
     acc = tl.zeros([M, HEAD_PAD], tl.float32)
 
     # keys this tile can see: up to the last valid row's position
+    # (none for a tile past this request's rows)
     last = tl.minimum(seq_len, seq_len - q_len + (q_tile + 1) * BLOCK_Q)
+    last = tl.where(q_tile * BLOCK_Q < q_len, last, 0)
     n_blocks = tl.cdiv(tl.maximum(last, 0), BLOCK_SIZE)
     first_block = split * blocks_per_split
     end_block = tl.minimum(first_block + blocks_per_split, n_blocks)
-    if q_tile * BLOCK_Q >= q_len:
-        end_block = first_block                       # a tile past this request's rows: nothing to read
     offs = tl.arange(0, BLOCK_SIZE)
     for j in range(first_block, end_block):
         block_id = tl.load(block_table_ptr + b.to(tl.int64) * stride_bt + j).to(tl.int64)
