@@ -38,7 +38,7 @@ def with_cuda_runner(llm: LLM, k: int) -> LLM:
 
 
 @pytest.mark.timeout(3600)
-@pytest.mark.parametrize("draft", [None, "ngram", str(DRAFT)])
+@pytest.mark.parametrize("draft", [None, "ngram", str(DRAFT)], ids=["plain", "ngram", "draft"])
 def test_greedy_tokens_match_the_cpu_engine(draft):
     opts = dict(kv_memory="16MiB", max_num_seqs=4, draft=draft, num_speculative_tokens=3 if draft else None,
                 adaptive_speculation=False)
