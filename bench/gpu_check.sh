@@ -53,15 +53,15 @@ say "installing from gpu-wheels/: ${missing[*]} setuptools>=70.1"
 "$VPY" -m pip install -q --no-index --no-deps --no-build-isolation -e . || { say "llmd install failed"; exit 2; }
 git rev-parse HEAD > "$RESULTS/commit.txt" 2>/dev/null
 
-# -- 1. the gpu tests and the lint (at most 300 s) -----------------------------------------------------------
-LLMD_GPU_RESULTS="$RESULTS" timeout 300 "$VPY" -m pytest -q -m gpu -p no:cacheprovider --timeout 280 \
+# -- 1. the gpu tests and the lint (at most 240 + 40 s) -------------------------------------------------------
+LLMD_GPU_RESULTS="$RESULTS" timeout 240 "$VPY" -m pytest -q -m gpu -p no:cacheprovider --timeout 120 \
     --junitxml "$RESULTS/pytest.xml" tests/test_cuda_gpu.py > "$RESULTS/pytest.log" 2>&1
 rc=$?; say "pytest -m gpu: exit $rc ($(tail -1 "$RESULTS/pytest.log"))"; [ $rc -eq 0 ] || status=1
-timeout 60 "$VPY" -m pytest -q -p no:cacheprovider tests/test_cuda_lint.py >> "$RESULTS/pytest.log" 2>&1
+timeout 40 "$VPY" -m pytest -q -p no:cacheprovider tests/test_cuda_lint.py >> "$RESULTS/pytest.log" 2>&1
 rc=$?; say "step lint on fake cuda tensors: exit $rc"; [ $rc -eq 0 ] || status=1
 
-# -- 2. llmd bench --device cuda against transformers on the same GPU (at most 150 s) ---------------------
-timeout 150 "$VPY" -m llmd.cli bench --shape qwen2-0.5b --device cuda --dtype bfloat16 --against hf \
+# -- 2. llmd bench --device cuda against transformers on the same GPU (at most 140 s) ---------------------
+timeout 140 "$VPY" -m llmd.cli bench --shape qwen2-0.5b --device cuda --dtype bfloat16 --against hf \
     --prompt-len 1000 --gen 64 --concurrency 64 --repeat 2 --shared-prefix 0 --kv-memory 4GiB \
     --max-batch-tokens 2048 --json > "$RESULTS/bench_qwen2-0.5b.json" 2> "$RESULTS/bench.log"
 rc=$?; say "llmd bench --device cuda: exit $rc"; [ $rc -eq 0 ] || status=1
