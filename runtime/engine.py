@@ -106,8 +106,8 @@ class Engine:
     def _make_runner(self, loaded: LoadedModel, model, num_spec_tokens: int, draft: bool = False):
         c = self.config
         if loaded.device == "cuda":
-            from .execution.cuda.backend import CudaModelRunner     # needs triton: imported for the GPU only
-            return CudaModelRunner(model, loaded.num_blocks, c.block_size, c.dtype, loaded.kv_dtype, "cuda",
+            from .execution.cuda.backend import CudaBackend     # needs triton: imported for the GPU only
+            return CudaBackend(model, loaded.num_blocks, c.block_size, c.dtype, loaded.kv_dtype, "cuda",
                                    c.max_num_seqs, num_spec_tokens, self.max_model_len)
         if draft:
             return ModelRunner(model, loaded.num_blocks, c.block_size, c.dtype, kv_dtype=loaded.kv_dtype)

@@ -25,7 +25,7 @@ class LoadedModel:
     draft_config: Optional[ModelConfig] = None
     kv_dtype: str = "auto"
     backend: Optional[object] = None          # a StepBackend when the engine directory was compiled for one
-    device: str = "cpu"                       # where llmd's own model code runs: cpu, or cuda (CudaModelRunner)
+    device: str = "cpu"                       # where llmd's own model code runs: cpu, or cuda (CudaBackend)
 
 
 def load_for_engine(config: EngineConfig, progress=None) -> LoadedModel:

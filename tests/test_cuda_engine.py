@@ -1,7 +1,7 @@
 """The engine through the CUDA backend's step path against the CPU engine: greedy tokens identical.
 
 On the CPU (slow: every attention call runs on Triton's interpreter) the engine's runner is swapped
-for a CudaModelRunner over CPU tensors with the graph stand-in; with a GPU see test_cuda_gpu.py."""
+for a CudaBackend over CPU tensors with the graph stand-in; with a GPU see test_cuda_gpu.py."""
 import os
 from pathlib import Path
 
@@ -22,15 +22,15 @@ pytestmark = [pytest.mark.slow,
 
 
 def with_cuda_runner(llm: LLM, k: int) -> LLM:
-    """``llm`` with its runners replaced, before any step, by CudaModelRunners over CPU tensors."""
-    from llmd.runtime.execution.cuda.backend import CudaModelRunner
+    """``llm`` with its runners replaced, before any step, by CudaBackends over CPU tensors."""
+    from llmd.runtime.execution.cuda.backend import CudaBackend
     e = llm.engine
     c = e.config
-    e.runner = CudaModelRunner(load_model(TARGET, c.dtype), e.block_manager.num_blocks, c.block_size, c.dtype,
+    e.runner = CudaBackend(load_model(TARGET, c.dtype), e.block_manager.num_blocks, c.block_size, c.dtype,
                                device="cpu", max_num_seqs=c.max_num_seqs, num_spec_tokens=k,
                                max_model_len=e.max_model_len, graphs="standin")
     if getattr(e, "draft_runner", None) is not None:
-        e.draft_runner = CudaModelRunner(load_model(DRAFT, c.dtype), e.block_manager.num_blocks, c.block_size,
+        e.draft_runner = CudaBackend(load_model(DRAFT, c.dtype), e.block_manager.num_blocks, c.block_size,
                                          c.dtype, device="cpu", max_num_seqs=c.max_num_seqs,
                                          max_model_len=e.max_model_len, graphs="standin")
         e.proposer.runner = e.draft_runner

@@ -75,10 +75,10 @@ def test_store_kv_at_real_shapes():
 
 
 def test_graph_replay_matches_eager_after_metadata_changes():
-    from llmd.runtime.execution.cuda.backend import CudaModelRunner
+    from llmd.runtime.execution.cuda.backend import CudaBackend
     from llmd.runtime.model_runner import Feed
     from llmd.runtime.models.loader import load_model
-    runners = [CudaModelRunner(load_model(TARGET, "float32"), 256, 16, "float32", max_num_seqs=8, num_spec_tokens=3,
+    runners = [CudaBackend(load_model(TARGET, "float32"), 256, 16, "float32", max_num_seqs=8, num_spec_tokens=3,
                                max_model_len=512, graphs=g) for g in ("capture", "off")]
     tables = [[5, 9, 1, 30, 31], [0, 2, 32, 33, 34], [7, 3, 8, 35, 36], [4, 37, 38, 39, 40]]
     lens = [40, 20, 33, 9]

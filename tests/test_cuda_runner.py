@@ -10,7 +10,7 @@ from llmd.runtime.models.loader import load_model
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="interpreted kernels only")
 pytest.importorskip("triton")
-from llmd.runtime.execution.cuda.backend import CudaModelRunner  # noqa: E402
+from llmd.runtime.execution.cuda.backend import CudaBackend  # noqa: E402
 from llmd.runtime.execution.cuda.graphs import batch_sizes, bucket_shapes, choose_bucket  # noqa: E402
 from llmd.runtime.execution.cuda.metadata import StepShape  # noqa: E402
 
@@ -43,7 +43,7 @@ def runners(tmp_path_factory):
         m = load_model(path, "float32")
         m.requires_grad_(False)
         return m
-    standin = CudaModelRunner(model(), blocks, BS, "float32", device="cpu", max_num_seqs=6, num_spec_tokens=3,
+    standin = CudaBackend(model(), blocks, BS, "float32", device="cpu", max_num_seqs=6, num_spec_tokens=3,
                               graphs="standin")
     cpu = ModelRunner(model(), blocks, BS, "float32", reference_attention=True)
     return standin, cpu

@@ -1,4 +1,4 @@
-"""CudaModelRunner: the model runner for ``--device cuda``, with the interface the engine and the
+"""CudaBackend: the model runner for ``--device cuda``, with the interface the engine and the
 speculative proposers use (``prepare``, ``prepare_feeds``, ``run``, ``k_pool``, ``model``), plus
 ``sample`` for sampling on the device.
 
@@ -33,7 +33,7 @@ class CudaBatch:
     sample_counts: list[int]           # per request: its rows among the sampled ones (as StepBatch)
 
 
-class CudaModelRunner:
+class CudaBackend:
     samples_on_device = True
 
     def __init__(self, model, num_blocks: int, block_size: int, dtype: str, kv_dtype: str = "auto",

@@ -61,7 +61,6 @@ class StepGraphs:
         self.forward, self.block_size, self.device, self.pin = forward, block_size, torch.device(device), pin
         self.shapes = shapes
         self.buckets = {s: Bucket(s, build_metadata([], block_size, pad_to=s).to(device), splits_for(s)) for s in shapes}
-        self.capture = capture
         self.replays = 0
         if capture:
             self._capture_all()
