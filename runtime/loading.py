@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from typing import Optional
 from pathlib import Path
 
+import torch
+
 from .config import EngineConfig
 from .errors import EngineDirError, ModelLoadError
 from .model_runner import kv_bytes_per_block
@@ -86,7 +88,6 @@ def hf_device(config: EngineConfig) -> str:
 
 def cuda_missing() -> Optional[str]:
     """None when the CUDA backend can run here, else what is missing."""
-    import torch
     if not torch.cuda.is_available():
         if torch.version.cuda is None:
             return f"this torch ({torch.__version__}) is built without CUDA"
