@@ -18,6 +18,7 @@ import torch
 
 from llmd.options import add_flags, given
 from llmd.runtime.config import EngineConfig
+from llmd.runtime.errors import LLMDError
 from llmd.runtime.llm import LLM
 from llmd.runtime.models.random_model import write_random_model
 from llmd.runtime.request import SamplingParams
@@ -55,6 +56,14 @@ def add_bench_parser(sub) -> None:
 
 def run_bench(args) -> int:
     """With --shape, the random-weight model lives in a temporary folder removed at the end."""
+    try:
+        return _run_bench(args)
+    except LLMDError as e:
+        print(f"llmd bench: {e}", file=sys.stderr)
+        return 2
+
+
+def _run_bench(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.model is not None:
@@ -74,11 +83,13 @@ def bench_model(args, model: str) -> int:
     llm = LLM(model, draft="none", **opts)
     spec_llm = LLM(model, draft=draft, **opts) if (args.spec and draft) else None
     peers = [p for p in args.against.split(",") if p]
-    hf = load_hf(model) if "hf" in peers else None
+    device = getattr(llm.engine.runner, "device", torch.device("cpu"))
+    hf = load_hf(model, device, args.dtype) if "hf" in peers else None
     vocab = min(llm.engine.model_config.vocab_size, llm.tokenizer.vocab_size)
     rng = random.Random(0)
     prompt = [rng.randrange(vocab) for _ in range(args.prompt_len)]
-    res: dict = {"model": model, "threads": torch.get_num_threads(), "prompt_len": args.prompt_len, "gen": args.gen}
+    res: dict = {"model": model, "threads": torch.get_num_threads(), "prompt_len": args.prompt_len, "gen": args.gen,
+                 "device": str(device), "dtype": args.dtype}
     singles, hfs, specs, concurrents = [], [], [], []
     single_stream(llm, prompt[:8], 8)                       # warm-up
     streams = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(args.concurrency)]
@@ -185,25 +196,29 @@ def shared_prefix(llm, vocab, length, rng) -> dict:
             "second_cached_tokens": second.metrics["cached_tokens"], "ratio": second.metrics["ttft_s"] / first}
 
 
-def load_hf(model):
+def load_hf(model, device, dtype: str):
+    """transformers on the device and in the dtype llmd runs in (its eager attention: what ships)."""
     try:
         import transformers
     except ImportError:
         print("llmd bench: transformers is not installed (pip install 'llmd[bench]'); skipping the hf peer",
               file=sys.stderr)
         return None
-    return transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).to(device).eval()
 
 
 def hf_single(hf, prompt, gen) -> dict:
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=hf.device)
     kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+    done = torch.cuda.synchronize if hf.device.type == "cuda" else (lambda: None)
     with torch.inference_mode():
         t0 = time.perf_counter()
         hf.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+        done()
         ttft = time.perf_counter() - t0
         t0 = time.perf_counter()
         hf.generate(ids, max_new_tokens=gen, min_new_tokens=gen, **kw)
+        done()
         total = time.perf_counter() - t0
     return {"ttft_s": ttft, "decode_tok_s": (gen - 1) / max(total - ttft, 1e-9), "e2e_s": total, "tokens": gen}
 

@@ -76,25 +76,22 @@ class Engine:
         if loaded.backend is not None and loaded.kv_dtype != "auto":
             raise EngineDirError(f"the {loaded.backend.name} backend keeps keys and values in the model's dtype; "
                                  "use --kv-dtype auto")
-        self.runner = ModelRunner(loaded.model, loaded.num_blocks, config.block_size, config.dtype,
-                                  reference_attention=config.attention == "reference", kv_dtype=loaded.kv_dtype,
-                                  backend=loaded.backend, execution=loaded.execution)
-        self.eos_token_ids = tuple(sorted(set(self.tokenizer.eos_token_ids) | set(loaded.config.eos_token_ids)))
-        self.proposer: Optional[Proposer] = None
-        self.spec: Optional[SpecController] = None
-        if loaded.draft is not None:
-            self.draft_runner = ModelRunner(loaded.draft, loaded.num_blocks, config.block_size, config.dtype,
-                                            kv_dtype=loaded.kv_dtype, execution=choose(config.execution))
-            self.proposer = DraftProposer(self.draft_runner)
-        elif config.draft in ("ngram", "auto"):
-            self.proposer = NgramProposer(config.ngram_n)
-        lookup = isinstance(self.proposer, NgramProposer)
+        lookup = loaded.draft is None and config.draft in ("ngram", "auto")
         k = config.num_speculative_tokens
         if k is None:
             # n-gram proposals cost nothing to make, and verifying 9 rows costs about 1.3 decode
             # steps here, so lookups may run deeper than a draft model's (bench_spec measures both)
             k = NGRAM_K if lookup else DRAFT_K
         self.num_speculative_tokens = k         # the depth in force (the config's None resolved)
+        self.runner = self._make_runner(loaded, loaded.model, k if (lookup or loaded.draft is not None) else 0)
+        self.eos_token_ids = tuple(sorted(set(self.tokenizer.eos_token_ids) | set(loaded.config.eos_token_ids)))
+        self.proposer: Optional[Proposer] = None
+        self.spec: Optional[SpecController] = None
+        if loaded.draft is not None:
+            self.draft_runner = self._make_runner(loaded, loaded.draft, 0, draft=True)
+            self.proposer = DraftProposer(self.draft_runner)
+        elif lookup:
+            self.proposer = NgramProposer(config.ngram_n)
         if self.proposer is not None and k > 0:
             # a draft with a shorter context than the target's stops proposing where its context ends
             spec_len = self.max_model_len if loaded.draft is None else min(
@@ -105,6 +102,18 @@ class Engine:
         self._live: dict[str, _Live] = {}
         self._pending: list[StepOutput] = []     # aborts and failures reported at the next step
         self._seeds = itertools.count(config.seed * 1_000_003 + 1)
+
+    def _make_runner(self, loaded: LoadedModel, model, num_spec_tokens: int, draft: bool = False):
+        c = self.config
+        if loaded.device == "cuda":
+            from .execution.cuda.backend import CudaBackend     # needs triton: imported for the GPU only
+            return CudaBackend(model, loaded.num_blocks, c.block_size, c.dtype, loaded.kv_dtype, "cuda",
+                                   c.max_num_seqs, num_spec_tokens, self.max_model_len)
+        if draft:
+            return ModelRunner(model, loaded.num_blocks, c.block_size, c.dtype, kv_dtype=loaded.kv_dtype,
+                               execution=choose(c.execution))
+        return ModelRunner(model, loaded.num_blocks, c.block_size, c.dtype, reference_attention=c.attention == "reference",
+                           kv_dtype=loaded.kv_dtype, backend=loaded.backend, execution=loaded.execution)
 
     # ---- requests in -----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
@@ -259,6 +268,12 @@ class Engine:
                 proposals: dict[int, Proposal]) -> list[list]:
         """Per scheduled request, the (token, logprobs) pairs it gains this step."""
         out: list[list] = [[] for _ in scheduled]
+        on_device = getattr(self.runner, "samples_on_device", False)     # the CUDA runner's logits stay there
+        if on_device and any(s.request.params.logprobs is not None or s.num_spec_tokens for s in scheduled):
+            p = [s.request.params for s in scheduled]
+            if all(x.greedy and not x.needs_penalties and x.logprobs is None for x in p):
+                return self._greedy(scheduled, counts, logits.argmax(-1).tolist())   # one copy: the ids
+            logits, on_device = logits.cpu(), False    # sampled verification and logprobs read them on the host
         plain_rows, plain_idx, plain_at = [], [], []
         offset = 0
         for i, (s, k) in enumerate(zip(scheduled, counts)):
@@ -271,9 +286,23 @@ class Engine:
             offset += k
         if plain_rows:
             rows_logits = logits if len(plain_at) == logits.shape[0] else logits[torch.tensor(plain_at)]
+            if on_device:                  # drawn on the device, the ids back in one copy
+                for i, tok in zip(plain_idx, self.runner.sample(rows_logits, plain_rows)):
+                    out[i] = [(tok, None)]
+                return out
             result = sample(rows_logits, plain_rows)
             for j, (i, tok) in enumerate(zip(plain_idx, result.token_ids.tolist())):
                 out[i] = [(tok, result.logprobs[j] if result.logprobs else None)]
+        return out
+
+    def _greedy(self, scheduled: list[ScheduledRequest], counts: list[int], picks: list[int]) -> list[list]:
+        """Per scheduled request, its tokens from the argmax of each of its sampled rows."""
+        out, offset = [], 0
+        for s, k in zip(scheduled, counts):
+            row = picks[offset:offset + k]
+            tokens = verify_greedy(row, s.request.spec_token_ids) if s.num_spec_tokens else row
+            out.append([(t, None) for t in tokens])
+            offset += k
         return out
 
     def _verify(self, s: ScheduledRequest, logits: torch.Tensor, prop: Optional[Proposal]) -> list:

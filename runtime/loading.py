@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from typing import Optional
 from pathlib import Path
 
+import torch
+
 from .config import EngineConfig
 from .backends.base import create_backend
 from .errors import EngineDirError, ModelLoadError
@@ -30,6 +32,7 @@ class LoadedModel:
     kv_dtype: str = "auto"
     backend: Optional[object] = None          # a StepBackend when the engine directory was compiled for one
     execution: str = "cpu"                    # the execution backend the model was prepared for (llmd.runtime.execution)
+    device: str = "cpu"                       # where llmd's own model code runs: cpu, or cuda (CudaBackend)
 
 
 def load_for_engine(config: EngineConfig, progress=None) -> LoadedModel:
@@ -39,6 +42,7 @@ def load_for_engine(config: EngineConfig, progress=None) -> LoadedModel:
                              "(config.json, *.safetensors, tokenizer.json) or an llmd engine directory")
     kv_dtype = config.kv_dtype
     backend = None
+    device = "cpu"
     draft_path = Path(config.draft) if config.draft and config.draft not in ("ngram", "auto", "none") else None
     if (path / "manifest.json").is_file():
         manifest = read_manifest(path, verify_hashes=False)     # its values are used once load_engine_model verified it
@@ -53,24 +57,60 @@ def load_for_engine(config: EngineConfig, progress=None) -> LoadedModel:
         raise EngineDirError(f"{path}: an engine directory without manifest.json: the export did not finish; "
                              "run `llmd export` again")
     else:
-        check_device(path, "torch", config.device)
-        model, cfg, tokenizer = load_hf_model(path, config.dtype, progress, choose(config.execution))
-    execution = choose(config.execution, backend)
+        device = hf_device(config)
+        model, cfg, tokenizer = load_hf_model(path, config.dtype, progress, "cuda" if device == "cuda" else choose(config.execution))
+    if device == "cuda" and draft_path is not None and (draft_path / "manifest.json").is_file():
+        raise EngineDirError(f"{draft_path}: a draft from an engine directory runs on the CPU only; with "
+                             "--device cuda give a Hugging Face directory as --draft, or 'ngram'")
+    execution = "cuda" if device == "cuda" else choose(config.execution, backend)
     draft = draft_cfg = None
     if draft_path is not None:
-        draft, draft_cfg = load_draft(draft_path, config, tokenizer)
+        draft, draft_cfg = load_draft(draft_path, config, tokenizer, "cuda" if device == "cuda" else choose(config.execution))
     blocks = kv_blocks([cfg] + ([draft_cfg] if draft_cfg else []), config, kv_dtype)
-    return LoadedModel(model, cfg, tokenizer, blocks, draft, draft_cfg, kv_dtype, backend, execution)
+    return LoadedModel(model, cfg, tokenizer, blocks, draft, draft_cfg, kv_dtype, backend, execution, device)
 
 
-def load_draft(path: Path, config: EngineConfig, target_tokenizer: Tokenizer):
+def hf_device(config: EngineConfig) -> str:
+    """Where a Hugging Face directory runs: the GPU when asked (refused, before any weights load, where
+    it cannot run) or, with ``auto``, when torch sees one; else the CPU."""
+    if config.device == "cpu":
+        return "cpu"
+    why = cuda_missing()
+    if config.device == "cuda" and why:
+        raise ModelLoadError(f"--device cuda: {why}; install torch with CUDA and triton (pip install triton) on a "
+                             "machine with an NVIDIA GPU, or use --device cpu")
+    if why:
+        return "cpu"
+    for what, ok in (("--block-size 16", config.block_size == 16), ("--kv-dtype auto or bfloat16", config.kv_dtype != "int8"),
+                     ("--attention fast", config.attention == "fast")):
+        if not ok:
+            if config.device == "cuda":
+                raise ModelLoadError(f"--device cuda needs {what}")
+            return "cpu"
+    return "cuda"
+
+
+def cuda_missing() -> Optional[str]:
+    """None when the CUDA backend can run here, else what is missing."""
+    if not torch.cuda.is_available():
+        if torch.version.cuda is None:
+            return f"this torch ({torch.__version__}) is built without CUDA"
+        return f"torch (CUDA {torch.version.cuda}) sees no GPU"
+    try:
+        import triton  # noqa: F401  (the CUDA backend's kernels)
+    except ImportError:
+        return "triton is not installed"
+    return None
+
+
+def load_draft(path: Path, config: EngineConfig, target_tokenizer: Tokenizer, execution: str = "cpu"):
     """A draft from a model directory, an engine directory's own draft, or an engine directory."""
     if not path.exists():
         raise ModelLoadError(f"{path}: no such draft model directory; pass a directory, 'ngram', or no draft")
     if (path / "manifest.json").is_file():
         model, cfg, tok = load_engine_draft(path, config) if engine_draft_dir(path) else load_engine_model(path, config)
     else:
-        model, cfg, tok = load_hf_model(path, config.dtype, execution=choose(config.execution))
+        model, cfg, tok = load_hf_model(path, config.dtype, execution=execution)
     if tok.vocab_size != target_tokenizer.vocab_size or tok.encode(PROBE) != target_tokenizer.encode(PROBE):
         raise ModelLoadError(f"{path / 'tokenizer.json'}: the draft's tokenizer differs from the target's; "
                              "speculative decoding needs the same tokenizer")
@@ -86,13 +126,14 @@ def backend_name(manifest: dict) -> str:
 
 
 def check_device(path: Path, backend: str, device: str) -> None:
-    """Refuse, before any weights load, a device the model cannot run on. llmd's own model code and
-    kernels (Hugging Face directories, torch and AOT engines) run on the CPU; a GPU is reached through
-    an engine directory compiled for ONNX Runtime or TensorRT (the backend checks its provider)."""
+    """Refuse, before any weights load, a device an engine directory cannot run on. Torch and AOT engines
+    hold layouts for llmd's CPU kernels; a GPU is reached through a Hugging Face directory (the CUDA
+    backend) or an engine directory compiled for ONNX Runtime or TensorRT (the backend checks its provider)."""
     if device == "cuda" and backend in ("torch", "aot"):
-        raise EngineDirError(f"{path}: llmd runs {'this AOT engine' if backend == 'aot' else 'this model'} on the CPU "
-                             "only; for a GPU, export an engine with `llmd export --backend onnxruntime` (needs "
-                             "llmd[gpu], onnxruntime-gpu) or `--backend tensorrt`, or serve with --device cpu")
+        raise EngineDirError(f"{path}: llmd runs {'this AOT engine' if backend == 'aot' else 'this engine'} on the CPU "
+                             "only; for a GPU, serve the Hugging Face model directory with --device cuda, export an "
+                             "engine with `llmd export --backend onnxruntime` (needs llmd[gpu], onnxruntime-gpu) or "
+                             "`--backend tensorrt`, or use --device cpu")
     if device == "cpu" and backend == "tensorrt":
         raise EngineDirError(f"{path}: a TensorRT engine runs only on a CUDA GPU; export for the CPU with "
                              "`llmd export --backend torch` or `--backend onnxruntime`")
@@ -108,12 +149,14 @@ def engine_backend(path: Path, manifest: dict, device: str = "auto"):
 
 def load_hf_model(path: Path, dtype: str, progress=None,
                   execution: str = "cpu") -> tuple[LlamaForCausalLM, ModelConfig, Tokenizer]:
-    """The model prepared for the ``execution`` backend, its config and tokenizer."""
+    """The model prepared for the ``execution`` backend, its config and tokenizer. The CUDA runner
+    (``cuda``) takes the weights as loaded and moves them itself."""
     cfg = ModelConfig.from_dir(path)
     tokenizer = Tokenizer.from_dir(path)
     check_vocab(path, tokenizer, cfg)
     model = load_model(path, dtype, cfg, progress=progress)
-    backend_class(execution).prepare(model)
+    if execution != "cuda":
+        backend_class(execution).prepare(model)
     return model, cfg, tokenizer
 
 

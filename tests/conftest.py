@@ -6,6 +6,10 @@ import torch
 from modelfactory import make_model_dir
 
 torch.set_num_threads(int(os.environ.get("LLMD_TEST_THREADS", "2")))
+# Without a GPU the CUDA backend's Triton kernels run on Triton's interpreter, over CPU tensors. The
+# variable is read when a kernel is defined, so it is set before any test module imports them.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

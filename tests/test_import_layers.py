@@ -33,6 +33,8 @@ ALLOWED_LOCAL = {
     ("llmd", "llmd.runtime"): "the same, for SamplingParams and Priority",
     ("llmd", "llmd.runtime.request"): "the same",
     ("llmd.daemon.serve", "llmd.runtime.engine"): "torch loads on the engine thread, after the socket is bound",
+    ("llmd.runtime.engine", "llmd.runtime.execution.cuda.backend"): "the CUDA runner needs triton: imported "
+        "only where a model runs on the GPU",
     **{("llmd.bench.bench_revisions", m): "it measures whichever revision of llmd the interpreter it is run "
        "with has installed; the process that drives the revisions imports none"
        for m in ("llmd", "llmd.runtime.models.random_model", "llmd.runtime.config")},

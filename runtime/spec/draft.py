@@ -59,6 +59,7 @@ class DraftProposer(Proposer):
             if greedy:
                 picks = self.runner.execution.greedy(logits).tolist()
             else:
+                logits = logits.cpu()          # a GPU runner's logits: the distribution is computed on the host
                 q = processed_probs(logits, rows)
                 picks = sample_from_probs(q, rows).tolist()
             for j, i in enumerate(active):
