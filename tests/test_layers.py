@@ -66,12 +66,13 @@ def test_plans_follow_the_rule_without_timing_anything(monkeypatch):
     matvec_plan.cache_clear()
     small = matvec_plan(63, 96, torch.float32, 2)          # outputs not in blocks of 64: torch's product
     assert small.layout == "out_in" and small.splits == 1 and small.split_max_rows == 0
-    big = matvec_plan(1024, 1000, torch.bfloat16, 2)       # large enough to split a single row over threads
-    assert big == MatvecPlan("out_in", 2, 1, packed=False)
-    assert matvec_plan(1024, 1001, torch.bfloat16, 2).splits == 1     # 1001 outputs do not split in two
-    assert matvec_plan(1024, 1000, torch.bfloat16, 1).splits == 1
+    big = matvec_plan(1024, 1000, torch.float32, 2)        # large enough to split a single row over threads
+    assert big == MatvecPlan("out_in", 2, 1, packed=can_pack(torch.float32))
+    assert matvec_plan(1024, 1001, torch.float32, 2).splits == 1      # 1001 outputs do not split in two
+    assert matvec_plan(1024, 1000, torch.float32, 1).splits == 1
+    assert matvec_plan(1024, 1000, torch.bfloat16, 2) == MatvecPlan("out_in", 1, 0, packed=False)
     matvec_plan.cache_clear()
-    assert matvec_plan(1024, 1000, torch.bfloat16, 2) == big
+    assert matvec_plan(1024, 1000, torch.float32, 2) == big
 
 
 @needs_kernels

@@ -181,12 +181,14 @@ def matvec_plan(in_features: int, out_features: int, dtype: torch.dtype, threads
     - llmd's float32 kernel where it serves the shape (``can_block``): every product of up to
       ``ops.F32_MAX_ROWS`` rows on the kernel (each row's sums in one order, whatever the row count),
       more rows on oneDNN's packed copy;
-    - else torch's product over the checkpoint layout: a single row split over the threads by output
-      columns (torch's own kernel streams the weight from one core) once the weight is large enough
-      to pay for waking them, more rows one matmul, over oneDNN's packed copy for float32."""
+    - else torch's product over the checkpoint layout. In float32 a single row is split over the
+      threads by output columns (torch's own kernel streams the weight from one core) once the weight
+      is large enough to pay for waking them, and more rows go to one matmul over oneDNN's packed
+      copy; bfloat16 products stay whole (torch already spreads them, and a split only added time)."""
     if can_block(in_features, out_features, dtype):
         return MatvecPlan("blocked", 1, ops.F32_MAX_ROWS, packed=True)
-    split = threads > 1 and out_features % threads == 0 and in_features * out_features >= SPLIT_MIN_WEIGHT
+    split = (dtype == torch.float32 and threads > 1 and out_features % threads == 0
+             and in_features * out_features >= SPLIT_MIN_WEIGHT)
     return MatvecPlan("out_in", threads if split else 1, 1 if split else 0, packed=can_pack(dtype))
 
 
