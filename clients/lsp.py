@@ -66,7 +66,7 @@ def build_server(config: LspConfig, service: Optional[CompletionService] = None)
 
     @server.command(STATS_COMMAND)
     def stats(ls: LanguageServer, *args):
-        return service.stats.snapshot()
+        return {**service.stats.snapshot(), "backend": service.backend_status()}
 
     @server.feature(types.SHUTDOWN)
     async def shutdown(ls: LanguageServer, *args):
@@ -79,7 +79,8 @@ def config_from_args(args) -> LspConfig:
     from .lsp_prompt import FimBudget
     budget = FimBudget(prefix_tokens=args.prefix_tokens, suffix_tokens=args.suffix_tokens,
                        context_tokens=args.context_tokens, chars_per_token=args.chars_per_token)
-    return LspConfig(socket=args.socket, budget=budget, max_tokens=args.max_tokens, max_lines=args.max_lines,
+    from .cli import backend_of
+    return LspConfig(socket=backend_of(args), budget=budget, max_tokens=args.max_tokens, max_lines=args.max_lines,
                      debounce_ms=args.debounce_ms, cache_size=args.cache_size)
 
 

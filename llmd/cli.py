@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-CLIENT_COMMANDS = ("run", "complete", "lsp", "voice", "batch")
+CLIENT_COMMANDS = ("run", "complete", "lsp", "voice", "batch", "http")
 
 
 def build_client_parser() -> argparse.ArgumentParser:
