@@ -150,7 +150,6 @@ class Work:
     stream: bool
     include_usage: bool = False
     logprobs: Optional[int] = None
-    deadline_s: Optional[float] = None
     extra: dict = field(default_factory=dict)
 
 
@@ -195,7 +194,8 @@ def chat_work(body: ChatBody) -> Work:
 
 def infill_work(body: InfillBody) -> Work:
     """llama.cpp's FIM request as an llmd infill. ``prompt`` (the start of the middle already typed)
-    joins the prefix; ``n_predict`` -1 takes the default; ``t_max_predict_ms`` becomes the deadline;
+    joins the prefix; ``n_predict`` -1 takes the default; ``t_max_predict_ms`` is kept by the server
+    (``predict_limited``);
     a sampler chain without ``temperature`` samples greedily unless ``temperature`` is given."""
     n = body.n_predict if body.n_predict > 0 else INFILL_DEFAULT_TOKENS
     chain = set(body.samplers)
@@ -212,10 +212,9 @@ def infill_work(body: InfillBody) -> Work:
         for k in ("top_k", "top_p", "min_p"):
             sampling.pop(k, None)
     files = [{"path": c.filename or f"chunk-{i}", "text": c.text} for i, c in enumerate(body.input_extra)]
-    deadline = body.t_max_predict_ms / 1000 if body.t_max_predict_ms else None
     return Work("infill", {"prefix": body.input_prefix + body.prompt, "suffix": body.input_suffix,
-                           "files": files or None}, sampling, body.stream, deadline_s=deadline,
-                extra={"n_predict": body.n_predict})
+                           "files": files or None}, sampling, body.stream,
+                extra={"n_predict": body.n_predict, "t_max_predict_ms": body.t_max_predict_ms})
 
 
 # -- replies ---------------------------------------------------------------------------------------

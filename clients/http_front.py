@@ -22,6 +22,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -87,7 +88,7 @@ class Front:
     def __init__(self, config: FrontConfig, client: Optional[AsyncClient] = None):
         self.config = config
         self.client = client or AsyncClient(config.socket, timeout=600.0)
-        self.model = "llmd"
+        self.model: Optional[str] = None          # the daemon's, asked once
         self.app = web.Application(client_max_size=config.max_body_bytes, middlewares=[self._edge])
         r = self.app.router
         r.add_get("/health", self.health)
@@ -194,14 +195,16 @@ class Front:
         replace = "http:" + hashlib.sha256(_client_key(request).encode()).hexdigest()[:32]
         stream = await self._start(dataclasses.replace(work, fields={**work.fields, "replace": replace}),
                                    priority="interactive")
+        limit_ms = work.extra["t_max_predict_ms"]
         async with stream:
             first = await _first(stream)
+            events = predict_limited(_events(first, stream), limit_ms)
             if not work.stream:
-                text, final = await _collect(stream, first)
+                text, final = await _collect(events)
                 return _finished(web.json_response(infill_reply(text, final)), final)
             response = await self._sse(request)
             final = None
-            async for event in _events(first, stream):
+            async for event in events:
                 if isinstance(event, Token):
                     await _send(response, {"content": event.text, "stop": False})
                 else:
@@ -211,10 +214,10 @@ class Front:
             return response
 
     async def _openai(self, request: web.Request, work: Work, kind: str, prefix: str) -> web.StreamResponse:
-        if self.model == "llmd":
+        if self.model is None:
             await self._models()
         stream = await self._start(work)
-        shaper = Shaper(kind, self.model, f"{prefix}-{stream.id}")
+        shaper = Shaper(kind, self.model or "llmd", f"{prefix}-{stream.id}")
         lp = chat_logprobs if shaper.chat else completion_logprobs
         async with stream:
             first = await _first(stream)
@@ -263,7 +266,7 @@ class Front:
         else:
             args = (fields.pop("prompt", None),)
         try:
-            return await start(*args, priority=priority, deadline=work.deadline_s, **fields, **work.sampling)
+            return await start(*args, priority=priority, **fields, **work.sampling)
         except RequestTooLarge as e:
             raise HttpError(413, str(e), code="too_large") from None
         except ClientError as e:
@@ -309,9 +312,26 @@ async def _events(first, stream):
             yield event
 
 
-async def _collect(stream, first) -> tuple[str, object]:
+async def predict_limited(events, limit_ms: Optional[int]):
+    """llama.cpp's ``t_max_predict_ms``: once a newline has been generated, the answer ends when the
+    time since its first token passes ``limit_ms`` (finish reason ``deadline``; the caller leaving
+    the stream cancels the rest)."""
+    first, newline, count = None, False, 0
+    async for event in events:
+        yield event
+        if not limit_ms or not isinstance(event, Token):
+            continue
+        now = time.monotonic()
+        first, count = first or now, count + len(event.token_ids)
+        newline = newline or "\n" in event.text
+        if newline and (now - first) * 1000 > limit_ms:
+            yield Done(event.id, "deadline", {"completion_tokens": count}, {"decode_ms": (now - first) * 1000})
+            return
+
+
+async def _collect(events) -> tuple[str, object]:
     parts, final = [], None
-    async for event in _events(first, stream):
+    async for event in events:
         if isinstance(event, Token):
             parts.append(event.text)
         else:

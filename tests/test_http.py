@@ -335,3 +335,22 @@ def test_http_unit_files_verify_and_are_hardened(tmp_path):
     for setting in ("PrivateNetwork=yes", "RestrictAddressFamilies=AF_UNIX", "Requires=llmd-http.socket",
                     "NoNewPrivileges=yes", "MemoryMax=", "DynamicUser=yes"):
         assert setting in service
+
+
+def test_t_max_predict_ms_ends_an_infill_after_a_newline_once_the_time_is_up():
+    from llmd.clients.events import Token
+    from llmd.clients.http_front import predict_limited
+
+    async def tokens(texts):
+        for i, t in enumerate(texts):
+            await asyncio.sleep(0.02)
+            yield Token("r", i, t, [i])
+
+    async def run(texts, limit):
+        return [e async for e in predict_limited(tokens(texts), limit)]
+
+    out = asyncio.run(run(["a", "b", "c", "d", "\n", "e", "f"], 30))
+    assert [e.text for e in out[:-1]] == ["a", "b", "c", "d", "\n"]
+    assert isinstance(out[-1], Done) and out[-1].finish_reason == "deadline" and out[-1].usage["completion_tokens"] == 5
+    assert len(asyncio.run(run(["a", "b", "c", "d", "e"], 30))) == 5          # no newline yet: no cut
+    assert len(asyncio.run(run(["a", "\n", "c"], None))) == 3
