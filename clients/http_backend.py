@@ -60,7 +60,7 @@ class HttpStream:
         self.id = rid
         self.final: Optional[Any] = None
         self._backend, self._response, self._dialect = backend, response, dialect
-        self._seq = itertools.count()
+        self._seq, self._sentence_seq = itertools.count(), itertools.count()
         self._splitter = SentenceSplitter() if sentences else None
         self._pending: list = []
         self._usage: dict = {}
@@ -140,14 +140,15 @@ class HttpStream:
         if text:
             self._pending.append(Token(self.id, next(self._seq), text, []))
             if self._splitter is not None:
-                self._pending += [Sentence(self.id, 0, s) for s in self._splitter.feed(text)]
+                self._pending += [Sentence(self.id, next(self._sentence_seq), s) for s in self._splitter.feed(text)]
         if finish:
             self._finish = "length" if finish == "length" else "stop"
 
     def _end(self) -> None:
         if self._splitter is not None:
             rest = self._splitter.flush()
-            self._pending += [Sentence(self.id, 0, s) for s in rest]
+            if rest:
+                self._pending.append(Sentence(self.id, next(self._sentence_seq), rest))
         self._pending.append(Done(self.id, self._finish, self._usage, {}))
 
     def _release(self) -> None:

@@ -354,3 +354,40 @@ def test_t_max_predict_ms_ends_an_infill_after_a_newline_once_the_time_is_up():
     assert isinstance(out[-1], Done) and out[-1].finish_reason == "deadline" and out[-1].usage["completion_tokens"] == 5
     assert len(asyncio.run(run(["a", "b", "c", "d", "e"], 30))) == 5          # no newline yet: no cut
     assert len(asyncio.run(run(["a", "\n", "c"], None))) == 3
+
+
+def test_voice_sentences_over_http_match_the_daemon(front, daemon):
+    from llmd.clients.backend import async_client
+    from llmd.clients.events import Sentence
+    from llmd.clients.voice import sentences
+    messages = [{"role": "user", "content": "Tell me about the sea."}]
+
+    async def spoken(backend):
+        client = async_client(backend, timeout=30)
+        try:
+            said = [s async for s in sentences(await client.chat(messages, max_tokens=40, priority="interactive"))]
+            stream = await client.chat(messages, max_tokens=40, sentences=True)
+            events = [e.text async for e in stream if isinstance(e, Sentence)]
+            return said, events
+        finally:
+            await client.aclose()
+
+    over_http, over_ipc = asyncio.run(spoken(front)), asyncio.run(spoken(daemon.settings.socket))
+    assert over_http == over_ipc and over_http[0]
+
+
+def test_unix_socket_listener_is_owner_only(daemon, tmp_path):
+    import os
+    import stat
+
+    import aiohttp
+    path = str(tmp_path / "http.sock")
+
+    async def ask() -> dict:
+        async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=path)) as s:
+            async with s.post("http://llmd/v1/completions", json={"prompt": PROMPT, "max_tokens": 4}) as r:
+                return await r.json()
+
+    with running_front(FrontConfig(socket=daemon.settings.socket, unix=path)) as where:
+        assert where == path and stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        assert asyncio.run(ask())["choices"][0]["text"] == zmq_text(daemon, "generate", PROMPT, max_tokens=4)[0]
