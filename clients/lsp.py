@@ -4,7 +4,8 @@ Serves ``textDocument/inlineCompletion`` (LSP 3.18: ghost text) and ``textDocume
 (one item holding the same suggestion) for clients without inline completion. Documents are
 tracked by pygls from didOpen/didChange; the completion logic is in ``lsp_service``. The
 command ``llmd.stats`` (workspace/executeCommand) answers outcome counts and latency
-percentiles. Speaks LSP over stdio; logs go to stderr or ``--log-file``.
+percentiles; ``llmd.status`` the backend and which of its features are off. Speaks LSP over
+stdio; logs go to stderr or ``--log-file``.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from .lsp_prompt import display_path
 from .lsp_service import CompletionService, LspConfig
 
 STATS_COMMAND = "llmd.stats"
+STATUS_COMMAND = "llmd.status"          # the backend, and which protocol features it serves
 
 
 def other_documents(server: LanguageServer, uri: str) -> list[tuple[str, str]]:
@@ -66,7 +68,11 @@ def build_server(config: LspConfig, service: Optional[CompletionService] = None)
 
     @server.command(STATS_COMMAND)
     def stats(ls: LanguageServer, *args):
-        return {**service.stats.snapshot(), "backend": service.backend_status()}
+        return service.stats.snapshot()
+
+    @server.command(STATUS_COMMAND)
+    def status(ls: LanguageServer, *args):
+        return service.backend_status()
 
     @server.feature(types.SHUTDOWN)
     async def shutdown(ls: LanguageServer, *args):

@@ -391,3 +391,15 @@ def test_unix_socket_listener_is_owner_only(daemon, tmp_path):
     with running_front(FrontConfig(socket=daemon.settings.socket, unix=path)) as where:
         assert where == path and stat.S_IMODE(os.stat(path).st_mode) == 0o600
         assert asyncio.run(ask())["choices"][0]["text"] == zmq_text(daemon, "generate", PROMPT, max_tokens=4)[0]
+
+
+def test_a_client_that_disconnects_before_a_whole_answer_cancels_it(front, daemon):
+    import socket
+    before = daemon_stats(daemon)["finished"].get("cancelled", 0)
+    host, port = front.removeprefix("http://").split(":")
+    s = socket.create_connection((host, int(port)))
+    s.sendall(request_bytes(json.dumps({"prompt": PROMPT, "max_tokens": 3000, "ignore_eos": True}).encode()))
+    assert wait_until(lambda: daemon_stats(daemon)["in_flight"] >= 1, 10)
+    s.close()
+    assert wait_until(lambda: daemon_stats(daemon)["finished"].get("cancelled", 0) > before, 10)
+    assert wait_until(lambda: daemon_stats(daemon)["in_flight"] == 0, 10)

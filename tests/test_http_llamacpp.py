@@ -100,7 +100,7 @@ def test_language_server_over_llama_cpp_suggests_what_the_daemon_does(llama_serv
         async with LspProbe(["--debounce-ms", "0", "--max-tokens", "12", *args], cwd=str(REPO)) as lsp:
             lsp.open("file:///area.py", FILE)
             text = await lsp.inline("file:///area.py", *CURSOR)
-            return text, await lsp.stats()
+            return text, {**await lsp.stats(), "backend": await lsp.status()}
 
     over_llama, stats = asyncio.run(suggest(["--backend", llama_server]))
     over_llmd, native = asyncio.run(suggest(["--socket", daemon.settings.socket]))
