@@ -251,7 +251,8 @@ class HttpBackend:
 
     @staticmethod
     def _sampling(max_tokens: int, sampling: dict) -> dict:
-        body = {"max_tokens": max_tokens}
+        """The request's sampling keys, with llmd's defaults where the servers' differ (greedy)."""
+        body = {"max_tokens": max_tokens, "temperature": 0.0}
         for k, v in sampling.items():
             if v is None or (k == "stop" and not v) or (k == "ignore_eos" and not v):
                 continue

@@ -107,3 +107,19 @@ def test_language_server_over_llama_cpp_suggests_what_the_daemon_does(llama_serv
     assert over_llama and over_llama == over_llmd
     assert stats["completed"] == 1 and stats["backend"]["off"] == ["replace", "sentences", "priority"]
     assert native["backend"]["off"] == []
+
+
+def test_fill_in_the_middle_by_infill_and_by_fim_tokens_over_completions(llama_server, daemon):
+    from llmd.clients.client import AsyncClient
+    from llmd.clients.http_backend import HttpBackend
+
+    async def fill(client) -> str:
+        try:
+            return await (await client.infill("def add(a, b):\n    return ", "\n", max_tokens=8)).text()
+        finally:
+            await client.aclose()
+
+    expected = asyncio.run(fill(AsyncClient(daemon.settings.socket)))
+    by_infill = HttpBackend(llama_server, fim="auto")
+    assert asyncio.run(fill(by_infill)) == expected and by_infill.fim == "infill"
+    assert asyncio.run(fill(HttpBackend(llama_server, fim="completions"))) == expected
