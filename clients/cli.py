@@ -142,7 +142,7 @@ def add_http_parser(subparsers) -> None:
     a("--body-timeout", type=float, default=30.0, help="seconds a request's body may take (default 30)")
     a("--keepalive", type=float, default=15.0, help="seconds an idle connection stays open (default 15)")
     a("--log-level", default="info", choices=("debug", "info", "warning", "error"), help="log level (default info)")
-    p.set_defaults(func=_lazy("llmd.clients.http_front", "run_http"))
+    p.set_defaults(func=_lazy("llmd.clients.http_serve", "run_http"))
 
 
 def _lazy(module: str, name: str):

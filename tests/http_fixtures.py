@@ -8,7 +8,8 @@ import socket
 import threading
 import time
 
-from llmd.clients.http_front import FrontConfig, serve
+from llmd.clients.http_front import FrontConfig
+from llmd.clients.http_serve import serve
 
 
 @contextlib.contextmanager
