@@ -29,6 +29,7 @@ from .http_api import (ChatBody, CompletionBody, HttpError, InfillBody, Shaper, 
                        completion_logprobs, completion_work, daemon_error, infill_reply, infill_work, merge_logprobs,
                        parse)
 
+
 @dataclass(frozen=True)
 class FrontConfig:
     socket: Optional[str] = None               # the daemon's ZeroMQ address

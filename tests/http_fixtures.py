@@ -13,15 +13,17 @@ from llmd.clients.http_serve import serve
 
 
 @contextlib.contextmanager
-def running_front(config: FrontConfig):
-    """Serve ``config`` (port 0: a free one) until the block ends; yields the base URL."""
+def running_front(config: FrontConfig, listen_fd=None):
+    """Serve ``config`` (port 0: a free one) until the block ends; yields the base URL (the unix
+    socket's path for one). ``listen_fd`` stands for a socket systemd passed."""
     loop = asyncio.new_event_loop()
     started = threading.Event()
     box: dict = {}
 
     async def main():
         box["stop"] = asyncio.Event()
-        await serve(config, lambda address: (box.__setitem__("address", address), started.set()), box["stop"])
+        await serve(config, lambda address: (box.__setitem__("address", address), started.set()), box["stop"],
+                    listen_fd=listen_fd)
 
     def body():
         try:

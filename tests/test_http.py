@@ -403,3 +403,14 @@ def test_a_client_that_disconnects_before_a_whole_answer_cancels_it(front, daemo
     s.close()
     assert wait_until(lambda: daemon_stats(daemon)["finished"].get("cancelled", 0) > before, 10)
     assert wait_until(lambda: daemon_stats(daemon)["in_flight"] == 0, 10)
+
+
+def test_a_socket_passed_by_systemd_is_served(daemon):
+    import socket
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    with running_front(FrontConfig(socket=daemon.settings.socket), listen_fd=listener.detach()) as url:
+        assert url == f"http://127.0.0.1:{port}"
+        assert post(url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 3})[0] == 200
