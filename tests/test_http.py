@@ -414,3 +414,24 @@ def test_a_socket_passed_by_systemd_is_served(daemon):
     with running_front(FrontConfig(socket=daemon.settings.socket), listen_fd=listener.detach()) as url:
         assert url == f"http://127.0.0.1:{port}"
         assert post(url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 3})[0] == 200
+
+
+def test_http_backend_emulates_replace_by_closing_the_previous_connection(front, daemon):
+    from llmd.clients.http_backend import HttpBackend
+    before = daemon_stats(daemon)["finished"].get("cancelled", 0)
+
+    async def two_quick_calls():
+        client = HttpBackend(front, timeout=30)
+        try:
+            first = await client.infill("x = [", "]\n", replace="doc", max_tokens=3000, ignore_eos=True)
+            await first.__anext__()                      # it is running
+            second = await client.infill("def f(", ")\n", replace="doc", max_tokens=4)
+            return first.final, await second.text()
+        finally:
+            await client.aclose()
+
+    first_final, second_text = asyncio.run(two_quick_calls())
+    assert first_final.finish_reason == "cancelled"
+    assert second_text == zmq_text(daemon, "infill", "def f(", ")\n", max_tokens=4)[0]
+    assert wait_until(lambda: daemon_stats(daemon)["finished"].get("cancelled", 0) > before, 10)
+    assert wait_until(lambda: daemon_stats(daemon)["in_flight"] == 0, 10)
