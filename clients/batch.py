@@ -32,6 +32,7 @@ from typing import Iterator, Optional
 
 from llmd.protocol import Done, Error, Token
 
+from .backend import async_client, backend_of
 from .client import SAMPLING_KEYS, AsyncClient, ClientError, DaemonUnavailable, RequestError
 
 STOP_CODES = {"draining"}           # the daemon is going away: stop, write nothing, resume later
@@ -168,7 +169,7 @@ class BatchRunner:
         self._bar = tqdm(total=count_lines(self.in_path), initial=len(skip), unit="req", file=sys.stderr,
                          disable=not self.config.progress, mininterval=0.25)
         queue: asyncio.Queue = asyncio.Queue(maxsize=self.config.concurrency * 2)
-        client = AsyncClient(self.config.socket, timeout=600.0)
+        client = async_client(self.config.socket, timeout=600.0)
         try:
             with open(self.out_path, "a", encoding="utf-8") as self._out:
                 tasks = [asyncio.create_task(self._feed(queue, skip))]
@@ -246,7 +247,7 @@ def run_batch(args) -> int:
     if args.concurrency < 1:
         print(f"llmd batch: --concurrency must be at least 1, got {args.concurrency}", file=sys.stderr)
         return 2
-    config = BatchConfig(socket=args.socket, concurrency=args.concurrency,
+    config = BatchConfig(socket=backend_of(args), concurrency=args.concurrency,
                          progress=not args.no_progress and sys.stderr.isatty() or args.progress)
     try:
         written = asyncio.run(BatchRunner(config, in_path, out_path).run())

@@ -11,20 +11,25 @@ import sys
 
 from llmd.protocol import Done, Error, Token
 
+from .backend import backend_of, blocking_client
 from .client import Client, ClientError, RequestError
 
 _SOCKET_HELP = "daemon socket (default: $LLMD_SOCKET or the usual location)"
+_BACKEND_HELP = ("where to send requests: ipc://PATH (the llmd daemon, the default) or http(s)://HOST[:PORT] (any "
+                 "OpenAI-compatible server: llmd http, vLLM, SGLang, llama.cpp, Ollama; key from $LLMD_API_KEY or "
+                 "$OPENAI_API_KEY). Replace keys and sentence events are emulated there, priorities are off")
 
 
 def add_client_parsers(subparsers) -> None:
     for add in (add_run_parser, add_complete_parser, add_lsp_parser, add_voice_parser, add_batch_parser,
-                add_status_parser):
+                add_status_parser, add_http_parser):
         add(subparsers)
 
 
 def _sampling_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
     a = p.add_argument
     a("--socket", help=_SOCKET_HELP)
+    a("--backend", metavar="URL", help=_BACKEND_HELP)
     a("--max-tokens", type=int, default=max_tokens, help=f"most tokens per answer (default {max_tokens})")
     a("--temperature", type=float, default=None, help="sampling temperature (default: greedy)")
     a("--top-p", type=float, default=None, help="nucleus sampling mass")
@@ -70,6 +75,7 @@ def add_lsp_parser(subparsers) -> None:
                               "Token budgets are measured in characters, --chars-per-token to one token.")
     a = p.add_argument
     a("--socket", help=_SOCKET_HELP)
+    a("--backend", metavar="URL", help=_BACKEND_HELP)
     a("--max-tokens", type=int, default=16, help="most tokens per suggestion (default 16)")
     a("--max-lines", type=int, default=8, help="most lines per suggestion (default 8)")
     a("--prefix-tokens", type=int, default=1024, help="budget for the text before the cursor (default 1024)")
@@ -92,6 +98,7 @@ def add_voice_parser(subparsers) -> None:
     a("--uri", default="tcp://127.0.0.1:10700",
       help="where to listen: tcp://HOST:PORT or unix://PATH (default tcp://127.0.0.1:10700)")
     a("--socket", help=_SOCKET_HELP)
+    a("--backend", metavar="URL", help=_BACKEND_HELP)
     a("--system-prompt", default=None, help="system message of every conversation")
     a("--max-tokens", type=int, default=256, help="most tokens per answer (default 256)")
     a("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
@@ -109,10 +116,34 @@ def add_batch_parser(subparsers) -> None:
     p.add_argument("input", help="input JSONL file")
     p.add_argument("output", help="output JSONL file (appended)")
     p.add_argument("--socket", help=_SOCKET_HELP)
+    p.add_argument("--backend", metavar="URL", help=_BACKEND_HELP)
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight at once (default 8)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--progress", action="store_true", help="progress bar even when standard error is not a terminal")
     p.set_defaults(func=_lazy("llmd.clients.batch", "run_batch"))
+
+
+def add_http_parser(subparsers) -> None:
+    p = subparsers.add_parser("http", help="OpenAI- and llama.cpp-compatible HTTP server in front of the daemon",
+                              description="Serve /v1/completions, /v1/chat/completions, /v1/models, /infill and "
+                              "/health over HTTP, translated to the daemon's ZeroMQ protocol. Listens on 127.0.0.1 "
+                              "or a unix socket only, unless --allow-remote and --api-key-file are both given.")
+    a = p.add_argument
+    a("--socket", help=_SOCKET_HELP)
+    a("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    a("--port", type=int, default=8080, help="TCP port (default 8080; 0 picks a free one)")
+    a("--unix", metavar="PATH", help="listen on this unix socket (mode 0600) instead of TCP")
+    a("--allow-remote", action="store_true", help="allow a non-loopback --host (needs --api-key-file)")
+    a("--api-key-file", metavar="FILE", help="require 'Authorization: Bearer KEY' with the key in FILE")
+    a("--cors-origin", action="append", metavar="ORIGIN",
+      help="allow browser pages from ORIGIN (repeatable; '*' for any). Default: no CORS")
+    a("--max-body-bytes", type=int, default=2 << 20, help="largest request body (default 2 MiB)")
+    a("--max-connections", type=int, default=64, help="open connections at once; more get 503 (default 64)")
+    a("--head-timeout", type=float, default=10.0, help="seconds a request's headers may take (default 10)")
+    a("--body-timeout", type=float, default=30.0, help="seconds a request's body may take (default 30)")
+    a("--keepalive", type=float, default=15.0, help="seconds an idle connection stays open (default 15)")
+    a("--log-level", default="info", choices=("debug", "info", "warning", "error"), help="log level (default info)")
+    p.set_defaults(func=_lazy("llmd.clients.http_serve", "run_http"))
 
 
 def _lazy(module: str, name: str):
@@ -179,7 +210,7 @@ def run_chat(args) -> int:
     history: list[dict] = []
     interactive = args.interactive or sys.stdin.isatty()
     try:
-        with Client(args.socket, timeout=120.0) as client:
+        with blocking_client(backend_of(args), timeout=120.0) as client:
             if not interactive:
                 stream = client.chat(system + [{"role": "user", "content": sys.stdin.read()}], **sampling)
                 stream_answer(stream)
@@ -219,7 +250,7 @@ def run_complete(args) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     sampling = sampling_from_args(args)
     try:
-        with Client(args.socket, timeout=120.0) as client:
+        with blocking_client(backend_of(args), timeout=120.0) as client:
             if args.chat:
                 system = [{"role": "system", "content": args.system}] if args.system else []
                 stream = client.chat(system + [{"role": "user", "content": prompt}], **sampling)

@@ -4,7 +4,8 @@ Serves ``textDocument/inlineCompletion`` (LSP 3.18: ghost text) and ``textDocume
 (one item holding the same suggestion) for clients without inline completion. Documents are
 tracked by pygls from didOpen/didChange; the completion logic is in ``lsp_service``. The
 command ``llmd.stats`` (workspace/executeCommand) answers outcome counts and latency
-percentiles. Speaks LSP over stdio; logs go to stderr or ``--log-file``.
+percentiles; ``llmd.status`` the backend and which of its features are off. Speaks LSP over
+stdio; logs go to stderr or ``--log-file``.
 """
 from __future__ import annotations
 
@@ -16,10 +17,12 @@ from pygls.lsp.server import LanguageServer
 
 from llmd import __version__
 
+from .backend import backend_of
 from .lsp_prompt import FimBudget, display_path
 from .lsp_service import CompletionService, LspConfig
 
 STATS_COMMAND = "llmd.stats"
+STATUS_COMMAND = "llmd.status"          # the backend, and which protocol features it serves
 
 
 def other_documents(server: LanguageServer, uri: str) -> list[tuple[str, str]]:
@@ -68,6 +71,10 @@ def build_server(config: LspConfig, service: Optional[CompletionService] = None)
     def stats(ls: LanguageServer, *args):
         return service.stats.snapshot()
 
+    @server.command(STATUS_COMMAND)
+    def status(ls: LanguageServer, *args):
+        return service.backend_status()
+
     @server.feature(types.SHUTDOWN)
     async def shutdown(ls: LanguageServer, *args):
         await service.aclose()
@@ -78,7 +85,7 @@ def build_server(config: LspConfig, service: Optional[CompletionService] = None)
 def config_from_args(args) -> LspConfig:
     budget = FimBudget(prefix_tokens=args.prefix_tokens, suffix_tokens=args.suffix_tokens,
                        context_tokens=args.context_tokens, chars_per_token=args.chars_per_token)
-    return LspConfig(socket=args.socket, budget=budget, max_tokens=args.max_tokens, max_lines=args.max_lines,
+    return LspConfig(socket=backend_of(args), budget=budget, max_tokens=args.max_tokens, max_lines=args.max_lines,
                      debounce_ms=args.debounce_ms, cache_size=args.cache_size)
 
 

@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 from lsprotocol import types
 from pygls.lsp.client import LanguageClient
 
-from .lsp import STATS_COMMAND
+from .lsp import STATS_COMMAND, STATUS_COMMAND
 
 
 class LspProbe:
@@ -70,6 +70,9 @@ class LspProbe:
 
     async def stats(self) -> dict:
         return await self.client.workspace_execute_command_async(types.ExecuteCommandParams(command=STATS_COMMAND))
+
+    async def status(self) -> dict:
+        return await self.client.workspace_execute_command_async(types.ExecuteCommandParams(command=STATUS_COMMAND))
 
 
 def first_text(result) -> Optional[str]:

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from .backend import async_client, features
 from .client import AsyncClient, ClientError
 from llmd.protocol import Done, Error, Token
 from .lsp_cache import CompletionCache
@@ -85,7 +86,7 @@ class CompletionStats:
 class CompletionService:
     def __init__(self, config: LspConfig, client: Optional[AsyncClient] = None):
         self.config = config
-        self.client = client or AsyncClient(config.socket, timeout=config.timeout_s)
+        self.client = client or async_client(config.socket, timeout=config.timeout_s)
         self.cache = CompletionCache(config.cache_size)
         self.stats = CompletionStats()
         self._latest: dict[str, int] = {}
@@ -169,6 +170,11 @@ class CompletionService:
         finally:
             await stream.aclose()
         return "".join(parts), stream.final
+
+    def backend_status(self) -> dict:
+        """Where completions come from and how each protocol feature is served there."""
+        return {"address": getattr(self.client, "address", None), "features": features(self.client),
+                "off": [k for k, v in features(self.client).items() if v != "native"]}
 
     def forget(self, uri: str) -> None:
         self._latest.pop(uri, None)

@@ -37,6 +37,7 @@ from llmd import __version__
 from llmd.protocol import Error, Token
 from llmd.sentences import SentenceSplitter
 
+from .backend import async_client, backend_of
 from .client import AsyncClient, ClientError, RequestError
 
 log = logging.getLogger("llmd.voice")
@@ -162,7 +163,7 @@ class VoiceBridge:
 
     def __init__(self, config: VoiceConfig, client: Optional[AsyncClient] = None):
         self.config = config
-        self.client = client or AsyncClient(config.socket, timeout=60.0)
+        self.client = client or async_client(config.socket, timeout=60.0)
         self.conversations = Conversations(config.history_turns, config.max_conversations)
         self._answers: dict[str, asyncio.Task] = {}
 
@@ -294,7 +295,7 @@ async def serve_voice(uri: str, config: VoiceConfig, started: Optional[asyncio.E
 def run_voice(args) -> int:
     logging.basicConfig(level="INFO", format="llmd voice: %(levelname)s %(message)s")
     try:
-        config = VoiceConfig(socket=args.socket, system_prompt=args.system_prompt or VoiceConfig.system_prompt,
+        config = VoiceConfig(socket=backend_of(args), system_prompt=args.system_prompt or VoiceConfig.system_prompt,
                              max_tokens=args.max_tokens, temperature=args.temperature,
                              history_turns=args.history_turns, language=args.language)
         asyncio.run(serve_voice(args.uri, config))

@@ -8,7 +8,7 @@ import sys
 
 import zmq
 
-from . import systemd
+from llmd import systemd
 from .paths import AlreadyRunning
 from .server import Server
 from .settings import Settings, SettingsError

@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-CLIENT_COMMANDS = ("run", "complete", "lsp", "voice", "batch", "status")
+CLIENT_COMMANDS = ("run", "complete", "lsp", "voice", "batch", "status", "http")
 
 
 def build_client_parser() -> argparse.ArgumentParser:

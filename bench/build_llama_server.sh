@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Build llama.cpp's `llama-server` (CPU only) from the source vendored in the llama-cpp-python
+# source distribution, and print the binary's path on the last line of stdout.
+#
+#   bench/build_llama_server.sh                  # builds once into .cache/llama-server/, then reuses it
+#   LLMD_LLAMA_SERVER_DIR=/tmp/ls bench/build_llama_server.sh
+#   LLAMA_SERVER=$(bench/build_llama_server.sh | tail -n1)
+#
+# Environment:
+#   LLMD_LLAMA_SERVER_DIR   cache directory (default: <repo>/.cache/llama-server; gitignored)
+#   LLMD_LLAMA_CPP_PYTHON   llama-cpp-python version whose sdist is used (default below)
+#   LLMD_BUILD_JOBS         parallel compile jobs (default 2)
+#   PIP                     pip command (default: <repo>/.venv/bin/pip if present, else pip)
+#
+# Idempotent: when <dir>/bin/llama-server exists nothing is downloaded or built.
+# Progress goes to stderr; only the path goes to stdout.
+set -euo pipefail
+
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+version="${LLMD_LLAMA_CPP_PYTHON:-0.3.36}"
+dir="${LLMD_LLAMA_SERVER_DIR:-$repo/.cache/llama-server}"
+jobs="${LLMD_BUILD_JOBS:-2}"
+binary="$dir/bin/llama-server"
+if [[ -z "${PIP:-}" ]]; then
+    if [[ -x "$repo/.venv/bin/pip" ]]; then PIP="$repo/.venv/bin/pip"; else PIP=pip; fi
+fi
+
+say() { echo "[build_llama_server] $*" >&2; }
+
+if [[ -x "$binary" ]]; then
+    say "cached: $binary"
+    echo "$binary"
+    exit 0
+fi
+
+mkdir -p "$dir/src"
+sdist=$(ls "$dir"/src/llama_cpp_python-"$version".tar.gz 2>/dev/null || true)
+if [[ -z "$sdist" ]]; then
+    # pip prepares an sdist's metadata even for `download`; its build backend comes from a wheel
+    # into a side folder (with build isolation, --no-binary :all: would compile cmake itself)
+    say "installing the sdist's build backend (scikit-build-core) into $dir/tools"
+    $PIP install -q --target "$dir/tools" scikit-build-core >&2
+    say "downloading llama-cpp-python==$version source distribution"
+    PYTHONPATH="$dir/tools" $PIP download --no-binary :all: --no-deps --no-build-isolation -d "$dir/src" \
+        "llama-cpp-python==$version" >&2
+    sdist=$(ls "$dir"/src/llama_cpp_python-"$version".tar.gz)
+fi
+
+src="$dir/src/llama_cpp_python-$version"
+if [[ ! -d "$src/vendor/llama.cpp" ]]; then
+    say "unpacking $sdist"
+    tar -xzf "$sdist" -C "$dir/src"
+fi
+
+say "configuring $src/vendor/llama.cpp (CPU only, no curl)"
+cmake -S "$src/vendor/llama.cpp" -B "$dir/build" \
+    -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DGGML_CUDA=OFF -DGGML_METAL=OFF \
+    -DGGML_VULKAN=OFF -DGGML_HIP=OFF -DGGML_SYCL=OFF -DGGML_OPENCL=OFF \
+    -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+    -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON >&2
+
+say "building llama-server with -j$jobs (several minutes on two cores)"
+cmake --build "$dir/build" --target llama-server -j "$jobs" >&2
+
+mkdir -p "$dir/bin"
+found=$(find "$dir/build" -type f -name llama-server -perm -u+x | head -n1)
+if [[ -z "$found" ]]; then
+    say "build finished but no llama-server binary was found under $dir/build"
+    exit 1
+fi
+cp "$found" "$binary.tmp" && mv "$binary.tmp" "$binary"
+say "built: $binary"
+echo "$binary"

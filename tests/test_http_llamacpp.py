@@ -1,0 +1,125 @@
+"""llmd's clients moved to a real llama.cpp server: `llmd lsp` and `llmd batch` with `--backend http://...`
+against llama-server (built from the llama.cpp vendored in llama-cpp-python's sdist by
+bench/build_llama_server.sh) serving a GGUF of models/code-target, and the same requests through
+llmd's own daemon. Slow-marked unless the build is cached."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from daemon_fixtures import REPO, daemon_settings, running_daemon
+
+CACHE = Path(os.environ.get("LLMD_LLAMA_SERVER_DIR", REPO / ".cache" / "llama-server"))
+BINARY = CACHE / "bin" / "llama-server"
+MODEL = REPO / "models" / "code-target"
+pytestmark = [] if BINARY.exists() else [pytest.mark.slow]
+
+FILE = "import math\n\n\ndef circle_area(radius):\n    return \n\n\ndef main():\n    print(circle_area(2))\n"
+CURSOR = (4, 11)                 # after "return "
+PROMPTS = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n", "import os\n\ndef list_files(path):\n"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def llama_server(tmp_path_factory):
+    pytest.importorskip("gguf")
+    from llmd.bench.to_gguf import convert
+    binary = BINARY
+    if not binary.exists():
+        out = subprocess.run(["bash", str(REPO / "bench" / "build_llama_server.sh")], capture_output=True, text=True,
+                             timeout=3600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        binary = Path(out.stdout.strip().splitlines()[-1])
+    gguf = convert(MODEL, tmp_path_factory.mktemp("gguf") / "code-target.gguf")
+    port = free_port()
+    proc = subprocess.Popen([str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-c", "512",
+                             "-t", "1", "-np", "1", "--no-warmup"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    break
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, "llama-server did not become ready"
+        time.sleep(0.2)
+    try:
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    with running_daemon(daemon_settings(MODEL, tmp_path_factory.mktemp("lcpp")), ready_timeout=300) as server:
+        yield server
+
+
+def run_batch(backend: str, tmp_path: Path, name: str) -> dict:
+    from llmd.clients.cli import main
+    src = tmp_path / "in.jsonl"
+    lines = [{"id": f"p{i}", "prompt": p, "max_tokens": 12, "temperature": 0} for i, p in enumerate(PROMPTS)]
+    lines.append({"id": "fim", "prefix": "def add(a, b):\n    return ", "suffix": "\n", "max_tokens": 8})
+    src.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = tmp_path / f"{name}.jsonl"
+    assert main(["batch", str(src), str(out), "--backend", backend, "--no-progress"]) == 0
+    return {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+
+
+def test_batch_over_llama_cpp_gives_the_daemons_completions(llama_server, daemon, tmp_path):
+    over_llama = run_batch(llama_server, tmp_path, "llama")
+    over_llmd = run_batch(daemon.settings.socket, tmp_path, "llmd")
+    assert set(over_llama) == set(over_llmd) and all("text" in r for r in over_llama.values()), over_llama
+    for rid in over_llmd:
+        assert over_llama[rid]["text"] == over_llmd[rid]["text"], rid
+    assert over_llama["p0"]["usage"]["completion_tokens"] == over_llmd["p0"]["usage"]["completion_tokens"]
+
+
+def test_language_server_over_llama_cpp_suggests_what_the_daemon_does(llama_server, daemon):
+    from llmd.clients.lsp_probe import LspProbe
+
+    async def suggest(args):
+        async with LspProbe(["--debounce-ms", "0", "--max-tokens", "12", *args], cwd=str(REPO)) as lsp:
+            lsp.open("file:///area.py", FILE)
+            text = await lsp.inline("file:///area.py", *CURSOR)
+            return text, {**await lsp.stats(), "backend": await lsp.status()}
+
+    over_llama, stats = asyncio.run(suggest(["--backend", llama_server]))
+    over_llmd, native = asyncio.run(suggest(["--socket", daemon.settings.socket]))
+    assert over_llama and over_llama == over_llmd
+    assert stats["completed"] == 1 and stats["backend"]["off"] == ["replace", "sentences", "priority"]
+    assert native["backend"]["off"] == []
+
+
+def test_fill_in_the_middle_by_infill_and_by_fim_tokens_over_completions(llama_server, daemon):
+    from llmd.clients.client import AsyncClient
+    from llmd.clients.http_backend import HttpBackend
+
+    async def fill(client) -> str:
+        try:
+            return await (await client.infill("def add(a, b):\n    return ", "\n", max_tokens=8)).text()
+        finally:
+            await client.aclose()
+
+    expected = asyncio.run(fill(AsyncClient(daemon.settings.socket)))
+    by_infill = HttpBackend(llama_server, fim="auto")
+    assert asyncio.run(fill(by_infill)) == expected and by_infill.fim == "infill"
+    assert asyncio.run(fill(HttpBackend(llama_server, fim="completions"))) == expected
