@@ -1,0 +1,1 @@
+"""Readers of the formats llmd runs (GGUF files; more to come)."""
