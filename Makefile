@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test models bench clean
+.PHONY: demo test models models-real bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -22,6 +22,10 @@ test: $(STAMP)
 
 models: $(STAMP)
 	$(BIN)/python -m llmd.export.train_demo --out models
+
+# the two real pretrained models (SmolLM2-135M-Instruct, Qwen2.5-Coder-0.5B-Instruct): fetched once, checked, imported
+models-real: $(STAMP)
+	$(BIN)/python -m llmd.models_real
 
 bench: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow

@@ -60,7 +60,7 @@ def add_export_parser(sub) -> None:
     p = sub.add_parser("export", help="quantize and compile a model (and draft) into an engine directory",
                        description=__doc__.split("\n\n")[0])
     a = p.add_argument
-    a("--target", required=True, help="target model directory (Hugging Face layout)")
+    a("--target", required=True, help="target model directory (Hugging Face layout) or GGUF file")
     a("--draft", help="draft model directory, exported with the same quantization")
     a("--quant", default="int8", choices=("none", "int8", "int4", "w8a8"), help="weight quantization (default int8)")
     a("--group-size", type=int, default=128, choices=(32, 64, 128), help="int4 group size (default 128)")
@@ -87,8 +87,11 @@ def add_export_parser(sub) -> None:
 
 def run_export(args) -> int:
     from llmd.runtime.errors import LLMDError
+    from llmd.runtime.formats.gguf_import import resolve_model_path
     keys = ExportOptions.__dataclass_fields__
     try:
+        args.target = resolve_model_path(args.target)            # a .gguf file: its float32 import
+        args.draft = args.draft and resolve_model_path(args.draft)
         opts = ExportOptions(**{k: v for k, v in vars(args).items() if k in keys})
         summary = export_engine(opts, TqdmProgress())
     except QualityGateFailed as e:

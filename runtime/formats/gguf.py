@@ -120,6 +120,9 @@ def hf_config(f: GGUFFile, dtype: str = "float32") -> dict:
     head_dim = f.get(a + "attention.key_length", int, hidden // heads)
     if f.get(a + "rope.dimension_count", int, head_dim) != head_dim:
         f.fail(a + "rope.dimension_count", "partial rotary embeddings are not supported")
+    layers = f.get(a + "block_count", int)
+    if not 1 <= layers <= len(names) // 9:
+        f.fail(a + "block_count", f"{layers} layers but the file has {len(names)} tensors")
     embd = next(s for s in f.spans if s.name == "token_embd.weight") if "token_embd.weight" in names else None
     if embd is None or len(embd.dims) != 2 or embd.dims[0] != hidden:
         f.fail("token_embd.weight", f"missing or not a [{hidden}, vocabulary] matrix")
@@ -127,7 +130,7 @@ def hf_config(f: GGUFFile, dtype: str = "float32") -> dict:
         "architectures": [ARCHITECTURES[arch]], "model_type": arch, "hidden_act": "silu",
         "vocab_size": int(embd.dims[1]), "hidden_size": hidden,
         "intermediate_size": f.get(a + "feed_forward_length", int),
-        "num_hidden_layers": f.get(a + "block_count", int),
+        "num_hidden_layers": layers,
         "num_attention_heads": heads, "num_key_value_heads": f.get(a + "attention.head_count_kv", int, heads),
         "head_dim": head_dim, "max_position_embeddings": f.get(a + "context_length", int),
         "rms_norm_eps": f.get(a + "attention.layer_norm_rms_epsilon", float),

@@ -36,8 +36,19 @@ def import_gguf(path: str | Path, out: str | Path, dtype: str = "float32", progr
     f = open_gguf(path)
     cfg = hf_config(f, dtype)
     files = tokenizer_files(f)                   # refuses an unsupported tokenizer before the slow part
-    tensors = dict(read_tensors(f, cfg, dtype, progress))
-    _check_names(path, cfg, tensors)
+    layout = _layout(path, cfg)
+    tensors = {}
+    for name, t in read_tensors(f, cfg, dtype, progress):
+        if name not in layout:
+            raise GGUFError(f"{path}: tensor {name} is not part of this {cfg['model_type']} model (tie_word_embeddings "
+                            f"{cfg['tie_word_embeddings']}, {cfg['num_hidden_layers']} layers)")
+        if tuple(t.shape) != layout[name][2]:
+            raise GGUFError(f"{path}: tensor {name} has shape {list(t.shape)} but the metadata implies "
+                            f"{list(layout[name][2])}")
+        tensors[name] = t
+    missing = sorted(set(layout) - set(tensors))
+    if missing:
+        raise GGUFError(f"{path}: tensors missing for the metadata's {cfg['model_type']} model, e.g. {missing[0]}")
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
@@ -48,18 +59,15 @@ def import_gguf(path: str | Path, out: str | Path, dtype: str = "float32", progr
     return out
 
 
-def _check_names(path: Path, cfg: dict, tensors: dict) -> None:
-    expected = {"model.embed_tokens.weight", "model.norm.weight"} | (
-        set() if cfg["tie_word_embeddings"] else {"lm_head.weight"})
-    for i in range(cfg["num_hidden_layers"]):
-        expected |= {f"model.layers.{i}.{n}" for n in (
-            "input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
-            "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
-            "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")}
-    missing = sorted(expected - set(tensors))
-    if missing:
-        raise GGUFError(f"{path}: {cfg['num_hidden_layers']} layers (block_count) but tensors are missing, "
-                        f"e.g. {missing[0]}")
+def _layout(path: Path, cfg: dict) -> dict:
+    """checkpoint name -> (llmd name, row offset, shape) for the model the metadata describes."""
+    from ..errors import ModelLoadError
+    from ..models.config import ModelConfig
+    from ..models.loader import checkpoint_layout
+    try:
+        return checkpoint_layout(ModelConfig.from_dict(cfg, source=f"{path} (metadata)"))
+    except ModelLoadError as e:
+        raise GGUFError(str(e)) from None
 
 
 def cache_root() -> Path:
@@ -98,3 +106,8 @@ def imported_dir(path: str | Path, dtype: str = "float32", progress: bool = True
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return final
+
+
+def resolve_model_path(path: str | Path, dtype: str = "float32", progress: bool = True) -> str:
+    """A model path as given, or for a .gguf file the directory of its cached import."""
+    return str(imported_dir(path, dtype, progress)) if is_gguf(path) else str(path)

@@ -43,7 +43,10 @@ def tokenizer_files(f: GGUFFile) -> dict[str, str]:
     alphabet = _byte_alphabet()
     letters = set(alphabet.values())
     vocab = {t if set(t) <= letters else _byte_spelling(t, alphabet): i for i, t in enumerate(tokens)}
-    tok = Tokenizer(models.BPE(vocab, pairs))
+    try:
+        tok = Tokenizer(models.BPE(vocab, pairs))
+    except Exception as e:                       # tokenizers raises a bare Exception for a merge of unknown tokens
+        f.fail("tokenizer.ggml.merges", f"not a valid BPE vocabulary: {e}")
     tok.pre_tokenizer = _pre_tokenizer(f)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
