@@ -15,6 +15,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
+	$(BIN)/python -m llmd.models_real smollm2-135m-instruct
 	$(BIN)/python -m llmd.demo
 
 test: $(STAMP)
