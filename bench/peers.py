@@ -258,8 +258,11 @@ def load_peer(name: str, model_dir: str, *, draft: Optional[str], num_speculativ
         except ImportError as e:
             return Missing(name, f"llama-cpp-python is not installed ({e}); pip install 'llmd[bench]'")
         try:
+            from llmd.runtime.formats.gguf_import import source_gguf
+
             from .to_gguf import convert
-            path = convert(model_dir, f"{work_dir}/model.gguf")
+            # a model imported from GGUF: llama.cpp reads that very file, so both engines read the same numbers
+            path = source_gguf(model_dir) or convert(model_dir, f"{work_dir}/model.gguf")
             return LlamaCppPeer(str(path), n_ctx, threads)
         except Exception as e:
             return Missing(name, f"could not convert or load the GGUF: {type(e).__name__}: {e}")

@@ -18,7 +18,7 @@ from pathlib import Path
 def add_bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="measure latency and throughput of the engine (optionally against transformers)",
                        description=__doc__.split("\n\n")[0])
-    p.add_argument("model", nargs="?", help="model directory; omit and use --shape for random weights")
+    p.add_argument("model", nargs="?", help="model directory or GGUF file; omit and use --shape for random weights")
     p.add_argument("--shape", choices=("tiny", "qwen2-0.5b"), help="benchmark a random-weight model of this shape")
     p.add_argument("--against", default="", help="comma-separated peers to run side by side: hf, llamacpp, "
                    "daemon (llamacpp and daemon only with --workload)")
@@ -48,7 +48,8 @@ def run_bench(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.model is not None:
-        return bench_model(args, args.model)
+        from .formats.gguf_import import resolve_model_path
+        return bench_model(args, resolve_model_path(args.model))     # a GGUF file: its cached import
     if not args.shape:
         print("llmd bench: give a model directory or --shape", file=sys.stderr)
         return 2

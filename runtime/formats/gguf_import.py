@@ -111,3 +111,13 @@ def imported_dir(path: str | Path, dtype: str = "float32", progress: bool = True
 def resolve_model_path(path: str | Path, dtype: str = "float32", progress: bool = True) -> str:
     """A model path as given, or for a .gguf file the directory of its cached import."""
     return str(imported_dir(path, dtype, progress)) if is_gguf(path) else str(path)
+
+
+def source_gguf(model_dir: str | Path) -> Path | None:
+    """The GGUF file a directory was imported from, while that file is still there unchanged in size."""
+    try:
+        source = json.loads((Path(model_dir) / SOURCE_FILE).read_text())
+        path = Path(source["file"])
+        return path if path.is_file() and path.stat().st_size == source["bytes"] else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
