@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test models bench clean gpu-wheels
+.PHONY: demo test models models-real bench clean gpu-wheels
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -15,6 +15,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
+	$(BIN)/python -m llmd.models_real smollm2-135m-instruct
 	$(BIN)/python -m llmd.demo
 
 test: $(STAMP)
@@ -22,6 +23,10 @@ test: $(STAMP)
 
 models: $(STAMP)
 	$(BIN)/python -m llmd.training.train_demo --out models
+
+# the two real pretrained models (SmolLM2-135M-Instruct, Qwen2.5-Coder-0.5B-Instruct): fetched once, checked, imported
+models-real: $(STAMP)
+	$(BIN)/python -m llmd.models_real
 
 bench: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow

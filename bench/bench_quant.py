@@ -10,6 +10,10 @@ rounds alternate between them. On a shared machine the fastest step is the figur
 by other work; medians are printed beside it, and each ratio is given both ways: a memory-bound
 variant gains more than a compute-bound one when the neighbours leave bandwidth free.
 
+With --model (a model directory or a GGUF file, such as the ones `make models-real` fetches), the
+variants are built from those weights instead, each int4 group the largest that divides the model's
+widths; with --llamacpp and a GGUF file, llama.cpp runs that file as it is.
+
 With --llamacpp (needs the ``bench`` extra: llama-cpp-python and gguf), the same random weights are
 written once as a model directory, converted to GGUF Q8_0 and Q4_0 (every matrix, the tied
 embedding/head included), and llama.cpp decodes the same prompt with the same thread count in this
@@ -21,15 +25,18 @@ import argparse
 import statistics
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from llmd.bench.to_gguf import convert
-from llmd.runtime.formats.quantized import QuantSpec, prepare_quantized, quantize_model
+from llmd.runtime.formats.gguf_import import resolve_model_path
+from llmd.runtime.formats.quantized import QuantSpec, auto_group_size, prepare_quantized, quantize_model
 from llmd.runtime.model_runner import Feed, ModelRunner
 from llmd.runtime.models.config import ModelConfig
 from llmd.runtime.models.llama import LlamaForCausalLM
+from llmd.runtime.models.loader import load_model
 from llmd.runtime.models.random_model import hf_config, init_weights, write_random_model
 
 VARIANTS = {"float32": QuantSpec("none"), "int8": QuantSpec("int8"), "int4": QuantSpec("int4", group_size=128),
@@ -38,9 +45,13 @@ VARIANTS = {"float32": QuantSpec("none"), "int8": QuantSpec("int8"), "int4": Qua
             "int4-int4head": QuantSpec("int4", group_size=128, head="int4")}
 
 
-def build(shape: str, spec: QuantSpec, seed: int) -> LlamaForCausalLM:
-    model = LlamaForCausalLM(ModelConfig.from_dict(hf_config(shape)))
-    init_weights(model, seed)
+def build(shape: str, spec: QuantSpec, seed: int, model_dir: str | None = None) -> LlamaForCausalLM:
+    if model_dir is None:
+        model = LlamaForCausalLM(ModelConfig.from_dict(hf_config(shape)))
+        init_weights(model, seed)
+    else:
+        model = load_model(model_dir, "float32")
+        spec = replace(spec, group_size=auto_group_size([model.config])) if "int4" in (spec.method, spec.head) else spec
     quantize_model(model, spec)
     model.prepare_for_inference()
     prepare_quantized(model)
@@ -90,10 +101,13 @@ def measure_llamacpp(shape: str, quant: str, threads: int, prompt_tokens: int, d
     same number of decode steps, timed per token as for llmd."""
     import llama_cpp
 
-    model_dir = work / "model"
-    if not (model_dir / "config.json").is_file():
-        write_random_model(model_dir, shape, seed=0)
-    path = convert(model_dir, work / f"model-{quant}.gguf", quant=quant)
+    if quant == "file":                 # ``work`` is the GGUF file itself
+        path = work
+    else:
+        model_dir = work / "model"
+        if not (model_dir / "config.json").is_file():
+            write_random_model(model_dir, shape, seed=0)
+        path = convert(model_dir, work / f"model-{quant}.gguf", quant=quant)
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=prompt_tokens + decode + 8, n_batch=512,
                           n_threads=threads, n_threads_batch=threads, verbose=False)
     prompt = list(range(1, prompt_tokens + 1))
@@ -125,16 +139,20 @@ def main() -> None:
     p.add_argument("--decode", type=int, default=32, help="tokens decoded per run (default %(default)s)")
     p.add_argument("--repeat", type=int, default=3, help="runs of each variant, taken in turns; medians reported (default %(default)s)")
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated variants to compare (default %(default)s)")
+    p.add_argument("--model", default=None, help="a model directory or GGUF file instead of random weights of --shape")
     p.add_argument("--llamacpp", action="store_true", help="also run llama.cpp on the same weights at Q8_0 and Q4_0")
     p.add_argument("--work", type=Path, default=None, help="where the GGUF files go (default: a temporary folder)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    gguf = args.model if args.model and args.model.lower().endswith(".gguf") else None
+    if args.model:
+        args.model = resolve_model_path(args.model)
     # every variant is built first and the rounds alternate between them, so that a slow minute on
     # a shared machine falls on all of them alike, not on whichever ran then
     names = args.variants.split(",")
     timers = {}
     for name in names:
-        timers[name] = Timer(build(args.shape, VARIANTS[name], seed=0), args.prompt_tokens, args.decode)
+        timers[name] = Timer(build(args.shape, VARIANTS[name], 0, args.model), args.prompt_tokens, args.decode)
     with torch.inference_mode():
         for _ in range(args.repeat):
             for name in names:
@@ -142,7 +160,11 @@ def main() -> None:
     results = {name: timers[name].rates() for name in names}
     for name in names:
         report(name, results[name])
-    if args.llamacpp:
+    if args.llamacpp and gguf:
+        results["llama.cpp file"] = measure_llamacpp(args.shape, "file", args.threads, args.prompt_tokens,
+                                                     args.decode, args.repeat, Path(gguf))
+        report("llama.cpp file", results["llama.cpp file"])
+    elif args.llamacpp:
         with tempfile.TemporaryDirectory(prefix="llmd-gguf-") as tmp:
             work = args.work or Path(tmp)
             work.mkdir(parents=True, exist_ok=True)
@@ -158,7 +180,9 @@ def main() -> None:
               ("int4 / llama.cpp Q4_0 decode", "int4", "llama.cpp q4_0", "decode_tps", None),
               ("int4 (int4 head) / llama.cpp Q4_0", "int4-int4head", "llama.cpp q4_0", "decode_tps", 0.8),
               ("int8 / llama.cpp Q8_0 prompt", "int8", "llama.cpp q8_0", "prefill_tps", None),
-              ("w8a8 / llama.cpp Q8_0 prompt", "w8a8", "llama.cpp q8_0", "prefill_tps", None)]
+              ("w8a8 / llama.cpp Q8_0 prompt", "w8a8", "llama.cpp q8_0", "prefill_tps", None),
+              ("int8 / llama.cpp (file) decode", "int8", "llama.cpp file", "decode_tps", None),
+              ("int4 / llama.cpp (file) decode", "int4", "llama.cpp file", "decode_tps", None)]
     for label, a, b, key, goal in ratios:
         if a in results and b in results:
             ratio = results[a][key] / results[b][key]

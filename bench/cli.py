@@ -19,6 +19,7 @@ import torch
 from llmd.options import add_flags, given
 from llmd.runtime.config import EngineConfig
 from llmd.runtime.errors import LLMDError
+from llmd.runtime.formats.gguf_import import resolve_model_path
 from llmd.runtime.llm import LLM
 from llmd.runtime.models.random_model import write_random_model
 from llmd.runtime.request import SamplingParams
@@ -31,7 +32,7 @@ from .workloads import WORKLOADS
 def add_bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="measure latency and throughput of the engine (optionally against transformers)",
                        description=__doc__.split("\n\n")[0])
-    p.add_argument("model", nargs="?", help="model directory; omit and use --shape for random weights")
+    p.add_argument("model", nargs="?", help="model directory or GGUF file; omit and use --shape for random weights")
     p.add_argument("--shape", choices=("tiny", "qwen2-0.5b"), help="benchmark a random-weight model of this shape")
     p.add_argument("--against", default="", help="comma-separated peers to run side by side: hf, llamacpp, "
                    "daemon (llamacpp and daemon only with --workload)")
@@ -67,7 +68,7 @@ def _run_bench(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.model is not None:
-        return bench_model(args, args.model)
+        return bench_model(args, resolve_model_path(args.model))     # a GGUF file: its cached import
     if not args.shape:
         print("llmd bench: give a model directory or --shape", file=sys.stderr)
         return 2

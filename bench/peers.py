@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from llmd.clients import AsyncClient, Client, Done, Error, RequestError, Token
+from llmd.runtime.formats.gguf_import import source_gguf
 from llmd.runtime.request import SamplingParams
 
 from .to_gguf import convert
@@ -258,7 +259,8 @@ def load_peer(name: str, model_dir: str, *, draft: Optional[str], num_speculativ
         except ImportError as e:
             return Missing(name, f"llama-cpp-python is not installed ({e}); pip install 'llmd[bench]'")
         try:
-            path = convert(model_dir, f"{work_dir}/model.gguf")
+            # a model imported from GGUF: llama.cpp reads that very file, so both engines read the same numbers
+            path = source_gguf(model_dir) or convert(model_dir, f"{work_dir}/model.gguf")
             return LlamaCppPeer(str(path), n_ctx, threads)
         except Exception as e:
             return Missing(name, f"could not convert or load the GGUF: {type(e).__name__}: {e}")

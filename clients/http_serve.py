@@ -12,9 +12,10 @@ from typing import Optional
 
 from aiohttp import web
 
+from llmd import systemd
+
 from .http_front import Front, FrontConfig
 from .http_guard import Guard
-from llmd import systemd
 
 log = logging.getLogger("llmd.http")
 

@@ -22,7 +22,8 @@ from llmd.runtime.backends.base import create_backend
 from llmd.runtime.config import KV_DTYPES
 from llmd.runtime.errors import LLMDError
 from llmd.runtime.formats.engine_dir import load_model_dir
-from llmd.runtime.formats.quantized import QuantizationError, QuantSpec, quantize_model
+from llmd.runtime.formats.gguf_import import resolve_model_path
+from llmd.runtime.formats.quantized import QuantizationError, QuantSpec, auto_group_size, quantize_model
 from llmd.runtime.models.config import ModelConfig
 from llmd.runtime.models.loader import load_model
 from llmd.runtime.tokenizer import Tokenizer, check_vocab
@@ -42,10 +43,10 @@ class ExportOptions:
     out: str
     draft: Optional[str] = None
     quant: str = "int8"
-    group_size: int = 128
+    group_size: Optional[int] = None             # int4: None picks the largest that divides every width
     symmetric: bool = False
     head: str = "auto"
-    embed: str = "float"
+    embed: str = "auto"
     kv_dtype: str = "auto"
     backend: str = "torch"
     aot: bool = False
@@ -75,16 +76,18 @@ def add_export_parser(sub) -> None:
     p = sub.add_parser("export", help="quantize and compile a model (and draft) into an engine directory",
                        description=__doc__.split("\n\n")[0])
     a = p.add_argument
-    a("--target", required=True, help="target model directory (Hugging Face layout)")
+    a("--target", required=True, help="target model directory (Hugging Face layout) or GGUF file")
     a("--draft", help="draft model directory, exported with the same quantization")
     a("--quant", default="int8", choices=("none", "int8", "int4", "w8a8"), help="weight quantization (default int8)")
-    a("--group-size", type=int, default=128, choices=(32, 64, 128), help="int4 group size (default 128)")
+    a("--group-size", type=int, default=None, choices=(32, 64, 128),
+      help="int4 group size (default: the largest of 128, 64, 32 that divides every input width of the model)")
     a("--symmetric", action="store_true", help="int4 without zero points")
     a("--head", default="auto", choices=("auto", "float", "int8", "int8g", "w8a8", "int4"),
       help="output head (and tied embedding): float, int8 weight-only (one scale per row), int8g (int8 with "
            "a scale per 64 input columns), int8 with per-token int8 input (w8a8), or int4 (group size as "
            "--group-size); auto: float for --quant none, else int8g (default; the quality gate shows its cost)")
-    a("--embed", default="float", choices=("float", "int8"), help="untied embedding storage (default float)")
+    a("--embed", default="auto", choices=("auto", "float", "int8"),
+      help="untied embedding storage: auto (default: float for --quant none, else int8), float or int8")
     a("--kv-dtype", default="auto", choices=KV_DTYPES, help="KV cache dtype recorded for the runtime")
     a("--backend", default="torch", choices=("torch", "onnxruntime", "tensorrt"),
       help="what runs the engine: torch (llmd's model code and CPU kernels; default), onnxruntime (an ONNX "
@@ -103,6 +106,8 @@ def add_export_parser(sub) -> None:
 def run_export(args) -> int:
     keys = ExportOptions.__dataclass_fields__
     try:
+        args.target = resolve_model_path(args.target)            # a .gguf file: its float32 import
+        args.draft = args.draft and resolve_model_path(args.draft)
         opts = ExportOptions(**{k: v for k, v in vars(args).items() if k in keys})
         summary = export_engine(opts, TqdmProgress())
     except QualityGateFailed as e:
@@ -149,9 +154,11 @@ def export_engine(opts: ExportOptions, progress: TqdmProgress | None = None) -> 
 
     progress = progress or NoProgress()
     check_backend(opts)
-    spec = QuantSpec(opts.quant, opts.group_size, opts.symmetric, opts.head, opts.embed, opts.kv_dtype)
     final, target = Path(opts.out), Path(opts.target)
     parts = {"target": target} | ({"draft": Path(opts.draft)} if opts.draft else {})
+    group = opts.group_size or (auto_group_size([ModelConfig.from_dir(p) for p in parts.values()])
+                                if opts.quant == "int4" else 128)
+    spec = QuantSpec(opts.quant, group, opts.symmetric, opts.head, opts.embed, opts.kv_dtype)
     check_out(final, opts.force, list(parts.values()))
     # a failure, a failed quality gate or Ctrl-C leaves the destination as it was
     summary = write_whole(final, lambda out: _export_into(out, opts, spec, parts, progress))

@@ -19,7 +19,9 @@ def build_parser() -> argparse.ArgumentParser:
                            ("llmd.training.distill", ("add_distill_parser",)),
                            ("llmd.export.cli", ("add_export_parser",)),
                            ("llmd.clients.cli", ("add_client_parsers",)),
-                           ("llmd.bench.doctor_cli", ("add_doctor_parser",))):
+                           ("llmd.bench.doctor_cli", ("add_doctor_parser",)),
+                           ("llmd.import_cli", ("add_import_parser",)),
+                           ("llmd.models_real", ("add_models_parser",))):
         try:
             mod = __import__(module, fromlist=list(adders))
         except ModuleNotFoundError as e:

@@ -2,6 +2,7 @@
 
     llm = LLM("models/code-target", kv_memory="1GiB")
     outs = llm.generate(["def fib(n):", [1, 2, 3]], SamplingParams(max_tokens=32))
+    answer = llm.chat([{"role": "user", "content": "What is 2 + 2?"}], SamplingParams(max_tokens=32))
     for delta in llm.stream("def fib(n):", SamplingParams(max_tokens=32)): ...
 """
 from __future__ import annotations
@@ -41,7 +42,8 @@ class LLM:
     def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
                  priority: Priority | str = Priority.NORMAL) -> list[Completion]:
-        """Run all prompts together through continuous batching; results in prompt order."""
+        """Run all prompts through continuous batching; results in prompt order. Any number of prompts:
+        they enter the engine's queue as it has room (its bound is the daemon's admission control)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = params or SamplingParams()
@@ -50,21 +52,30 @@ class LLM:
             raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling parameters")
         done: dict[str, Completion] = {}
         order = []
+        unsent = iter(zip(prompts, plist))
+        unfinished = len(prompts)
         try:              # a prompt refused part way leaves none of the ones added before it behind
-            for prompt, p in zip(prompts, plist):
-                rid = f"llm-{next(self._ids)}"
-                self.engine.add_request(rid, prompt, p, priority)
-                done[rid] = Completion(rid)
-                order.append(rid)
-            while any(done[r].finish_reason is None for r in order):
+            while unfinished:
+                while len(order) < len(prompts) and self.engine.scheduler.num_waiting < self.engine.config.max_waiting:
+                    prompt, p = next(unsent)
+                    rid = f"llm-{next(self._ids)}"
+                    self.engine.add_request(rid, prompt, p, priority)
+                    done[rid] = Completion(rid)
+                    order.append(rid)
                 for out in self.engine.step():
                     if out.request_id in done:
                         _merge(done[out.request_id], out)
+                        unfinished -= out.finished
         finally:
             for r in order:
                 if done[r].finish_reason is None:
                     self.engine.abort(r)
         return [done[r] for r in order]
+
+    def chat(self, messages: list[dict], params: SamplingParams | None = None,
+             priority: Priority | str = Priority.NORMAL) -> Completion:
+        """One chat turn: ``messages`` ({"role", "content"}) through the model's chat template."""
+        return self.generate([self.tokenizer.encode_chat(messages)], params, priority)[0]
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
                priority: Priority | str = Priority.NORMAL) -> Iterator[str]:

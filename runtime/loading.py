@@ -14,6 +14,7 @@ from .errors import EngineDirError, ModelLoadError
 from .formats.engine_dir import engine_draft_dir, load_engine_draft, load_engine_model
 from .formats.manifest import read_manifest
 from .execution import backend_class, choose
+from .formats.gguf_import import resolve_model_path
 from .model_runner import kv_bytes_per_block
 from .models.config import ModelConfig
 from .models.llama import LlamaForCausalLM
@@ -36,14 +37,15 @@ class LoadedModel:
 
 
 def load_for_engine(config: EngineConfig, progress=None) -> LoadedModel:
-    path = Path(config.model)
+    path = Path(resolve_model_path(config.model, config.dtype))      # a .gguf file: its cached import
     if not path.exists():
         raise ModelLoadError(f"{path}: no such model directory; pass a Hugging Face model directory "
                              "(config.json, *.safetensors, tokenizer.json) or an llmd engine directory")
     kv_dtype = config.kv_dtype
     backend = None
     device = "cpu"
-    draft_path = Path(config.draft) if config.draft and config.draft not in ("ngram", "auto", "none") else None
+    draft_path = (Path(resolve_model_path(config.draft, config.dtype))
+                  if config.draft and config.draft not in ("ngram", "auto", "none") else None)
     if (path / "manifest.json").is_file():
         manifest = read_manifest(path, verify_hashes=False)     # its values are used once load_engine_model verified it
         check_device(path, backend_name(manifest), config.device)

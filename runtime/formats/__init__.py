@@ -1,1 +1,2 @@
-"""The formats the runtime reads: engine directories, their manifest, quantized layouts, the int8 KV codec."""
+"""The formats the runtime reads: GGUF files, engine directories, their manifest, quantized layouts,
+the int8 KV codec."""

@@ -30,8 +30,8 @@ Of the 8-bit heads it keeps greedy output closest to a float head (docs/performa
 greedy agreement"). ``head="int4"`` makes every matrix 4-bit,
 as llama.cpp's Q4_0 files here are. In a tied model the embedding *is* the head's table, so it
 follows the head: a quantized head's rows are looked up and dequantized (``rows()``). An untied
-embedding stays float unless ``embed="int8"``. The embedding is read one row per token, so
-quantizing it saves memory but no time.
+embedding is int8 in a quantized export (``embed="auto"``) and float only when asked
+(``embed="float"``): it is read one row per token, so quantizing it saves memory and costs no time.
 """
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ class QuantSpec:
     group_size: int = 128         # int4 only: input columns sharing one scale
     symmetric: bool = False       # int4 only: zero points (False) or none (True)
     head: str = "auto"            # auto | float | int8 | int8g | w8a8 | int4: the output head (and a tied embedding)
-    embed: str = "float"          # float | int8: an untied embedding (a tied one follows the head)
+    embed: str = "auto"           # auto | float | int8: an untied embedding (a tied one follows the head)
     kv_dtype: str = "auto"        # one of KV_DTYPES (recorded; the runtime owns the pool)
     small_m: int = SMALL_M
 
@@ -72,8 +72,10 @@ class QuantSpec:
             raise QuantizationError(f"quantization must be one of {METHODS}, got {self.method!r}")
         if self.group_size not in (32, 64, 128, 256):
             raise QuantizationError(f"group size must be 32, 64, 128 or 256, got {self.group_size}")
-        if self.head not in HEADS or self.embed not in ("float", "int8"):
-            raise QuantizationError(f"head must be one of {HEADS}; embed float or int8")
+        if self.head not in HEADS or self.embed not in ("auto", "float", "int8"):
+            raise QuantizationError(f"head must be one of {HEADS}; embed auto, float or int8")
+        if self.embed == "auto":
+            object.__setattr__(self, "embed", "float" if self.method == "none" else "int8")
         if self.head == "auto":     # resolved once, so manifests record the concrete choice
             auto = "float" if self.method == "none" else "int8g"
             object.__setattr__(self, "head", auto)
@@ -411,6 +413,16 @@ class QuantEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.table.rows(ids.reshape(-1)).view(*ids.shape, -1)
+
+
+def auto_group_size(cfgs) -> int:
+    """The largest int4 group size that divides every input width of these models (hidden, attention
+    output, MLP): SmolLM2's 576 takes 64."""
+    widths = sorted({w for c in cfgs for w in (c.hidden_size, c.q_size, c.intermediate_size)})
+    for group in (128, 64, 32):
+        if all(w % group == 0 for w in widths):
+            return group
+    raise QuantizationError(f"no int4 group size of 128, 64 or 32 divides the input widths {widths}; use --quant int8")
 
 
 def check_int4_shape(in_features: int, out_features: int, group_size: int) -> None:

@@ -1,0 +1,196 @@
+"""Read a GGUF file (llama.cpp's format) with the `gguf` package: its metadata as checked Python
+values, a Hugging Face style config.json, and its tensors dequantized under Hugging Face names.
+
+Supported: the llama, mistral, qwen2 and qwen3 architectures. Every tensor type the `gguf` package
+can dequantize is read, and becomes float32 (exact) or bfloat16. None is mapped straight into
+llmd's int8/int4 engine formats yet: Q8_0 (blocks of 32 int8 values, one float16 scale each) and
+Q4_0 (blocks of 32 4-bit values around 8, one float16 scale) are symmetric like llmd's int8 and int4
+and would map exactly with a group size of 32; Q4_1 and Q5_x carry a per-block minimum and the K
+types nested 6-bit scales, which llmd's symmetric formats cannot hold.
+
+llama.cpp stores the llama and mistral architectures' q and k rows so that rotary pairs are adjacent
+(rows 2i and 2i+1 of a head); llmd, like the Hugging Face layout, pairs row i with row i + d/2, so
+those rows are put back (`_rotary_halves`). qwen2 and qwen3 files keep the halves layout.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from .gguf_check import GGUFError, TensorSpan, check_header
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ROTARY_ADJACENT = ("llama", "mistral")
+TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+       "output.weight": "lm_head.weight"}
+LAYER = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+         "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+         "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+         "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
+         "attn_v.bias": "self_attn.v_proj.bias", "attn_output.bias": "self_attn.o_proj.bias",
+         "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+         "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+         "ffn_down.weight": "mlp.down_proj.weight"}
+
+
+@dataclass
+class GGUFFile:
+    """An opened, checked GGUF file. ``meta`` holds every metadata value the header walk accepted."""
+    path: Path
+    reader: Any                   # gguf.GGUFReader
+    spans: list[TensorSpan]
+
+    def fail(self, field: str, msg: str):
+        raise GGUFError(f"{self.path}: {field}: {msg}")
+
+    def get(self, key: str, kind: type | tuple, default: Any = ...) -> Any:
+        """The value of metadata ``key``, checked to be of ``kind`` (str, int, float, bool, list)."""
+        field = self.reader.fields.get(key)
+        if field is None:
+            if default is ...:
+                self.fail(key, "missing")
+            return default
+        value = _value(self, key, field)
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        if float in kinds and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, kinds) or (bool not in kinds and isinstance(value, bool)):
+            self.fail(key, f"expected {' or '.join(k.__name__ for k in kinds)}, found {type(value).__name__}")
+        return value
+
+    def tensor_names(self) -> list[str]:
+        return [s.name for s in self.spans]
+
+
+def open_gguf(path: str | Path) -> GGUFFile:
+    """Check the header, then let the `gguf` package map the file. Any failure is a GGUFError."""
+    import gguf
+    path = Path(path)
+    spans = check_header(path, {int(t): s for t, s in gguf.GGML_QUANT_SIZES.items()})
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (ValueError, KeyError, IndexError, TypeError, OverflowError, UnicodeDecodeError) as e:
+        raise GGUFError(f"{path}: the gguf package cannot read it: {e}") from None
+    return GGUFFile(path, reader, spans)
+
+
+def _value(f: GGUFFile, key: str, field) -> Any:
+    import gguf
+    kind = field.types[0]
+    if kind == gguf.GGUFValueType.ARRAY:
+        if len(field.types) < 2:
+            return []
+        if field.types[1] == gguf.GGUFValueType.STRING:
+            return [_text(f, key, field.parts[i]) for i in field.data]
+        return [v for i in field.data for v in field.parts[i].tolist()]
+    if kind == gguf.GGUFValueType.STRING:
+        return _text(f, key, field.parts[-1])
+    return field.parts[-1].tolist()[0]
+
+
+def _text(f: GGUFFile, key: str, raw) -> str:
+    try:
+        return bytes(raw).decode("utf-8")
+    except UnicodeDecodeError:
+        f.fail(key, "a string that is not valid UTF-8")
+
+
+def architecture(f: GGUFFile) -> str:
+    arch = f.get("general.architecture", str)
+    if arch not in ARCHITECTURES:
+        f.fail("general.architecture", f"{arch!r} is not supported (llmd imports {', '.join(ARCHITECTURES)})")
+    return arch
+
+
+def hf_config(f: GGUFFile, dtype: str = "float32") -> dict:
+    """config.json for the model in ``f``, from its metadata and tensor shapes."""
+    arch = architecture(f)
+    a = f"{arch}."
+    names = set(f.tensor_names())
+    if "rope_freqs.weight" in names:
+        f.fail("rope_freqs.weight", "per-frequency rope factors (llama 3.1 style scaling) are not supported")
+    hidden, heads = f.get(a + "embedding_length", int), f.get(a + "attention.head_count", int)
+    if hidden < 1 or heads < 1 or hidden % heads and a + "attention.key_length" not in f.reader.fields:
+        f.fail(a + "attention.head_count", f"{heads} heads do not divide the width {hidden}")
+    head_dim = f.get(a + "attention.key_length", int, hidden // heads)
+    if f.get(a + "rope.dimension_count", int, head_dim) != head_dim:
+        f.fail(a + "rope.dimension_count", "partial rotary embeddings are not supported")
+    layers = f.get(a + "block_count", int)
+    if not 1 <= layers <= len(names) // 9:
+        f.fail(a + "block_count", f"{layers} layers but the file has {len(names)} tensors")
+    embd = next(s for s in f.spans if s.name == "token_embd.weight") if "token_embd.weight" in names else None
+    if embd is None or len(embd.dims) != 2 or embd.dims[0] != hidden:
+        f.fail("token_embd.weight", f"missing or not a [{hidden}, vocabulary] matrix")
+    cfg = {
+        "architectures": [ARCHITECTURES[arch]], "model_type": arch, "hidden_act": "silu",
+        "vocab_size": int(embd.dims[1]), "hidden_size": hidden,
+        "intermediate_size": f.get(a + "feed_forward_length", int),
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": f.get(a + "attention.head_count_kv", int, heads),
+        "head_dim": head_dim, "max_position_embeddings": f.get(a + "context_length", int),
+        "rms_norm_eps": f.get(a + "attention.layer_norm_rms_epsilon", float),
+        "rope_theta": f.get(a + "rope.freq_base", float, 10000.0),
+        "tie_word_embeddings": "output.weight" not in names,
+        "torch_dtype": dtype,
+    }
+    scaling = f.get(a + "rope.scaling.type", str, "none")
+    if scaling == "linear":
+        cfg["rope_scaling"] = {"rope_type": "linear", "factor": f.get(a + "rope.scaling.factor", float)}
+    elif scaling != "none":
+        f.fail(a + "rope.scaling.type", f"{scaling!r} is not supported (none or linear)")
+    if arch in ("llama", "mistral"):
+        cfg["attention_bias"] = "blk.0.attn_q.bias" in names
+    if arch == "mistral":
+        cfg["sliding_window"] = f.get(a + "attention.sliding_window", int, None)
+    for key, name in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
+        value = f.get(f"tokenizer.ggml.{name}", int, None)
+        if value is not None:
+            cfg[key] = value
+    return cfg
+
+
+def hf_name(f: GGUFFile, name: str) -> str:
+    if name in TOP:
+        return TOP[name]
+    parts = name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in LAYER:
+        return f"model.layers.{int(parts[1])}.{LAYER[parts[2]]}"
+    f.fail(name, "a tensor llmd does not know; the file may be of an architecture variant it does not run")
+
+
+def read_tensors(f: GGUFFile, cfg: dict, dtype: str = "float32", progress: bool = True) -> Iterator[tuple[str, Any]]:
+    """Yield (Hugging Face name, torch tensor of ``dtype``) for every tensor, dequantized."""
+    import gguf
+    import torch
+    from tqdm import tqdm
+    arch = cfg["model_type"]
+    heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    if dtype not in dtypes:
+        raise GGUFError(f"{f.path}: cannot import as {dtype!r} (float32 or bfloat16)")
+    bar = tqdm(f.reader.tensors, desc=f"dequantizing {f.path.name}", unit="tensor", disable=not progress, leave=False)
+    with contextlib.closing(bar):
+        for t in bar:
+            name = hf_name(f, t.name)
+            try:
+                values = gguf.quants.dequantize(t.data, t.tensor_type)
+            except (NotImplementedError, ValueError) as e:
+                f.fail(t.name, f"tensor type {t.tensor_type.name} cannot be dequantized: {e}")
+            values = np.array(values, dtype=np.float32).reshape(tuple(reversed([int(d) for d in t.shape])))
+            kind = t.name.split(".")[-2] if t.name.startswith("blk.") else ""
+            if arch in ROTARY_ADJACENT and kind in heads:
+                values = _rotary_halves(f, t.name, values, heads[kind])
+            yield name, torch.from_numpy(np.ascontiguousarray(values)).to(dtypes[dtype])
+
+
+def _rotary_halves(f: GGUFFile, name: str, w: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's row order: within each head, rows (2i, 2i + 1) go back to (i, i + d/2)."""
+    rows = w.shape[0]
+    if rows % (2 * heads):
+        f.fail(name, f"{rows} rows cannot be {heads} heads of rotary pairs")
+    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
