@@ -189,6 +189,8 @@ def test_the_gate_steps_a_backend_through_a_window_as_the_engine_would(source, t
     assert torch.allclose(whole, stepped, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow     # 200 prompts of 32 tokens through one-sequence-per-call onnxruntime steps
+
 def test_onnxruntime_int8_keeps_greedy_tokens_of_held_out_prompts_on_the_demo_target(tmp_path):
     """The bundled target exported for onnxruntime with --quant int8 (8-bit weight blocks, float
     activations): 32 greedy tokens identical to the float model's for >= 90 % of 200 held-out prompts,
