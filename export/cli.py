@@ -374,6 +374,10 @@ def format_summary(s: dict) -> str:
     q = s["quality"]
     rows = [("engine directory", s["out"]),
             ("quantization", f"{s['quantization']['method']} (head {s['quantization']['head']}), backend {s['backend']}")]
+    if c := s.get("int4_calibration"):
+        tried = ", ".join(f"{g}: {t['ppl_increase_pct']:+.2f} %, top-1 {t['top1_pct']:.1f} %" for g, t in c["tried"].items())
+        rows.append(("int4 groups", f"{c['group_size']}" + (f" (chosen on calibration text; {tried})" if c["chosen"] else "")
+                     + (", scale search on" if c["scale_search"] else ", plain rounding")))
     if s.get("graph_quantization"):
         rows.append(("onnx graph", s["graph_quantization"]))
     for name, sz in s["sizes"].items():

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from llmd.export import awq
-from llmd.export.cli import ExportOptions, export_engine
+from llmd.export.cli import ExportOptions, export_engine, format_summary
 from llmd.export.group_size import choose_group_size, dividing
 from llmd.export.manifest import read_manifest
 from llmd.export.quality import predict
@@ -55,3 +55,4 @@ def test_an_int4_export_records_the_chosen_group_size(source, tmp_path):
     m = read_manifest(tmp_path / "e")
     assert m["quantization"]["group_size"] == s["quantization"]["group_size"] in (32, 64)
     assert m["int4_calibration"]["chosen"] and m["int4_calibration"]["scale_search"]
+    assert "int4 groups" in format_summary(s) and "chosen on calibration text" in format_summary(s)
