@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
@@ -30,11 +30,16 @@ from llmd.runtime.tokenizer import Tokenizer, check_vocab
 
 from . import quality
 from .aot import build_aot_package
+from .awq import apply_awq
 from .engine_dir import save_model_dir, source_hashes
+from .group_size import choose_group_size
 from .manifest import write_manifest
 from .onnx import MAX_STEP_TOKENS, export_onnx, graph_quantization
 from .tensorrt import build_engine, require_tensorrt
 from .whole_dir import write_whole
+
+MAX_PPL_INCREASE = 5.0      # percent: the quality gate's default limit on the perplexity rise
+MIN_TOP1_AGREEMENT = 90.0   # percent: its default floor on top-1 agreement with the float model
 
 
 @dataclass(frozen=True)
@@ -43,7 +48,8 @@ class ExportOptions:
     out: str
     draft: Optional[str] = None
     quant: str = "int8"
-    group_size: Optional[int] = None             # int4: None picks the largest that divides every width
+    group_size: Optional[int] = None      # int4: None chooses it (llmd.export.group_size)
+    scale_search: bool = True             # int4: activation-aware scales and clipping (llmd.export.awq)
     symmetric: bool = False
     head: str = "auto"
     embed: str = "auto"
@@ -53,7 +59,9 @@ class ExportOptions:
     eval_file: Optional[str] = None
     eval_windows: int = 8
     eval_tokens: int = 128
-    max_ppl_increase: Optional[float] = None     # percent
+    max_ppl_increase: float = MAX_PPL_INCREASE         # percent
+    min_top1_agreement: float = MIN_TOP1_AGREEMENT     # percent
+    accept_loss: bool = False
     force: bool = False
     shape_buckets: dict = field(default_factory=lambda: {"batch": [1, 2, 4, 8, 16, 32, 64],
                                                          "tokens": [1, 16, 64, 256, 512]})
@@ -64,8 +72,14 @@ class ExportOptions:
         if self.eval_tokens < 2:
             raise ValueError(f"--eval-tokens must be at least 2 (a window predicts its tokens after the first), "
                              f"got {self.eval_tokens}")
-        if self.max_ppl_increase is not None and not math.isfinite(self.max_ppl_increase):
+        if not math.isfinite(self.max_ppl_increase):
             raise ValueError(f"--max-ppl-increase must be a finite percentage, got {self.max_ppl_increase}")
+        if not 0 <= self.min_top1_agreement <= 100:
+            raise ValueError(f"--min-top1-agreement must be a percentage from 0 to 100, got {self.min_top1_agreement}")
+
+
+CALIBRATION_WINDOWS = 16   # windows of calibration text for the int4 group size and scale search
+GATE_EXIT = 3     # the exit status of an export the quality gate refused
 
 
 class QualityGateFailed(Exception):
@@ -79,8 +93,12 @@ def add_export_parser(sub) -> None:
     a("--target", required=True, help="target model directory (Hugging Face layout) or GGUF file")
     a("--draft", help="draft model directory, exported with the same quantization")
     a("--quant", default="int8", choices=("none", "int8", "int4", "w8a8"), help="weight quantization (default int8)")
-    a("--group-size", type=int, default=None, choices=(32, 64, 128),
-      help="int4 group size (default: the largest of 128, 64, 32 that divides every input width of the model)")
+    a("--group-size", type=int, choices=(32, 64, 128),
+      help="int4 group size (default: the largest of 128, 64, 32 that divides every input width and, "
+           "measured on calibration text, keeps within half the quality gate's limits)")
+    a("--no-scale-search", dest="scale_search", action="store_false",
+      help="int4: plain rounding, without the activation-aware scale and clipping search on calibration text "
+           "(torch backend; the onnxruntime graph is built from the unchanged weights)")
     a("--symmetric", action="store_true", help="int4 without zero points")
     a("--head", default="auto", choices=("auto", "float", "int8", "int8g", "w8a8", "int4"),
       help="output head (and tied embedding): float, int8 weight-only (one scale per row), int8g (int8 with "
@@ -93,10 +111,18 @@ def add_export_parser(sub) -> None:
       help="what runs the engine: torch (llmd's model code and CPU kernels; default), onnxruntime (an ONNX "
            "graph: on the CPU, or a GPU with llmd[gpu]), tensorrt (an NVIDIA GPU plan)")
     a("--aot", action="store_true", help="torch: also build an AOTInductor package so serve starts warm")
-    a("--eval-file", help="held-out text for the quality gate (default: the demo corpus's held-out split)")
+    a("--eval-file", help="held-out text for the quality gate (default: llmd's own evaluation text, prose, "
+      "chat turns and code interleaved)")
     a("--eval-windows", type=int, default=8, help="windows of held-out text measured (default 8)")
     a("--eval-tokens", type=int, default=128, help="tokens per window (default 128)")
-    a("--max-ppl-increase", type=float, help="fail when perplexity rises by more than this many percent")
+    a("--max-ppl-increase", type=float, default=MAX_PPL_INCREASE,
+      help=f"quality gate: refuse the engine when perplexity rises by more than this many percent "
+           f"(default {MAX_PPL_INCREASE:g})")
+    a("--min-top1-agreement", type=float, default=MIN_TOP1_AGREEMENT,
+      help=f"quality gate: refuse the engine when fewer than this percentage of next-token choices agree with "
+           f"the float model's (default {MIN_TOP1_AGREEMENT:g})")
+    a("--accept-loss", action="store_true",
+      help="write the engine whatever the quality gate measures (the figures are still printed and recorded)")
     a("--force", action="store_true", help="replace an existing engine directory (one with a manifest.json); "
       "it is replaced only once the new engine is complete")
     a("--out", required=True, help="engine directory to write")
@@ -112,7 +138,7 @@ def run_export(args) -> int:
         summary = export_engine(opts, TqdmProgress())
     except QualityGateFailed as e:
         print(f"llmd export: quality gate failed: {e}", file=sys.stderr)
-        return 3
+        return GATE_EXIT
     except KeyboardInterrupt:
         print(f"llmd export: interrupted; {args.out} was not written or changed", file=sys.stderr)
         return 130
@@ -162,7 +188,7 @@ def export_engine(opts: ExportOptions, progress: TqdmProgress | None = None) -> 
     check_out(final, opts.force, list(parts.values()))
     # a failure, a failed quality gate or Ctrl-C leaves the destination as it was
     summary = write_whole(final, lambda out: _export_into(out, opts, spec, parts, progress))
-    return summary | {"out": str(final), "quantization": spec.to_dict(), "backend": opts.backend}
+    return {"out": str(final), "quantization": spec.to_dict(), "backend": opts.backend} | summary
 
 
 def _export_into(out: Path, opts: ExportOptions, spec, parts: dict, progress) -> dict:
@@ -192,7 +218,8 @@ def _export_into(out: Path, opts: ExportOptions, spec, parts: dict, progress) ->
     times["load"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    progress.phase("quantize", len(parts))
+    progress.phase("quantize", len(parts) + 3)
+    spec, calibration = prepare_int4(opts, spec, models, tokenizer, progress)
     for name in parts:
         quantize_model(models[name], spec)
         progress.advance()
@@ -221,11 +248,15 @@ def _export_into(out: Path, opts: ExportOptions, spec, parts: dict, progress) ->
     times["validate"] = time.perf_counter() - t
     progress.close()
 
-    if opts.max_ppl_increase is not None and not measured.ppl_increase * 100 <= opts.max_ppl_increase:
-        raise QualityGateFailed(f"perplexity rose {100 * measured.ppl_increase:.2f} % ({measured.ppl_reference:.3f} -> "
-                                f"{measured.ppl_quantized:.3f}), more than --max-ppl-increase {opts.max_ppl_increase} %; "
-                                f"the engine was not written ({opts.out} is as it was)")
-    summary = {"quality": measured.to_dict(), "times_s": times,
+    failures = quality.gate_failures(measured, opts.max_ppl_increase, opts.min_top1_agreement)
+    if failures and not opts.accept_loss:
+        raise QualityGateFailed(f"{'; '.join(failures)} (measured on {measured.source}, {measured.measured_on}). "
+                                f"The engine was not written ({opts.out} is as it was). Pass --accept-loss to write "
+                                "it anyway, or loosen the limit named above.")
+    gate = {"max_ppl_increase": opts.max_ppl_increase, "min_top1_agreement": opts.min_top1_agreement,
+            "passed": not failures, "accepted_loss": failures}
+    summary = {"quality": measured.to_dict() | {"gate": gate}, "times_s": times, "quantization": spec.to_dict(),
+               **({"int4_calibration": calibration} if calibration else {}),
                "sizes": {name: {"source_bytes": dir_bytes(src, "*.safetensors"),
                                 "engine_bytes": dir_bytes(out / name, "*.safetensors")} for name, src in parts.items()}}
     write_manifest(out, {
@@ -234,6 +265,30 @@ def _export_into(out: Path, opts: ExportOptions, spec, parts: dict, progress) ->
         "tokenizer": {"dir": "target", "files": sorted(p.name for p in (out / "target").glob("tokenizer*"))},
         "artifacts": artifacts, **summary})
     return summary | ({"graph_quantization": artifacts["onnx_quantization"]} if "onnx_quantization" in artifacts else {})
+
+
+def prepare_int4(opts: ExportOptions, spec, models: dict, tokenizer, progress):
+    """int4: choose the group size where none was given, and search the activation-aware scales (both
+    on calibration text, not the gate's). -> (the spec with its group size, what was chosen and
+    measured, for the manifest; None for other methods)."""
+    if spec.method != "int4":
+        return spec, None
+    windows = quality.token_windows(tokenizer, quality.calibration_texts(), opts.eval_tokens, CALIBRATION_WINDOWS)
+    search = opts.scale_search and opts.backend == "torch"
+
+    def scale_search(model, group_size):
+        if search:
+            apply_awq(model, windows, group_size, spec.symmetric)
+    tried = {}
+    if opts.group_size is None:
+        reference = quality.predict(models["target"], windows)
+        size, tried = choose_group_size(models["target"], spec, windows, reference, opts.max_ppl_increase / 2,
+                                        100 - (100 - opts.min_top1_agreement) / 2, scale_search, progress)
+        spec = replace(spec, group_size=size)
+    for model in models.values():
+        scale_search(model, spec.group_size)
+    return spec, {"group_size": spec.group_size, "chosen": opts.group_size is None, "scale_search": search,
+                  "tried": {str(g): {"ppl_increase_pct": p, "top1_pct": t} for g, (p, t) in tried.items()}}
 
 
 def gate_target(out: Path, artifacts: dict, torch_model):
@@ -317,6 +372,10 @@ def format_summary(s: dict) -> str:
     q = s["quality"]
     rows = [("engine directory", s["out"]),
             ("quantization", f"{s['quantization']['method']} (head {s['quantization']['head']}), backend {s['backend']}")]
+    if c := s.get("int4_calibration"):
+        tried = ", ".join(f"{g}: {t['ppl_increase_pct']:+.2f} %, top-1 {t['top1_pct']:.1f} %" for g, t in c["tried"].items())
+        rows.append(("int4 groups", f"{c['group_size']}" + (f" (chosen on calibration text; {tried})" if c["chosen"] else "")
+                     + (", scale search on" if c["scale_search"] else ", plain rounding")))
     if s.get("graph_quantization"):
         rows.append(("onnx graph", s["graph_quantization"]))
     for name, sz in s["sizes"].items():
@@ -325,6 +384,9 @@ def format_summary(s: dict) -> str:
     rows.append(("perplexity", f"{q['ppl_reference']:.3f} -> {q['ppl_quantized']:.3f} ({100 * q['ppl_increase']:+.2f} %)"))
     rows.append(("top-1 agreement", f"{100 * q['top1_agreement']:.2f} % of {q['num_tokens']} tokens ({q['source']})"))
     rows.append(("measured on", q.get("measured_on", "torch weights")))
+    if gate := q.get("gate"):
+        rows.append(("quality gate", "passed" if gate["passed"] else
+                     "FAILED, written because --accept-loss was given: " + "; ".join(gate["accepted_loss"])))
     if q["draft_acceptance"] is not None:
         rows.append(("draft acceptance", f"{100 * q['draft_acceptance']:.2f} % (greedy, one token)"))
     width = max(len(k) for k, _ in rows)

@@ -7,9 +7,11 @@ graph returns the keys/values of the new tokens, and the runtime writes them int
              past_k, past_v [L, P, kv_heads, head_dim] float32 (P may be 0)
     outputs  logits [T, vocab] float32, new_k, new_v [L, T, kv_heads, head_dim] float32
 
-Quantization happens on the float graph with onnxruntime's own tools: int8 and w8a8 become
-DynamicQuantizeLinear + MatMulInteger (integer matmul, activations quantized per call), int4
-becomes MatMulNBits with the export's group size. Graph optimizations are applied once at export
+Quantization happens on the float graph with onnxruntime's own tool for weight blocks
+(MatMulNBits): int8 is 8-bit weights in blocks of INT8_BLOCK input columns with float activations,
+w8a8 the same weights with each row's activations rounded to int8 per block (integer products),
+int4 4-bit weights with the export's group size. Activations are never quantized once per tensor:
+one outlier column would then set the step of every token (docs/performance.md, "Export quality"). Graph optimizations are applied once at export
 and the optimized model is what the engine directory ships.
 """
 from __future__ import annotations
@@ -26,6 +28,9 @@ from llmd.runtime.models.loader import load_model
 INPUTS = ("input_ids", "positions", "past_k", "past_v")
 MAX_STEP_TOKENS = 8192      # the most new tokens one call of a compiled step takes (ONNX graph, AOT prefill)
 OUTPUTS = ("logits", "new_k", "new_v")
+INT8_BLOCK = 32          # input columns per int8 weight scale in the graph (MatMulNBits' 8-bit blocks)
+ACCURACY_FLOAT = 0       # MatMulNBits accuracy_level: float activations
+ACCURACY_INT8 = 4        # activations rounded to int8 per block of each row, integer products
 
 
 class OnnxStep(nn.Module):
@@ -110,16 +115,16 @@ def quantize_graph(src: Path, dst: Path, spec) -> None:
     graph = onnx.load(str(src))
     gemm_to_matmul(graph)                 # the quantizers take MatMul; the head is then found by its weight
     keep_float = head_nodes(graph) if spec.head == "float" else []
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
     if spec.method == "int4":
-        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
         q = MatMulNBitsQuantizer(graph, block_size=spec.group_size, is_symmetric=spec.symmetric,
                                  nodes_to_exclude=keep_float)
-        q.process()
-        q.model.save_model_to_file(str(dst))
-    else:
-        from onnxruntime.quantization import QuantType, quantize_dynamic
-        quantize_dynamic(graph, str(dst), weight_type=QuantType.QInt8, per_channel=True,
-                         op_types_to_quantize=["MatMul"], nodes_to_exclude=keep_float)
+    else:       # int8 weights in blocks along the input; w8a8 also rounds the input (ACCURACY_INT8)
+        level = ACCURACY_INT8 if spec.method == "w8a8" else ACCURACY_FLOAT
+        q = MatMulNBitsQuantizer(graph, bits=8, block_size=INT8_BLOCK, is_symmetric=True, accuracy_level=level,
+                                 nodes_to_exclude=keep_float)
+    q.process()
+    q.model.save_model_to_file(str(dst))
 
 
 def graph_quantization(spec) -> str:
@@ -127,8 +132,8 @@ def graph_quantization(spec) -> str:
     quantizers differ from llmd's torch modules of the same --quant (int8 there also quantizes the
     activations, and the head is quantized like every other product unless it is kept float)."""
     if spec.method in ("int8", "w8a8"):
-        body = ("int8 weights per output channel, activations quantized to uint8 per tensor at "
-                "each call (DynamicQuantizeLinear + MatMulInteger)")
+        body = (f"symmetric int8 weights in blocks of {INT8_BLOCK} (MatMulNBits), "
+                + ("activations rounded to int8 per block of each row" if spec.method == "w8a8" else "float activations"))
     elif spec.method == "int4":
         body = (f"{'symmetric' if spec.symmetric else 'asymmetric'} int4 weights in blocks of {spec.group_size} "
                 "(MatMulNBits), float activations")

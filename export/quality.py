@@ -10,17 +10,11 @@ All figures are teacher-forced over fixed windows of the same tokens:
 from __future__ import annotations
 
 import math
-import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-from llmd.training import corpus
-
-FALLBACK_FILES = ("textwrap.py", "json/decoder.py", "heapq.py", "bisect.py", "fractions.py")
-
 
 @dataclass(frozen=True)
 class Quality:
@@ -44,33 +38,42 @@ class Quality:
                 "measured_on": self.measured_on}
 
 
-def heldout_texts(eval_file: str | None = None, max_files: int = 8) -> tuple[list[str], str]:
-    """The user's file; else the demo corpus's held-out split; else a few stdlib files."""
-    if eval_file:
-        return [Path(eval_file).read_text(encoding="utf-8", errors="ignore")], str(eval_file)
+CALIBRATION_CHARS = 200_000
+EVAL_TEXT = Path(__file__).with_name("data") / "eval.txt"
+EVAL_SOURCE = "llmd's evaluation text (prose, questions and answers, code)"
+
+
+def heldout_texts(eval_file: str | None = None) -> tuple[list[str], str]:
+    """The user's file, else the text shipped with llmd (``export/data/eval.txt``, written for it):
+    stories, explanations, chat turns and code in Python, JavaScript, SQL and shell, interleaved, so a
+    chat model and a code model are both judged on what they do."""
+    path = Path(eval_file) if eval_file else EVAL_TEXT
+    return [path.read_text(encoding="utf-8", errors="ignore")], str(eval_file) if eval_file else EVAL_SOURCE
+
+
+def calibration_texts() -> list[str]:
+    """Text the int4 scale search and group size choice are tuned on, kept apart from the gate's text:
+    the Python documentation's topics that ship with Python (prose with code examples); llmd's
+    evaluation text where that module is absent."""
     try:
-        _, held = corpus.split(corpus.list_sources())
-        if held:
-            return [corpus.read_source(f) for f in held[:max_files]], "demo corpus held-out split"
-    except (ImportError, AttributeError, OSError):
-        pass
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = [root / f for f in FALLBACK_FILES if (root / f).is_file()]
-    return [f.read_text(encoding="utf-8", errors="ignore") for f in files], "stdlib files"
+        from pydoc_data.topics import topics
+    except ImportError:
+        return heldout_texts()[0]
+    return ["\n\n".join(topics[k] for k in sorted(topics))[:CALIBRATION_CHARS]]
 
 
 def token_windows(tokenizer, texts: list[str], window: int, count: int) -> torch.Tensor:
-    """Up to ``count`` windows of ``window`` tokens cut from the texts in order -> [n, window]. The ids
-    are within the model's vocabulary: the caller checked the tokenizer against it (``check_vocab``)."""
+    """Up to ``count`` windows of ``window`` tokens, spread evenly over the texts (so a long text is
+    sampled from beginning to end, not only its start) -> [n, window]. The ids are within the model's
+    vocabulary: the caller checked the tokenizer against it (``check_vocab``)."""
     ids: list[int] = []
     for t in texts:
         ids.extend(tokenizer.encode(t, add_special_tokens=False))
-        if len(ids) >= window * count:
-            break
     n = min(count, len(ids) // window)
     if n == 0:
         raise ValueError(f"held-out text too short: {len(ids)} tokens, need at least {window}")
-    return torch.tensor(ids[:n * window], dtype=torch.long).view(n, window)
+    stride = len(ids) // n
+    return torch.tensor([ids[i * stride:i * stride + window] for i in range(n)], dtype=torch.long)
 
 
 @dataclass(frozen=True)
@@ -124,3 +127,15 @@ def compare(reference: Predictions, quantized: Predictions, draft: Predictions |
     return Quality(math.exp(reference.nll.mean().item()), math.exp(quantized.nll.mean().item()),
                    (reference.top1 == quantized.top1).float().mean().item(), acceptance,
                    reference.top1.numel(), source, measured_on)
+
+
+def gate_failures(q: Quality, max_ppl_increase: float, min_top1_agreement: float) -> list[str]:
+    """What the quality gate refuses in ``q`` (limits in percent), one sentence each, naming the flag."""
+    failures = []
+    if not 100 * q.ppl_increase <= max_ppl_increase:
+        failures.append(f"perplexity rose {100 * q.ppl_increase:.2f} % ({q.ppl_reference:.3f} -> {q.ppl_quantized:.3f}), "
+                        f"more than the {max_ppl_increase:g} % --max-ppl-increase allows")
+    if not 100 * q.top1_agreement >= min_top1_agreement:
+        failures.append(f"top-1 agreement with the float model is {100 * q.top1_agreement:.2f} %, below the "
+                        f"{min_top1_agreement:g} % --min-top1-agreement asks")
+    return failures

@@ -8,7 +8,7 @@ import pytest
 
 from llmd import LLM, SamplingParams
 from llmd.cli import main
-from llmd.export.cli import ExportOptions, export_engine
+from llmd.export.cli import GATE_EXIT, ExportOptions, export_engine
 from llmd.runtime.formats.engine_dir import load_engine_draft
 from llmd.runtime.formats.manifest import read_manifest
 from llmd.export.quality import heldout_texts
@@ -39,8 +39,8 @@ def int8_engine(source, draft_source, tmp_path_factory):
 
 
 def prompts(tokenizer, n=10, length=24):
-    texts, _ = heldout_texts()
-    ids = tokenizer.encode("".join(texts[:2]), add_special_tokens=False)
+    from llmd.bench.bench_spec import completion_prompts
+    ids = tokenizer.encode("".join(completion_prompts(2 * n)), add_special_tokens=False)
     return [ids[i * length:(i + 1) * length] for i in range(n)]
 
 
@@ -148,19 +148,59 @@ def test_quality_gate_fails_the_export_and_writes_nothing(source, tmp_path, caps
     # A random model's perplexity may move either way under quantization; measure the change
     # first, then set the limit just below it (fails) and just above it (passes).
     args = ["export", "--target", str(source), "--quant", "int4", "--group-size", "32",
-            "--eval-windows", "2", "--eval-tokens", "64"]
-    measured = export_engine(ExportOptions(str(source), str(tmp_path / "probe"), quant="int4", group_size=32, **FAST))
+            "--eval-windows", "2", "--eval-tokens", "64", "--min-top1-agreement", "0"]
+    measured = export_engine(ExportOptions(str(source), str(tmp_path / "probe"), quant="int4", group_size=32,
+                                           accept_loss=True, **FAST))
     increase = 100 * measured["quality"]["ppl_increase"]
     out = tmp_path / "gated"
-    assert main(args + ["--max-ppl-increase", str(increase - 0.01), "--out", str(out)]) == 3
+    assert main(args + ["--max-ppl-increase", str(increase - 0.01), "--out", str(out)]) == GATE_EXIT
     assert "quality gate failed" in capsys.readouterr().err
     assert not out.exists() and list(tmp_path.glob(".gated.partial*")) == []
     assert main(args + ["--max-ppl-increase", str(increase + 0.01), "--out", str(out)]) == 0
     assert (out / "manifest.json").exists()
     before = (out / "manifest.json").read_bytes()
     # a failed gate over an existing engine leaves it whole
-    assert main(args + ["--max-ppl-increase", str(increase - 0.01), "--out", str(out), "--force"]) == 3
+    assert main(args + ["--max-ppl-increase", str(increase - 0.01), "--out", str(out), "--force"]) == GATE_EXIT
     assert (out / "manifest.json").read_bytes() == before and read_manifest(out)
+
+
+def test_the_gate_is_on_by_default_and_refuses_a_damaged_export_naming_the_flag(tmp_path, capsys, monkeypatch):
+    """The bundled target, its weights damaged by the export's quantizer (noise added to every matrix as
+    it is quantized): with no gate flag given, the export is refused with the gate's exit status, the
+    message names the flag that accepts the loss, and nothing is written; with that flag it is written
+    and the manifest says the loss was accepted."""
+    import torch
+
+    from llmd.export import quantize
+    target = REPO / "models" / "code-target"
+    real = quantize.Int8Linear.load_weight
+    gen = torch.Generator().manual_seed(0)
+
+    def damaged(self, w):
+        real(self, w + 0.5 * w.float().std() * torch.randn(w.shape, generator=gen))
+    monkeypatch.setattr(quantize.Int8Linear, "load_weight", damaged)
+    args = ["export", "--target", str(target), "--quant", "int8", "--eval-windows", "2", "--eval-tokens", "64"]
+    out = tmp_path / "damaged"
+    assert main(args + ["--out", str(out)]) == GATE_EXIT
+    err = capsys.readouterr().err
+    assert "quality gate failed" in err and "--accept-loss" in err and "Traceback" not in err
+    assert ("--max-ppl-increase" in err or "--min-top1-agreement" in err) and not out.exists()
+    assert main(args + ["--out", str(out), "--accept-loss"]) == 0
+    assert "written because --accept-loss was given" in capsys.readouterr().out
+    gate = read_manifest(out)["quality"]["gate"]
+    assert not gate["passed"] and gate["accepted_loss"] and gate["max_ppl_increase"] == 5.0
+
+
+def test_the_gate_measures_llmds_own_text_by_default(tmp_path):
+    """Without --eval-file the windows come from the text shipped in the package (prose and code), spread
+    over all of it; the bundled target's default int8 export passes the default gate on it."""
+    from llmd.export.quality import EVAL_TEXT, heldout_texts
+    texts, source = heldout_texts()
+    assert texts == [EVAL_TEXT.read_text(encoding="utf-8")] and "evaluation text" in source
+    assert "def " in texts[0] and "The capital of France is Paris" in texts[0]
+    target = REPO / "models" / "code-target"
+    q = export_engine(ExportOptions(str(target), str(tmp_path / "e"), quant="int8", **FAST))["quality"]
+    assert q["source"] == source and q["gate"]["passed"]
 
 
 def test_export_refuses_to_overwrite_its_source_or_a_directory_that_is_not_an_engine(source, tmp_path, capsys):
@@ -201,7 +241,10 @@ def test_engine_dir_round_trip_is_exact(source, model_factory, tmp_path, quant, 
     if extra.pop("untied", False):
         source = model_factory("untied", hidden=64, intermediate=128, layers=1, tie=False)
     out = tmp_path / "rt"
-    export_engine(ExportOptions(str(source), str(out), quant=quant, **extra, **FAST))
+    # a random model: the gate's limits are not the point here, nor is the int4 scale search (which
+    # changes the float weights before rounding); the directory must load back exactly
+    export_engine(ExportOptions(str(source), str(out), quant=quant, **extra, **FAST, accept_loss=True,
+                                scale_search=False))
     before = quantize_model(load_model(source), QuantSpec(quant, **extra))
     before.prepare_for_inference()
     prepare_quantized(before)
@@ -233,6 +276,7 @@ def test_a_compiled_backend_with_another_kv_dtype_is_refused_before_any_work(sou
     (["--eval-tokens", "0"], "--eval-tokens must be at least 2"),
     (["--eval-windows", "0"], "--eval-windows must be at least 1"),
     (["--max-ppl-increase", "nan"], "--max-ppl-increase must be a finite percentage"),
+    (["--min-top1-agreement", "101"], "--min-top1-agreement must be a percentage from 0 to 100"),
     (["--eval-tokens", "100000"], "longer than the target's context window"),
 ])
 def test_bad_export_flags_are_refused_with_a_message(source, tmp_path, capsys, flags, match):

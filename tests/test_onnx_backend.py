@@ -26,7 +26,7 @@ def source(model_factory):
 
 def export(source, out, quant, group_size=128):
     export_engine(ExportOptions(str(source), str(out), quant=quant, group_size=group_size, backend="onnxruntime",
-                                eval_windows=1, eval_tokens=32))
+                                eval_windows=1, eval_tokens=32, accept_loss=True))      # a random model
     return create_backend("onnxruntime", out, read_manifest(out))
 
 
@@ -85,8 +85,8 @@ def test_onnx_step_logits_match_torch_forward_dense(source, tmp_path):
     assert torch.allclose(logits2, ref[4:], atol=1e-4, rtol=1e-4)
 
 
-# int8: onnxruntime fuses DynamicQuantizeLinear + MatMulInteger into DynamicQuantizeMatMul
-@pytest.mark.parametrize("quant,ops,group", [("int8", {"MatMulInteger", "DynamicQuantizeMatMul"}, 128),
+# int8: 8-bit weight blocks; activations are never quantized once per tensor (DynamicQuantizeLinear)
+@pytest.mark.parametrize("quant,ops,group", [("int8", {"MatMulNBits"}, 128),
                                              ("int4", {"MatMulNBits"}, 32)])
 def test_quantized_onnx_uses_integer_kernels_and_stays_close(source, tmp_path, quant, ops, group):
     """Teacher-forced on one prompt: onnxruntime's quantized graph agrees with the float model about
@@ -98,6 +98,7 @@ def test_quantized_onnx_uses_integer_kernels_and_stays_close(source, tmp_path, q
     backend = export(source, tmp_path / quant, quant, group)
     graph = onnx.load(str(tmp_path / quant / "onnx" / "target.onnx"))
     assert any(n.op_type in ops for n in graph.graph.node)
+    assert not any(n.op_type in ("DynamicQuantizeLinear", "DynamicQuantizeMatMul") for n in graph.graph.node)
     ids = torch.tensor([(7 * i * i + 3 * i) % 400 + 1 for i in range(48)])
     ref = load_model(source)
     mine = quantize_model(load_model(source), QuantSpec(quant, group_size=group, head="float"))
@@ -138,7 +139,7 @@ def test_a_float_head_stays_float_in_the_graph(source, tmp_path, quant):
     def head_op(head):
         out = tmp_path / f"{quant}-{head}"
         export_engine(ExportOptions(str(source), str(out), quant=quant, head=head, group_size=32,
-                                    backend="onnxruntime", eval_windows=1, eval_tokens=32))
+                                    backend="onnxruntime", eval_windows=1, eval_tokens=32, accept_loss=True))
         graph = onnx.load(str(out / read_manifest(out)["artifacts"]["onnx"]))
         made_by = {o: n for n in graph.graph.node for o in n.output}
         return made_by[graph.graph.output[0].name].op_type
@@ -161,8 +162,8 @@ def test_the_quality_gate_measures_the_onnx_graph_that_ships(source, tmp_path):
                                     eval_windows=2, eval_tokens=32))["quality"]
     assert q["measured_on"] == "onnxruntime graph"
     assert read_manifest(out)["quality"]["measured_on"] == "onnxruntime graph"
-    # and the manifest says how the graph was quantized, which is not llmd's weight-only int8
-    assert "activations quantized" in read_manifest(out)["artifacts"]["onnx_quantization"]
+    # and the manifest says how the graph was quantized, which is not llmd's int8 (one scale per row)
+    assert "blocks of 32 (MatMulNBits)" in read_manifest(out)["artifacts"]["onnx_quantization"]
     windows = token_windows(Tokenizer.from_dir(source), heldout_texts()[0], 32, 2)
     backend = create_backend("onnxruntime", out, read_manifest(out), device="cpu")
     cfg = ModelConfig.from_dir(source)
@@ -186,3 +187,23 @@ def test_the_gate_steps_a_backend_through_a_window_as_the_engine_would(source, t
     stepped = BackendModel(backend, cfg, chunk=3).forward_dense(windows)
     assert whole.shape == stepped.shape == (2, 20, cfg.vocab_size)
     assert torch.allclose(whole, stepped, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow     # 200 prompts of 32 tokens through one-sequence-per-call onnxruntime steps
+
+def test_onnxruntime_int8_keeps_greedy_tokens_of_held_out_prompts_on_the_demo_target(tmp_path):
+    """The bundled target exported for onnxruntime with --quant int8 (8-bit weight blocks, float
+    activations): 32 greedy tokens identical to the float model's for >= 90 % of 200 held-out prompts,
+    as the torch int8 engine is held to."""
+    from pathlib import Path
+
+    from llmd.bench.bench_spec import completion_prompts
+    target = Path(__file__).resolve().parents[1] / "models" / "code-target"
+    out = tmp_path / "ort-int8"
+    export_engine(ExportOptions(str(target), str(out), quant="int8", backend="onnxruntime",
+                                eval_windows=2, eval_tokens=64))
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    prompts = completion_prompts(200)
+    ref = [o.token_ids for o in LLM(str(target), kv_memory="16MiB").generate(prompts, params)]
+    got = [o.token_ids for o in LLM(str(out), kv_memory="16MiB").generate(prompts, params)]
+    assert sum(a == b for a, b in zip(got, ref)) >= 0.9 * len(prompts)
