@@ -118,7 +118,7 @@ class CompletionStats:
     """Outcome counts and the latencies (ms) of the last ``window`` answered requests."""
 
     OUTCOMES = ("completed", "cache_hit", "debounced", "replaced", "cancelled", "empty", "error",
-                "prefilled", "prefill_replaced")
+                "prefilled", "prefill_replaced", "prefill_error")
 
     def __init__(self, window: int = 1000):
         self.counts = dict.fromkeys(self.OUTCOMES, 0)
@@ -199,9 +199,8 @@ class CompletionService:
             self._observe(prompt, final)
             if whole and isinstance(final, Done) and final.finish_reason != "cancelled":
                 self._warm.add(uri)
-            if not (isinstance(final, Error) and final.code == "invalid_request" and "context" in final.message):
+            if not self._too_long(final, budget):
                 break
-            self._chars_per_token = budget.chars_per_token / 2
         return raw, final
 
     async def full_budget(self) -> FimBudget:
@@ -218,6 +217,14 @@ class CompletionService:
             return full, True
         cut = speed_budget(full, self.rate.tokens_per_s, self.config.target_ms)
         return cut, cut == full
+
+    def _too_long(self, final, budget: FimBudget) -> bool:
+        """Did the daemon refuse the prompt as longer than the context? Then the characters-per-token
+        ratio was optimistic: halve it for the next prompt."""
+        if isinstance(final, Error) and final.code == "invalid_request" and "context" in final.message:
+            self._chars_per_token = budget.chars_per_token / 2
+            return True
+        return False
 
     def _observe(self, prompt, final) -> None:
         if isinstance(final, Done) and final.usage.get("prompt_tokens"):
@@ -248,15 +255,15 @@ class CompletionService:
         # the window shares up to itself
         offset = len(head_at_line(text, budget.chars(budget.prefix_tokens)))
         prompt = build_fim(text, offset, others, budget)
-        final = await self._prefill(prompt, warm_key(uri), "batch")
+        final = await self._prefill(prompt, budget, warm_key(uri), "batch")
         if isinstance(final, Done) and final.finish_reason != "cancelled":
             self._warm.add(uri)
 
     async def _prefill_edit(self, uri, text, offset, others) -> None:
         budget, _ = await self.budget(uri)
-        await self._prefill(build_fim(text, offset, others, budget), replace_key(uri), "interactive")
+        await self._prefill(build_fim(text, offset, others, budget), budget, replace_key(uri), "interactive")
 
-    async def _prefill(self, prompt, key: str, priority: str):
+    async def _prefill(self, prompt, budget: FimBudget, key: str, priority: str):
         start = time.perf_counter()
         final = None
         try:
@@ -269,10 +276,13 @@ class CompletionService:
                 await stream.aclose()
             final = stream.final
             self._observe(prompt, final)
+            if isinstance(final, Error) and not self._too_long(final, budget):
+                log.warning("daemon refused the prefill: %s: %s", final.code, final.message)
         except ClientError as e:
             log.warning("prefill failed: %s", e)
         cancelled = isinstance(final, Done) and final.finish_reason == "cancelled"
-        outcome = "prefilled" if isinstance(final, Done) and not cancelled else "prefill_replaced" if cancelled else "error"
+        outcome = "prefilled" if isinstance(final, Done) and not cancelled else \
+            "prefill_replaced" if cancelled else "prefill_error"
         self.stats.record(outcome, 1000 * (time.perf_counter() - start))
         return final
 
