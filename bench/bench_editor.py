@@ -173,6 +173,41 @@ def ratio(base, new) -> str:
     return "-" if not base or not new else f"{base / new:.2f}x"
 
 
+def partial_reuse(model: str, threads: int, rounds: int = 7) -> None:
+    """Partial-block reuse on its own, in one process: after a prompt-only request for a prompt of
+    250-256 tokens (a partly filled last block), the same prompt again and the prompt extended by 3
+    tokens, with partly matching blocks copied and without (full blocks only)."""
+    import statistics
+
+    from llmd import LLM
+    from llmd.runtime.request import SamplingParams
+
+    llm = LLM(model, threads=threads, kv_memory="64MiB")
+    ids = llm.tokenizer.encode(default_file().read_text(encoding="utf-8", errors="ignore"))[:270]
+    one = SamplingParams(max_tokens=1)
+
+    def timed(prompt):
+        t = time.perf_counter()
+        out = llm.generate(prompt, one)[0]
+        return 1000 * (time.perf_counter() - t), len(prompt) - out.metrics["cached_tokens"]
+
+    def run(on: bool):
+        llm.engine.block_manager.reuse_partial_blocks = on
+        rows = []
+        for r in range(rounds):
+            llm.engine.block_manager.reset_prefix_cache()
+            p = ids[:250 + r]
+            llm.generate(p, SamplingParams(max_tokens=1, prompt_only=True))
+            rows.append(timed(p) + timed(p + ids[260:263]))
+        return [statistics.median(col) for col in zip(*rows)]
+
+    for _ in range(2):
+        off, on = run(False), run(True)
+        print(f"same prompt again: {off[0]:.1f} -> {on[0]:.1f} ms ({off[0] / on[0]:.2f}x), computed tokens "
+              f"{off[1]:.0f} -> {on[1]:.0f}; extended by 3 tokens: {off[2]:.1f} -> {on[2]:.1f} ms "
+              f"({off[2] / on[2]:.2f}x), computed tokens {off[3]:.0f} -> {on[3]:.0f}")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="model directory for a daemon started here (e.g. models/code-target)")
@@ -195,11 +230,18 @@ def main() -> int:
                    "e.g. --lsp-arg=--target-ms=300")
     p.add_argument("--baseline", action="store_true", help="first run the language server without prefill and "
                    "cold windows (--no-prefill --target-ms 1e9), each run against its own fresh daemon")
+    p.add_argument("--partial-reuse", action="store_true", help="instead of typing: time partial-block reuse "
+                   "on its own (in this process, with --model), copied blocks on and off side by side")
     p.add_argument("--log-file", help="the language server's log (default: none)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     args = p.parse_args()
     if not (args.model or args.socket):
         p.error("give --model (start a daemon) or --socket (use a running one)")
+    if args.partial_reuse:
+        if not args.model:
+            p.error("--partial-reuse runs the model in this process: give --model")
+        partial_reuse(args.model, args.threads)
+        return 0
     if args.baseline and args.socket:
         p.error("--baseline starts a fresh daemon per run: give --model, not --socket")
     path = Path(args.file) if args.file else default_file()

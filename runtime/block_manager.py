@@ -77,6 +77,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_cache = enable_prefix_cache
+        self.reuse_partial_blocks = True          # copy partly matching blocks (off: full blocks only, to compare)
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # left = evict first
         self.cached: dict[int, int] = {}          # key -> block id
@@ -125,7 +126,7 @@ class BlockManager:
         """The cached block after ``parent`` sharing the most leading tokens (at most ``limit``) with
         the request's tokens from ``start``, and how many it shares."""
         best, best_m = -1, 0
-        if limit <= 0:
+        if limit <= 0 or not self.reuse_partial_blocks:
             return best, 0
         for block_id in self.followers.get(follower_anchor(parent, request.cache_salt), ()):
             block = self.blocks[block_id]
