@@ -30,15 +30,18 @@ import asyncio
 import contextlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from llmd import LLM
 from llmd.clients.client import Client, ClientError
 from llmd.clients.lsp_probe import LspProbe
 from llmd.clients.lsp_service import percentile
+from llmd.runtime.request import SamplingParams
 from llmd.training.corpus import list_sources, split
 
 REPO = Path(__file__).resolve().parents[1]
@@ -177,11 +180,6 @@ def partial_reuse(model: str, threads: int, rounds: int = 7) -> None:
     """Partial-block reuse on its own, in one process: after a prompt-only request for a prompt of
     250-256 tokens (a partly filled last block), the same prompt again and the prompt extended by 3
     tokens, with partly matching blocks copied and without (full blocks only)."""
-    import statistics
-
-    from llmd import LLM
-    from llmd.runtime.request import SamplingParams
-
     llm = LLM(model, threads=threads, kv_memory="64MiB")
     ids = llm.tokenizer.encode(default_file().read_text(encoding="utf-8", errors="ignore"))[:270]
     one = SamplingParams(max_tokens=1)
