@@ -84,6 +84,10 @@ def add_lsp_parser(subparsers) -> None:
     a("--chars-per-token", type=float, default=3.0, help="characters counted as one token (default 3)")
     a("--debounce-ms", type=float, default=15.0, help="wait this long for a newer keystroke first (default 15)")
     a("--cache-size", type=int, default=64, help="recent suggestions kept for reuse (default 64)")
+    a("--no-prefill", action="store_true", help="do not send a document's prompt ahead on open and on each edit "
+      "(prompt-only requests that put it in the daemon's cache before the completion is asked for)")
+    a("--target-ms", type=float, default=150.0, help="until a document's window is cached, cut its prompt to what "
+      "the daemon computes in this many milliseconds, at its measured prompt rate (default 150)")
     a("--log-file", help="write the log (each request's outcome and latency) here instead of standard error")
     a("--log-level", default="info", choices=("debug", "info", "warning", "error"),
       help="how much the language server logs to standard error (default info)")

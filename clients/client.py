@@ -36,7 +36,7 @@ log = logging.getLogger("llmd.client")
 
 PROTOCOL_VERSIONS = [1]
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                 "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs")
+                 "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "prompt_only")
 
 
 class ClientError(Exception):

@@ -2,7 +2,8 @@
 
 Serves ``textDocument/inlineCompletion`` (LSP 3.18: ghost text) and ``textDocument/completion``
 (one item holding the same suggestion) for clients without inline completion. Documents are
-tracked by pygls from didOpen/didChange; the completion logic is in ``lsp_service``. The
+tracked by pygls from didOpen/didChange, and each also sends the document's prompt ahead as a
+prompt-only request (``CompletionService.opened`` / ``edited``); the completion logic is in ``lsp_service``. The
 command ``llmd.stats`` (workspace/executeCommand) answers outcome counts and latency
 percentiles; ``llmd.status`` the backend and which of its features are off. Speaks LSP over
 stdio; logs go to stderr or ``--log-file``.
@@ -18,6 +19,7 @@ from pygls.lsp.server import LanguageServer
 from llmd import __version__
 
 from .backend import backend_of
+from .http_backend import is_http
 from .lsp_prompt import FimBudget, display_path
 from .lsp_service import CompletionService, LspConfig
 
@@ -63,6 +65,22 @@ def build_server(config: LspConfig, service: Optional[CompletionService] = None)
                                     insert_text_format=types.InsertTextFormat.PlainText)
         return types.CompletionList(is_incomplete=True, items=[item])
 
+    @server.feature(types.TEXT_DOCUMENT_DID_OPEN)
+    def did_open(ls: LanguageServer, params: types.DidOpenTextDocumentParams):
+        uri = params.text_document.uri
+        service.opened(uri, ls.workspace.get_text_document(uri).source, other_documents(ls, uri))
+
+    @server.feature(types.TEXT_DOCUMENT_DID_CHANGE)
+    def did_change(ls: LanguageServer, params: types.DidChangeTextDocumentParams):
+        uri = params.text_document.uri
+        doc = ls.workspace.get_text_document(uri)
+        last = params.content_changes[-1] if params.content_changes else None
+        if last is None or getattr(last, "range", None) is None:
+            return                    # a whole-document replacement says nothing about the cursor
+        # the cursor after an edit: the end of the text the last change inserted
+        offset = min(doc.offset_at_position(last.range.start) + len(last.text), len(doc.source))
+        service.edited(uri, doc.source, offset, other_documents(ls, uri))
+
     @server.feature(types.TEXT_DOCUMENT_DID_CLOSE)
     def did_close(ls: LanguageServer, params: types.DidCloseTextDocumentParams):
         service.forget(params.text_document.uri)
@@ -85,8 +103,11 @@ def build_server(config: LspConfig, service: Optional[CompletionService] = None)
 def config_from_args(args) -> LspConfig:
     budget = FimBudget(prefix_tokens=args.prefix_tokens, suffix_tokens=args.suffix_tokens,
                        context_tokens=args.context_tokens, chars_per_token=args.chars_per_token)
-    return LspConfig(socket=backend_of(args), budget=budget, max_tokens=args.max_tokens, max_lines=args.max_lines,
-                     debounce_ms=args.debounce_ms, cache_size=args.cache_size)
+    backend = backend_of(args)
+    # prompt-only requests are llmd's own: over an HTTP backend, typing prefills nothing
+    return LspConfig(socket=backend, budget=budget, max_tokens=args.max_tokens, max_lines=args.max_lines,
+                     debounce_ms=args.debounce_ms, cache_size=args.cache_size,
+                     prefill=not args.no_prefill and not is_http(backend), target_ms=args.target_ms)
 
 
 def run_lsp(args) -> int:

@@ -6,6 +6,17 @@ document's ``replace`` key (the daemon cancels the document's previous infill st
 trim → cache store. A request that gives up, is replaced or is cancelled by the editor answers
 None. Every outcome is counted and every answered request's latency is logged.
 
+Prefill while typing: on every edit (``prefill``) the document's new prompt goes to the daemon as a
+prompt-only infill under the same ``replace`` key, interactive, so when the completion is asked for
+its prompt is already cached, or the completion takes over the prefill's computed blocks. A newly
+opened document gets a prompt-only infill of its whole window at batch priority under a key of its
+own (``warm_key``), which completions never replace.
+
+Prompt budget: until a document's window is known to be cached (its warm-up answered, or a completion
+with the whole window did), its prompt is cut to what the daemon computes within ``target_ms``, at
+the prompt rate measured from the daemon's own answers (``PromptRate``); the window then grows to
+the configured one.
+
 State: ``_latest`` (the newest request number per document) is written only by ``complete``;
 the cache and the stats are written only here too. All of it lives on the server's event loop.
 """
@@ -23,7 +34,7 @@ from .backend import async_client, features
 from .client import AsyncClient, ClientError
 from llmd.protocol import Done, Error, Token
 from .lsp_cache import CompletionCache
-from .lsp_prompt import FimBudget, build_fim, fit_budget
+from .lsp_prompt import FimBudget, build_fim, fit_budget, head_at_line
 from .lsp_trim import trim_suggestion
 
 log = logging.getLogger("llmd.lsp")
@@ -39,12 +50,16 @@ class LspConfig:
     cache_size: int = 64
     temperature: float = 0.0
     timeout_s: float = 10.0
+    prefill: bool = True            # prompt-only requests on open and on each edit
+    target_ms: float = 150.0        # a cold document's first completion should fit in this
 
     def __post_init__(self):
         if self.max_tokens < 1 or self.max_lines < 1:
             raise ValueError("max_tokens and max_lines must be >= 1")
         if self.debounce_ms < 0 or self.timeout_s <= 0:
             raise ValueError("debounce_ms must be >= 0 and timeout_s > 0")
+        if not self.target_ms > 0:
+            raise ValueError(f"--target-ms must be > 0, got {self.target_ms}")
         if self.cache_size < 0:
             raise ValueError(f"--cache-size must be >= 0, got {self.cache_size}")
 
@@ -52,6 +67,43 @@ class LspConfig:
 def replace_key(uri: str) -> str:
     """The daemon-side ``replace`` key of a document: one infill in flight per document."""
     return "lsp:" + hashlib.sha256(uri.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+def warm_key(uri: str) -> str:
+    """The ``replace`` key of a document's warm-up prefill (never replaced by a completion)."""
+    return "lsp-warm:" + hashlib.sha256(uri.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+MIN_PREFIX_TOKENS = 64
+
+
+class PromptRate:
+    """Prompt tokens per second the daemon computes, from the ``usage`` and ``timings`` of its
+    answers (a running average over answers that computed at least ``min_tokens``)."""
+
+    def __init__(self, min_tokens: int = 16):
+        self.min_tokens = min_tokens
+        self.tokens_per_s: Optional[float] = None
+
+    def observe(self, usage: dict, timings: dict) -> None:
+        computed = (usage.get("prompt_tokens") or 0) - (usage.get("cached_tokens") or 0)
+        ms = timings.get("prompt_ms") or 0
+        if computed < self.min_tokens or ms <= 0:
+            return
+        rate = computed / (ms / 1000)
+        self.tokens_per_s = rate if self.tokens_per_s is None else 0.7 * self.tokens_per_s + 0.3 * rate
+
+
+def speed_budget(budget: FimBudget, tokens_per_s: Optional[float], target_ms: float) -> FimBudget:
+    """``budget`` cut so its whole prompt is computed within ``target_ms`` at ``tokens_per_s``: the
+    other files' context goes first, then the prefix (never below ``MIN_PREFIX_TOKENS``); unknown
+    speed leaves it as it is."""
+    if tokens_per_s is None:
+        return budget
+    room = int(tokens_per_s * target_ms / 1000) - budget.suffix_tokens
+    prefix = max(MIN_PREFIX_TOKENS, min(budget.prefix_tokens, room))
+    context = max(0, min(budget.context_tokens, room - prefix))
+    return FimBudget(prefix, budget.suffix_tokens, context, budget.chars_per_token)
 
 
 def percentile(values: Sequence[float], q: float) -> Optional[float]:
@@ -66,7 +118,8 @@ def percentile(values: Sequence[float], q: float) -> Optional[float]:
 class CompletionStats:
     """Outcome counts and the latencies (ms) of the last ``window`` answered requests."""
 
-    OUTCOMES = ("completed", "cache_hit", "debounced", "replaced", "cancelled", "empty", "error")
+    OUTCOMES = ("completed", "cache_hit", "debounced", "replaced", "cancelled", "empty", "error",
+                "prefilled", "prefill_replaced", "prefill_error")
 
     def __init__(self, window: int = 1000):
         self.counts = dict.fromkeys(self.OUTCOMES, 0)
@@ -76,7 +129,7 @@ class CompletionStats:
         self.counts[outcome] += 1
         if outcome in ("completed", "cache_hit", "empty"):
             self.latencies_ms.append(ms)
-        log.info("completion %s in %.1f ms", outcome, ms)
+        log.info("%s in %.1f ms", outcome if outcome.startswith("prefill") else "completion " + outcome, ms)
 
     def snapshot(self) -> dict:
         lat = list(self.latencies_ms)
@@ -93,6 +146,9 @@ class CompletionService:
         self._serial = 0
         self._context_length: Optional[int] = None     # the model's, asked once
         self._chars_per_token: Optional[float] = None  # measured from answers; None: the configured one
+        self.rate = PromptRate()
+        self._warm: set[str] = set()                   # documents whose whole window is believed cached
+        self._tasks: set[asyncio.Task] = set()
 
     async def complete(self, uri: str, text: str, offset: int, others: Sequence[tuple[str, str]] = ()) -> Optional[str]:
         """A suggestion to insert at ``offset`` in document ``uri``, or None."""
@@ -137,21 +193,99 @@ class CompletionService:
     async def _ask(self, uri, text, offset, others) -> tuple[str, object]:
         """Build the prompt within the model's context and ask; a prompt the daemon finds too long
         (the ratio was optimistic) is retried once with half the characters per token."""
+        for _ in range(2):
+            budget, whole = await self.budget(uri)
+            prompt = build_fim(text, offset, others, budget)
+            raw, final = await self._infill(uri, prompt)
+            self._observe(prompt, final)
+            if whole and isinstance(final, Done) and final.finish_reason != "cancelled":
+                self._warm.add(uri)
+            if not self._too_long(final, budget):
+                break
+        return raw, final
+
+    async def full_budget(self) -> FimBudget:
+        """The configured budget within the model's context window (asked once)."""
         if self._context_length is None:
             models = await self.client.models()
             self._context_length = int(models[0].get("context_length") or 0) or None if models else None
-        for _ in range(2):
-            budget = fit_budget(self.config.budget, self._context_length, self.config.max_tokens + 8,
-                                self._chars_per_token)
-            prompt = build_fim(text, offset, others, budget)
-            raw, final = await self._infill(uri, prompt)
-            if isinstance(final, Done) and final.usage.get("prompt_tokens"):
-                chars = len(prompt.prefix) + len(prompt.suffix) + sum(len(p) + len(t) for p, t in prompt.files)
-                self._measure(chars / final.usage["prompt_tokens"])
-            if not (isinstance(final, Error) and final.code == "invalid_request" and "context" in final.message):
-                break
+        return fit_budget(self.config.budget, self._context_length, self.config.max_tokens + 8, self._chars_per_token)
+
+    async def budget(self, uri: str) -> tuple[FimBudget, bool]:
+        """The budget for a prompt in ``uri`` now, and whether it is the whole configured window."""
+        full = await self.full_budget()
+        if uri in self._warm:
+            return full, True
+        cut = speed_budget(full, self.rate.tokens_per_s, self.config.target_ms)
+        return cut, cut == full
+
+    def _too_long(self, final, budget: FimBudget) -> bool:
+        """Did the daemon refuse the prompt as longer than the context? Then the characters-per-token
+        ratio was optimistic: halve it for the next prompt."""
+        if isinstance(final, Error) and final.code == "invalid_request" and "context" in final.message:
             self._chars_per_token = budget.chars_per_token / 2
-        return raw, final
+            return True
+        return False
+
+    def _observe(self, prompt, final) -> None:
+        if isinstance(final, Done) and final.usage.get("prompt_tokens"):
+            chars = len(prompt.prefix) + len(prompt.suffix) + sum(len(p) + len(t) for p, t in prompt.files)
+            self._measure(chars / final.usage["prompt_tokens"])
+            self.rate.observe(final.usage, final.timings)
+
+    # ---- prefill while typing ------------------------------------------------------------
+    def opened(self, uri: str, text: str, others: Sequence[tuple[str, str]] = ()) -> None:
+        """A document was opened: warm its whole window at batch priority (in the background)."""
+        if self.config.prefill:
+            self._spawn(self._warm_up(uri, text, others))
+
+    def edited(self, uri: str, text: str, offset: int, others: Sequence[tuple[str, str]] = ()) -> None:
+        """The document changed, the cursor now at ``offset``: prefill the prompt the next completion
+        will send (interactive, under the completion's key, so the completion takes it over)."""
+        if self.config.prefill:
+            self._spawn(self._prefill_edit(uri, text, offset, others))
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _warm_up(self, uri, text, others) -> None:
+        budget = await self.full_budget()
+        # the cursor is unknown: its prompt runs from the start of the file, which any cursor within
+        # the window shares up to itself
+        offset = len(head_at_line(text, budget.chars(budget.prefix_tokens)))
+        prompt = build_fim(text, offset, others, budget)
+        final = await self._prefill(prompt, budget, warm_key(uri), "batch")
+        if isinstance(final, Done) and final.finish_reason != "cancelled":
+            self._warm.add(uri)
+
+    async def _prefill_edit(self, uri, text, offset, others) -> None:
+        budget, _ = await self.budget(uri)
+        await self._prefill(build_fim(text, offset, others, budget), budget, replace_key(uri), "interactive")
+
+    async def _prefill(self, prompt, budget: FimBudget, key: str, priority: str):
+        start = time.perf_counter()
+        final = None
+        try:
+            stream = await self.client.infill(prompt.prefix, prompt.suffix, files=list(prompt.files) or None,
+                                              replace=key, max_tokens=1, priority=priority, prompt_only=True)
+            try:
+                async for _ in stream:
+                    pass
+            finally:
+                await stream.aclose()
+            final = stream.final
+            self._observe(prompt, final)
+            if isinstance(final, Error) and not self._too_long(final, budget):
+                log.warning("daemon refused the prefill: %s: %s", final.code, final.message)
+        except ClientError as e:
+            log.warning("prefill failed: %s", e)
+        cancelled = isinstance(final, Done) and final.finish_reason == "cancelled"
+        outcome = "prefilled" if isinstance(final, Done) and not cancelled else \
+            "prefill_replaced" if cancelled else "prefill_error"
+        self.stats.record(outcome, 1000 * (time.perf_counter() - start))
+        return final
 
     def _measure(self, ratio: float) -> None:
         """Move the characters-per-token estimate toward an observed ratio (a running average)."""
@@ -178,7 +312,10 @@ class CompletionService:
 
     def forget(self, uri: str) -> None:
         self._latest.pop(uri, None)
+        self._warm.discard(uri)
         self.cache.forget(uri)
 
     async def aclose(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
         await self.client.aclose()

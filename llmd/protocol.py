@@ -93,6 +93,7 @@ class Sampling(_Message):
     stop_token_ids: Annotated[list[TokenId], Field(max_length=64)] = []
     ignore_eos: bool = False
     logprobs: Optional[Annotated[int, Field(ge=0, le=20)]] = None
+    prompt_only: bool = False
 
 
 Priority = Literal["interactive", "normal", "batch"]

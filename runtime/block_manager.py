@@ -10,6 +10,14 @@ a request's tail before its head), and a keyed block is only forgotten when it i
 A lookup also compares the stored tokens and parent key. The digest is cryptographic so that
 nobody can make two keys meet on purpose: a request can only hit blocks written under its own salt.
 
+A prompt's tokens past its last cached full block are looked for too, among the blocks that follow
+the same parent (found under an anchor key: the parent's key and the salt, no tokens): cached full
+blocks, and the partly filled last blocks that requests leave behind (their computed tokens are
+remembered when the request lets them go). The one sharing the most leading tokens is copied: the
+request gets a fresh block, and the engine copies those slots' keys and values into it before the
+step runs (``take_copies``). So a prompt that extends a finished or prefilled one, or repeats one,
+computes only its new tokens, and no block is ever written by two requests.
+
 The block manager is the only writer of reference counts, keys, the free list and request.block_ids.
 """
 from __future__ import annotations
@@ -24,17 +32,18 @@ from .request import Request
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "key", "parent_key", "tokens")
+    __slots__ = ("block_id", "ref_count", "key", "parent_key", "tokens", "anchor")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
-        self.key: Optional[int] = None
+        self.key: Optional[int] = None           # a full block's key
         self.parent_key: Optional[int] = None
-        self.tokens: Optional[tuple] = None
+        self.tokens: Optional[tuple] = None      # a full block's tokens, or a partial block's computed ones
+        self.anchor: Optional[int] = None        # where lookups find it as a follower of its parent
 
     def forget(self) -> None:
-        self.key = self.parent_key = self.tokens = None
+        self.key = self.parent_key = self.tokens = self.anchor = None
 
 
 @dataclass(frozen=True)
@@ -43,9 +52,15 @@ class PrefixHit:
 
     block_ids: tuple[int, ...]
     num_tokens: int
+    copy_from: Optional[int] = None     # a block whose first (num_tokens - full blocks) slots are copied
 
 
 ROOT_KEY = 0
+
+
+def follower_anchor(parent_key: int, salt: Optional[str]) -> int:
+    """The key the blocks after ``parent_key`` are found under (a full block's key hashes tokens)."""
+    return block_key(parent_key, (), salt)
 
 
 def block_key(parent_key: int, tokens: tuple, salt: Optional[str]) -> int:
@@ -62,9 +77,12 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_cache = enable_prefix_cache
+        self.reuse_partial_blocks = True          # copy partly matching blocks (off: full blocks only, to compare)
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # left = evict first
         self.cached: dict[int, int] = {}          # key -> block id
+        self.followers: dict[int, list[int]] = {}  # anchor -> cached blocks (full or partial) after that parent
+        self._copies: list[tuple[int, int, int]] = []  # (source, destination, slots) for the engine to copy
         self.prompt_tokens_queried = 0
         self.prompt_tokens_hit = 0
         self.evictions = 0
@@ -98,7 +116,31 @@ class BlockManager:
                 break
             ids.append(block_id)
             parent = block.key
-        return PrefixHit(tuple(ids), len(ids) * bs)
+        start = len(ids) * bs
+        block_id, m = self._best_follower(request, parent, start, min(bs - 1, request.num_tokens - 1 - start))
+        if m:
+            return PrefixHit(tuple(ids), start + m, copy_from=block_id)
+        return PrefixHit(tuple(ids), start)
+
+    def _best_follower(self, request: Request, parent: int, start: int, limit: int) -> tuple[int, int]:
+        """The cached block after ``parent`` sharing the most leading tokens (at most ``limit``) with
+        the request's tokens from ``start``, and how many it shares."""
+        best, best_m = -1, 0
+        if limit <= 0 or not self.reuse_partial_blocks:
+            return best, 0
+        for block_id in self.followers.get(follower_anchor(parent, request.cache_salt), ()):
+            block = self.blocks[block_id]
+            if block.parent_key != parent:
+                continue
+            want = request.token_ids[start:start + min(limit, len(block.tokens))]
+            m = 0
+            for a, b in zip(block.tokens, want):
+                if a != b:
+                    break
+                m += 1
+            if m > best_m:
+                best, best_m = block_id, m
+        return best, best_m
 
     def can_allocate(self, hit: PrefixHit, num_tokens: int) -> bool:
         """Could a new request hold `num_tokens` slots, reusing `hit`?"""
@@ -119,6 +161,15 @@ class BlockManager:
             self.prompt_tokens_queried += request.num_prompt_tokens
             self.prompt_tokens_hit += min(hit.num_tokens, request.num_prompt_tokens)
         self.append(request, num_tokens)
+        if hit.copy_from is not None:
+            slots = hit.num_tokens - len(hit.block_ids) * self.block_size
+            self._copies.append((hit.copy_from, request.block_ids[len(hit.block_ids)], slots))
+
+    def take_copies(self) -> list[tuple[int, int, int]]:
+        """The (source block, destination block, slots) copies allocations asked for since the last
+        call; the engine makes them before the step's forward, while every source is still intact."""
+        copies, self._copies = self._copies, []
+        return copies
 
     def append(self, request: Request, num_tokens: int) -> None:
         """Grow the request's block table to hold `num_tokens` slots."""
@@ -127,16 +178,18 @@ class BlockManager:
         for _ in range(need):
             block_id, _ = self.free.popitem(last=False)
             block = self.blocks[block_id]
-            if block.key is not None:
-                if self.cached.get(block.key) == block_id:
+            if block.key is not None or block.anchor is not None:
+                if block.key is not None and self.cached.get(block.key) == block_id:
                     del self.cached[block.key]
+                self._unfollow(block)
                 block.forget()
                 self.evictions += 1
             block.ref_count = 1
             request.block_ids.append(block_id)
 
     def free_request(self, request: Request) -> None:
-        """Release every block of the request, tail first."""
+        """Release every block of the request, tail first, remembering a partly computed tail block."""
+        self._remember_tail(request)
         for block_id in reversed(request.block_ids):
             self._release(self.blocks[block_id])
         request.block_ids = []
@@ -164,15 +217,53 @@ class BlockManager:
                 tokens = tuple(request.token_ids[i * bs:(i + 1) * bs])
                 key = block_key(parent, tokens, request.cache_salt)
                 block.key, block.parent_key, block.tokens = key, parent, tokens
-                self.cached.setdefault(key, block.block_id)
+                if self.cached.setdefault(key, block.block_id) == block.block_id:
+                    self._follow(block, request.cache_salt)
             parent = block.key
 
     def reset_prefix_cache(self) -> None:
         for block_id in list(self.cached.values()):
             self.blocks[block_id].forget()
+        for ids in self.followers.values():
+            for block_id in ids:
+                self.blocks[block_id].forget()
         self.cached.clear()
+        self.followers.clear()
 
     # ---- internals -----------------------------------------------------------------------
+    def _remember_tail(self, request: Request) -> None:
+        """Key the request's last block by its computed tokens when it is partly filled and only
+        this request holds it (so it will be free), its parent being keyed."""
+        if not self.enable_prefix_cache:
+            return
+        bs = self.block_size
+        n = min(request.num_computed_tokens, request.num_tokens)
+        index = n // bs
+        if n % bs == 0 or index >= len(request.block_ids):
+            return
+        block = self.blocks[request.block_ids[index]]
+        parent = ROOT_KEY if index == 0 else self.blocks[request.block_ids[index - 1]].key
+        if parent is None or block.ref_count != 1 or block.key is not None:
+            return
+        self._unfollow(block)
+        block.tokens, block.parent_key = tuple(request.token_ids[index * bs:n]), parent
+        self._follow(block, request.cache_salt)
+
+    def _follow(self, block: Block, salt: Optional[str]) -> None:
+        block.anchor = follower_anchor(block.parent_key, salt)
+        self.followers.setdefault(block.anchor, []).append(block.block_id)
+
+    def _unfollow(self, block: Block) -> None:
+        """Drop a block from the follower lookup (evicted)."""
+        if block.anchor is None:
+            return
+        ids = self.followers.get(block.anchor)
+        if ids is not None and block.block_id in ids:
+            ids.remove(block.block_id)
+            if not ids:
+                del self.followers[block.anchor]
+        block.anchor = None
+
     def _take(self, block: Block) -> None:
         if block.ref_count == 0:
             del self.free[block.block_id]
@@ -183,7 +274,7 @@ class BlockManager:
         assert block.ref_count >= 0
         if block.ref_count == 0:
             self.free[block.block_id] = None
-            if block.key is None:
+            if block.key is None and block.anchor is None:
                 self.free.move_to_end(block.block_id, last=False)
 
     def stats(self) -> dict:
@@ -192,6 +283,7 @@ class BlockManager:
             "kv_blocks_used": self.num_used_blocks,
             "kv_blocks_free": self.num_free_blocks,
             "kv_blocks_cached": len(self.cached),
+            "kv_blocks_partial": sum(1 for ids in self.followers.values() for b in ids if self.blocks[b].key is None),
             "kv_usage": self.num_used_blocks / self.num_blocks,
             "prefix_hit_rate": self.prompt_tokens_hit / self.prompt_tokens_queried if self.prompt_tokens_queried else 0.0,
             "prefix_tokens_hit": self.prompt_tokens_hit,

@@ -177,6 +177,8 @@ class Engine:
         if self.proposer is not None:
             for req in sched.preempted:
                 self.proposer.reset(req)
+        for src, dst, n in self.block_manager.take_copies():      # partly cached blocks, before any write
+            self.runner.copy_slots(src, dst, n)
         if sched.empty:
             return outputs
         try:
@@ -202,7 +204,11 @@ class Engine:
             if k:
                 proposed, accepted = proposed + k, accepted + len(tokens) - 1
                 self._after_verify(s.request, k, len(tokens) - 1, old_len, proposals.get(id(s)))
-            if tokens:
+            if s.request.params.prompt_only:
+                if tokens:        # the whole prompt is in the cache: nothing is generated
+                    self.scheduler.finish(s.request, FinishReason.LENGTH)
+                    touched.append(s.request)
+            elif tokens:
                 self._accept(s.request, tokens)
                 touched.append(s.request)
             if not s.request.is_finished:

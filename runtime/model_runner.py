@@ -94,6 +94,19 @@ class ModelRunner:
         self.attn = cls.attention(self.k_pool, self.v_pool, block_size, scales, reference=reference_attention)
         self.execution = cls(model, self.attn, backend) if backend is not None else cls(model, self.attn)
 
+    @torch.inference_mode()
+    def copy_slots(self, src: int, dst: int, n: int) -> None:
+        """Copy the first ``n`` slots of block ``src`` into block ``dst`` (every layer's keys and values,
+        and an int8 pool's block scales with them)."""
+        if src == dst:
+            return
+        bs = self.block_size
+        for pool in (self.k_pool, self.v_pool):
+            pool[:, dst * bs:dst * bs + n] = pool[:, src * bs:src * bs + n]
+        if self.attn.scales is not None:
+            for scale in self.attn.scales:
+                scale[:, dst] = scale[:, src]
+
     def prepare(self, scheduled: list[ScheduledRequest]) -> StepBatch:
         return self.prepare_feeds(feeds_for(scheduled))
 

@@ -73,6 +73,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: Optional[int] = None    # None: none; 0: chosen token only; n: chosen plus top-n
     skip_special_tokens: bool = True
+    prompt_only: bool = False         # compute the prompt into the prefix cache, generate nothing
 
     def __post_init__(self):
         def check(ok: bool, msg: str):
@@ -88,6 +89,7 @@ class SamplingParams:
             finite(name)
         check(isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool) and 1 <= self.max_tokens <= 1 << 20,
               f"max_tokens must be an integer from 1 to {1 << 20}, got {self.max_tokens!r}")
+        check(isinstance(self.prompt_only, bool), f"prompt_only must be true or false, got {self.prompt_only!r}")
         check(0.0 <= self.temperature <= 100.0, f"temperature must be in [0, 100], got {self.temperature}")
         check(isinstance(self.top_k, int) and 0 <= self.top_k <= 1 << 20, f"top_k must be an integer >= 0, got {self.top_k!r}")
         check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")

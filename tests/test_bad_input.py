@@ -125,6 +125,7 @@ def test_weights_of_an_unloadable_dtype_or_found_twice_are_refused(tiny_model_di
 @pytest.mark.parametrize("make_params, match", [
     (lambda: SamplingParams(max_tokens=0), "max_tokens"),
     (lambda: SamplingParams(max_tokens=-5), "max_tokens"),
+    (lambda: SamplingParams(prompt_only="yes"), "prompt_only"),
     (lambda: SamplingParams(temperature=float("nan")), "temperature must be a finite number"),
     (lambda: SamplingParams(top_p=0.0), "top_p"),
     (lambda: SamplingParams(logprobs=1000), "logprobs"),

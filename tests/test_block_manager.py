@@ -49,8 +49,8 @@ def test_last_token_is_never_served_from_cache():
     a = req("a", range(8))
     admit(bm, a)
     bm.free_request(a)
-    again = req("a2", range(8))                   # exactly two full blocks: only the first may hit
-    assert bm.lookup_prefix(again) == PrefixHit((0,), 4)
+    again = req("a2", range(8))                   # exactly two full blocks: only the first may hit whole,
+    assert bm.lookup_prefix(again) == PrefixHit((0,), 7, copy_from=1)   # the second's first 3 slots are copied
 
 
 def test_salt_separates_caches():
@@ -81,6 +81,7 @@ def test_unkeyed_blocks_are_evicted_before_keyed_ones():
     bm = BlockManager(4, BS)
     a = req("a", range(6))                        # block 0 full (keyed), block 1 partial
     admit(bm, a)
+    a.num_computed_tokens = 4                     # nothing of block 1 computed: not remembered
     bm.free_request(a)
     assert list(bm.free)[:3] == [1, 2, 3] and list(bm.free)[-1] == 0
 
@@ -108,3 +109,63 @@ def test_trim_releases_tail_blocks():
     assert bm.num_free_blocks == 6
     bm.free_request(a)
     assert bm.num_free_blocks == 8
+
+
+# ---- partial-block reuse -------------------------------------------------------------------
+def test_partial_tail_is_copied_for_an_extending_request():
+    bm = BlockManager(8, BS)
+    a = req("a", range(10))                       # blocks 0,1 full; block 2 holds tokens 8,9
+    admit(bm, a)
+    bm.free_request(a)
+    assert bm.stats()["kv_blocks_partial"] == 1
+    b = req("b", list(range(10)) + [70, 71, 72])  # extends a by three tokens
+    hit = admit(bm, b)
+    assert hit == PrefixHit((0, 1), 10, copy_from=2)
+    assert b.block_ids == [0, 1, 3, 4]            # a fresh block for the copy: nobody writes into block 2
+    assert bm.take_copies() == [(2, 3, 2)] and bm.take_copies() == []
+    assert bm.blocks[2].ref_count == 0 and bm.stats()["prefix_tokens_hit"] == 10
+    assert bm.lookup_prefix(req("c", range(10))) == PrefixHit((0, 1), 9, copy_from=2)
+
+
+def test_partial_reuse_leaves_the_last_token_and_stops_where_tokens_differ():
+    bm = BlockManager(8, BS)
+    a = req("a", range(11))                       # block 2 holds 8,9,10
+    admit(bm, a)
+    bm.free_request(a)
+    assert bm.lookup_prefix(req("same", range(11))) == PrefixHit((0, 1), 10, copy_from=2)
+    assert bm.lookup_prefix(req("fork", list(range(9)) + [55, 10, 11])) == PrefixHit((0, 1), 9, copy_from=2)
+    assert bm.lookup_prefix(req("none", list(range(8)) + [55, 9])) == PrefixHit((0, 1), 8)
+    assert bm.lookup_prefix(req("salt", range(11), salt="s")).num_tokens == 0
+
+
+def test_a_repeated_prompt_copies_the_start_of_a_full_block():
+    bm = BlockManager(8, BS)
+    a = req("a", range(12))                       # three full keyed blocks
+    admit(bm, a)
+    bm.free_request(a)
+    # the last full block cannot hit (one token must be computed), but its first three slots are copied
+    assert bm.lookup_prefix(req("again", range(12))) == PrefixHit((0, 1), 11, copy_from=2)
+    assert bm.lookup_prefix(req("short", range(10))) == PrefixHit((0, 1), 9, copy_from=2)
+
+
+def test_partial_tail_counts_only_computed_tokens_and_is_evicted_like_a_keyed_block():
+    bm = BlockManager(4, BS)
+    a = req("a", range(7))
+    admit(bm, a)
+    a.num_computed_tokens = 6                     # the last sampled token was never fed
+    bm.free_request(a)
+    assert bm.blocks[1].tokens == (4, 5)
+    assert list(bm.free) == [2, 3, 1, 0]          # unkeyed first, then the partial tail before its parent
+    b = req("b", [90 + i for i in range(12)])     # takes 2, 3, then evicts the partial block 1
+    admit(bm, b)
+    assert b.block_ids == [2, 3, 1] and bm.evictions == 1
+    assert bm.stats()["kv_blocks_partial"] == 0
+    assert bm.lookup_prefix(req("a2", range(7))) == PrefixHit((0,), 4)
+
+
+def test_partial_reuse_is_off_with_the_prefix_cache():
+    bm = BlockManager(8, BS, enable_prefix_cache=False)
+    a = req("a", range(10))
+    admit(bm, a)
+    bm.free_request(a)
+    assert bm.lookup_prefix(req("b", range(12))) == PrefixHit((), 0)

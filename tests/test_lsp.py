@@ -131,6 +131,11 @@ def lsp_args(server, tmp_path, *extra) -> list[str]:
     return ["--socket", server.settings.socket, "--log-file", str(tmp_path / "lsp.log"), *extra]
 
 
+def counting_args(server, tmp_path, *extra) -> list[str]:
+    """For tests that count the daemon's requests: no prompt-only prefills besides the completions."""
+    return lsp_args(server, tmp_path, "--no-prefill", *extra)
+
+
 def test_inline_completion_is_the_daemons_infill_trimmed_to_fit(daemon, tmp_path):
     cursor = DOC.index("return ") + len("return ")
     with Client(daemon.settings.socket) as c:
@@ -156,7 +161,7 @@ def test_inline_completion_is_the_daemons_infill_trimmed_to_fit(daemon, tmp_path
 
 def test_typing_through_a_suggestion_reuses_it_without_asking_the_daemon(daemon, tmp_path):
     async def session():
-        async with LspProbe(lsp_args(daemon, tmp_path)) as lsp:
+        async with LspProbe(counting_args(daemon, tmp_path)) as lsp:
             lsp.open(URI, DOC)
             first = await lsp.inline(URI, 3, 11)
             before = await asyncio.to_thread(finished, daemon)
@@ -178,7 +183,7 @@ def test_a_burst_of_edits_completes_one_request_and_cancels_the_rest(daemon, tmp
     line = "    return "
 
     async def session():
-        args = lsp_args(daemon, tmp_path, "--debounce-ms", str(debounce_ms), "--max-tokens", "200", "--cache-size", "0")
+        args = counting_args(daemon, tmp_path, "--debounce-ms", str(debounce_ms), "--max-tokens", "200", "--cache-size", "0")
         async with LspProbe(args) as lsp:
             lsp.open(URI, DOC)
             lsp.open(URI + ".warm", DOC)
@@ -210,7 +215,7 @@ def test_a_document_larger_than_the_context_window_still_gets_completions(daemon
     doc = body + "def g(y):\n    return \n"
 
     async def session():
-        async with LspProbe(lsp_args(daemon, tmp_path)) as lsp:
+        async with LspProbe(counting_args(daemon, tmp_path)) as lsp:
             lsp.open(URI, doc)
             line = doc.count("\n") - 1
             before = await asyncio.to_thread(finished, daemon)
@@ -261,3 +266,112 @@ def test_one_document_keeps_at_most_its_share_of_the_cache():
     assert len(c) == 9 and c.lookup("other", "p", "") == "x"          # another document's entry stays
     assert c.lookup("big", "a" * 19 + "s", "") == "uggestion"       # the newest are kept
     assert c.lookup("big", "a" * 5 + "s", "") is None               # the oldest went
+
+
+# -- prefill while typing and the prompt budget -------------------------------------------------
+from llmd.clients.lsp_service import (CompletionService, LspConfig, PromptRate,  # noqa: E402
+                                      replace_key, speed_budget, warm_key)
+from llmd.protocol import Done  # noqa: E402
+
+
+class _Stream:
+    def __init__(self, done: Done, gate: asyncio.Event | None):
+        self.final, self._done, self._gate = None, done, gate
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.final is None:
+            if self._gate is not None:
+                await self._gate.wait()
+            self.final = self._done
+        raise StopAsyncIteration
+
+    async def aclose(self):
+        pass
+
+
+class RecordingClient:
+    """Stands in for the daemon: records each infill; a warm-up answers only once ``warm`` is set.
+    Every answer says each character was a token, all computed at 1,000 tokens/s."""
+
+    def __init__(self):
+        self.calls: list[dict] = []
+        self.warm = asyncio.Event()
+
+    async def models(self):
+        return [{"context_length": 32768}]
+
+    async def infill(self, prefix, suffix="", **kw):
+        self.calls.append({"prefix": prefix, "suffix": suffix, **kw})
+        n = len(prefix) + len(suffix)
+        done = Done(f"r{len(self.calls)}", "length", {"prompt_tokens": n, "cached_tokens": 0}, {"prompt_ms": float(n)})
+        return _Stream(done, self.warm if kw["replace"].startswith("lsp-warm:") else None)
+
+    async def aclose(self):
+        pass
+
+
+def test_speed_budget_cuts_context_first_then_prefix():
+    full = FimBudget(prefix_tokens=1024, suffix_tokens=64, context_tokens=512)
+    assert speed_budget(full, None, 150) == full
+    assert speed_budget(full, 4000, 150) == FimBudget(536, 64, 0)          # 600 tokens of room
+    assert speed_budget(full, 20000, 150) == FimBudget(1024, 64, 512)      # room for all of it
+    assert speed_budget(full, 10, 150).prefix_tokens == 64                  # never below the floor
+
+
+def test_prompt_rate_comes_from_the_daemons_timings():
+    rate = PromptRate()
+    rate.observe({"prompt_tokens": 10, "cached_tokens": 0}, {"prompt_ms": 5.0})    # too few tokens to count
+    assert rate.tokens_per_s is None
+    rate.observe({"prompt_tokens": 600, "cached_tokens": 100}, {"prompt_ms": 250.0})
+    assert rate.tokens_per_s == pytest.approx(2000)
+
+
+def test_a_cold_document_window_grows_once_its_warm_up_is_cached():
+    async def go():
+        client = RecordingClient()
+        budget = FimBudget(prefix_tokens=1000, suffix_tokens=20, context_tokens=0, chars_per_token=1.0)
+        service = CompletionService(LspConfig(budget=budget, debounce_ms=0, target_ms=100), client)
+        text = "".join(f"line {i:04d}\n" for i in range(400))       # 4,000 characters
+        service.rate.tokens_per_s = 1000.0                            # 100 tokens fit in 100 ms
+        service.opened("file:///a.py", text)
+        await asyncio.sleep(0)
+        warm = client.calls[-1]
+        assert warm["prompt_only"] and warm["priority"] == "batch" and warm["replace"] == warm_key("file:///a.py")
+        assert warm["prefix"] == text[:1000]                          # from the file's start, whole lines
+        await service.complete("file:///a.py", text, 4000)
+        cold = client.calls[-1]
+        assert "prompt_only" not in cold and len(cold["prefix"]) <= 80    # 100 tokens less the suffix's 20
+        client.warm.set()
+        for _ in range(3):
+            await asyncio.sleep(0)
+        service.cache.forget("file:///a.py")
+        await service.complete("file:///a.py", text, 4000)
+        assert 900 <= len(client.calls[-1]["prefix"]) <= 1000             # the whole window now
+        service.edited("file:///a.py", text, 2200)
+        await asyncio.sleep(0)
+        edit = client.calls[-1]
+        assert edit["prompt_only"] and edit["priority"] == "interactive"
+        assert edit["replace"] == replace_key("file:///a.py") and edit["prefix"].endswith(text[2100:2200])
+        await service.aclose()
+        assert service.stats.counts["prefilled"] == 2
+    asyncio.run(go())
+
+
+def test_prompt_only_infills_replace_each_other_and_leave_the_answer_unchanged(daemon):
+    prefix, suffix = "def area(r):\n    return ", "\n\nprint(area(2))\n"
+    with Client(daemon.settings.socket) as c:
+        alone = c.infill(prefix + "3", suffix, max_tokens=8, ignore_eos=True)
+        alone_ids = [t for e in alone for t in getattr(e, "token_ids", [])]
+        first = c.infill(prefix, suffix, replace="doc", prompt_only=True, max_tokens=1)
+        second = c.infill(prefix + "3", suffix, replace="doc", prompt_only=True, max_tokens=1)
+        assert [e for e in second if not isinstance(e, Done)] == [] and second.final.finish_reason == "length"
+        list(first)
+        assert first.final.finish_reason in ("cancelled", "length")   # replaced unless it already finished
+        assert second.final.usage["completion_tokens"] == 0
+        real = c.infill(prefix + "3", suffix, replace="doc", max_tokens=8, ignore_eos=True)
+        real_ids = [t for e in real for t in getattr(e, "token_ids", [])]
+        assert real_ids == alone_ids
+        assert real.final.usage["cached_tokens"] == real.final.usage["prompt_tokens"] - 1

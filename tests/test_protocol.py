@@ -45,6 +45,7 @@ def test_codec_round_trip_and_limits():
     ({"prompt": "x", "params": {"max_tokens": 1 << 40}}, "params.max_tokens"),
     ({"prompt": "x", "params": {"temperature": float("inf")}}, "params.temperature"),
     ({"prompt": "x", "params": {"seed": 1 << 63}}, "params.seed"),
+    ({"prompt": "x", "params": {"prompt_only": 1}}, "params.prompt_only"),
     ({"prompt": "x", "priority": "urgent"}, "priority"),
     ({"prompt": "x", "deadline_ms": 0}, "deadline_ms"),
     ({"prompt": "x", "id": "x" * 129}, "id"),
