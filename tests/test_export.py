@@ -171,7 +171,7 @@ def test_the_gate_is_on_by_default_and_refuses_a_damaged_export_naming_the_flag(
     and the manifest says the loss was accepted."""
     import torch
 
-    from llmd.export import quantize
+    from llmd.runtime.formats import quantized as quantize
     target = REPO / "models" / "code-target"
     real = quantize.Int8Linear.load_weight
     gen = torch.Generator().manual_seed(0)

@@ -62,7 +62,8 @@ def test_int4_group_size_divides_every_width(untied):
 
 def test_int4_export_picks_the_group_and_stores_the_embedding_quantized(untied, tmp_path):
     out = tmp_path / "e"
-    export_engine(ExportOptions(str(untied), str(out), quant="int4", **FAST))
+    # random weights: the quality gate would refuse any int4 rounding of them
+    export_engine(ExportOptions(str(untied), str(out), quant="int4", accept_loss=True, **FAST))
     spec = json.loads((out / "manifest.json").read_text())["quantization"]
     assert spec["group_size"] == 32 and spec["embed"] == "int8"
     with safe_open(str(out / "target" / "weights.safetensors"), "pt") as f:
