@@ -30,7 +30,7 @@ def measure() -> dict:
     names = {f.name for f in dataclasses.fields(EngineConfig)}      # the option's name differs by revision
     no_cache = {"prefix_cache" if "prefix_cache" in names else "enable_prefix_cache": False}
     llm = LLM(str(write_random_model(Path(tempfile.mkdtemp()) / "tiny", "tiny")), kv_memory="64MiB", threads=1,
-              **no_cache)
+              draft="none", **no_cache)      # plain decoding in every revision, whatever its default draft
     greedy = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
     out = {}
     for name, prompts, n in (("decode1", [[5] * 16], 64), ("decode8", [[5 + i] * 16 for i in range(8)], 32),
