@@ -60,16 +60,22 @@ def load_for_engine(config: EngineConfig, progress=None) -> LoadedModel:
                              "run `llmd export` again")
     else:
         device = hf_device(config)
-        model, cfg, tokenizer = load_hf_model(path, config.dtype, progress, "cuda" if device == "cuda" else choose(config.execution))
+        model, cfg, tokenizer = load_hf_model(path, config.dtype, progress, own_execution(config, device))
     if device == "cuda" and draft_path is not None and (draft_path / "manifest.json").is_file():
         raise EngineDirError(f"{draft_path}: a draft from an engine directory runs on the CPU only; with "
                              "--device cuda give a Hugging Face directory as --draft, or 'ngram'")
-    execution = "cuda" if device == "cuda" else choose(config.execution, backend)
+    execution = own_execution(config, device) if backend is None else choose(config.execution, backend)
     draft = draft_cfg = None
     if draft_path is not None:
-        draft, draft_cfg = load_draft(draft_path, config, tokenizer, "cuda" if device == "cuda" else choose(config.execution))
+        draft, draft_cfg = load_draft(draft_path, config, tokenizer, own_execution(config, device))
     blocks = kv_blocks([cfg] + ([draft_cfg] if draft_cfg else []), config, kv_dtype)
     return LoadedModel(model, cfg, tokenizer, blocks, draft, draft_cfg, kv_dtype, backend, execution, device)
+
+
+def own_execution(config: EngineConfig, device: str) -> str:
+    """What llmd's own model code (a Hugging Face directory, a draft) is prepared for: the CUDA
+    runner, which takes the weights as loaded, or the chosen execution backend."""
+    return "cuda" if device == "cuda" else choose(config.execution)
 
 
 def hf_device(config: EngineConfig) -> str:
