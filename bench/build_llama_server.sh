@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Build llama.cpp's `llama-server` (CPU only) from the source vendored in the llama-cpp-python
-# source distribution, and print the binary's path on the last line of stdout.
+# source distribution, and print the binary's path on the last line of stdout. Its tools llmd compares
+# with go into the same bin/ folder: `llama-quantize`, `llama-bench`, and llmd's `llama-windows`
+# (bench/llama_windows.cpp, linked against the same static libraries: teacher-forced token windows for
+# the export's and bench's quality tables).
 #
 #   bench/build_llama_server.sh                  # builds once into .cache/llama-server/, then reuses it
 #   LLMD_LLAMA_SERVER_DIR=/tmp/ls bench/build_llama_server.sh
@@ -12,7 +15,7 @@
 #   LLMD_BUILD_JOBS         parallel compile jobs (default 2)
 #   PIP                     pip command (default: <repo>/.venv/bin/pip if present, else pip)
 #
-# Idempotent: when <dir>/bin/llama-server exists nothing is downloaded or built.
+# Idempotent: when every program is in <dir>/bin nothing is downloaded or built.
 # Progress goes to stderr; only the path goes to stdout.
 set -euo pipefail
 
@@ -21,14 +24,18 @@ version="${LLMD_LLAMA_CPP_PYTHON:-0.3.36}"
 dir="${LLMD_LLAMA_SERVER_DIR:-$repo/.cache/llama-server}"
 jobs="${LLMD_BUILD_JOBS:-2}"
 binary="$dir/bin/llama-server"
+programs=(llama-server llama-quantize llama-bench llama-windows)
 if [[ -z "${PIP:-}" ]]; then
     if [[ -x "$repo/.venv/bin/pip" ]]; then PIP="$repo/.venv/bin/pip"; else PIP=pip; fi
 fi
 
 say() { echo "[build_llama_server] $*" >&2; }
 
-if [[ -x "$binary" ]]; then
-    say "cached: $binary"
+all_built() {
+    for p in "${programs[@]}"; do [[ -x "$dir/bin/$p" ]] || return 1; done
+}
+if all_built; then
+    say "cached: $dir/bin"
     echo "$binary"
     exit 0
 fi
@@ -52,22 +59,34 @@ if [[ ! -d "$src/vendor/llama.cpp" ]]; then
     tar -xzf "$sdist" -C "$dir/src"
 fi
 
-say "configuring $src/vendor/llama.cpp (CPU only, no curl)"
-cmake -S "$src/vendor/llama.cpp" -B "$dir/build" \
-    -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DGGML_CUDA=OFF -DGGML_METAL=OFF \
-    -DGGML_VULKAN=OFF -DGGML_HIP=OFF -DGGML_SYCL=OFF -DGGML_OPENCL=OFF \
-    -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-    -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON >&2
+if [[ ! -f "$dir/build/CMakeCache.txt" ]]; then
+    say "configuring $src/vendor/llama.cpp (CPU only, no curl)"
+    cmake -S "$src/vendor/llama.cpp" -B "$dir/build" \
+        -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DGGML_CUDA=OFF -DGGML_METAL=OFF \
+        -DGGML_VULKAN=OFF -DGGML_HIP=OFF -DGGML_SYCL=OFF -DGGML_OPENCL=OFF \
+        -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+        -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON >&2
+fi
 
-say "building llama-server with -j$jobs (several minutes on two cores)"
-cmake --build "$dir/build" --target llama-server -j "$jobs" >&2
+say "building llama-server, llama-quantize and llama-bench with -j$jobs (several minutes on two cores)"
+cmake --build "$dir/build" --target llama-server llama-quantize llama-bench -j "$jobs" >&2
 
 mkdir -p "$dir/bin"
-found=$(find "$dir/build" -type f -name llama-server -perm -u+x | head -n1)
-if [[ -z "$found" ]]; then
-    say "build finished but no llama-server binary was found under $dir/build"
-    exit 1
-fi
-cp "$found" "$binary.tmp" && mv "$binary.tmp" "$binary"
-say "built: $binary"
+for p in llama-server llama-quantize llama-bench; do
+    found=$(find "$dir/build/bin" "$dir/build" -type f -name "$p" -perm -u+x 2>/dev/null | head -n1)
+    if [[ -z "$found" ]]; then
+        say "build finished but no $p binary was found under $dir/build"
+        exit 1
+    fi
+    cp "$found" "$dir/bin/$p.tmp" && mv "$dir/bin/$p.tmp" "$dir/bin/$p"
+done
+
+say "linking llama-windows against the same static libraries"
+b="$dir/build"
+${CXX:-g++} -O2 -std=c++17 -I"$src/vendor/llama.cpp/include" -I"$src/vendor/llama.cpp/ggml/include" \
+    "$repo/bench/llama_windows.cpp" -Wl,--start-group "$b/src/libllama.a" "$b/ggml/src/libggml.a" \
+    "$b/ggml/src/libggml-cpu.a" "$b/ggml/src/libggml-base.a" -Wl,--end-group -fopenmp -lpthread -ldl \
+    -o "$dir/bin/llama-windows.tmp"
+mv "$dir/bin/llama-windows.tmp" "$dir/bin/llama-windows"
+say "built: $dir/bin (${programs[*]})"
 echo "$binary"

@@ -5,29 +5,25 @@
 Every llmd row is a real ``llmd export`` into a scratch directory, measured by the export's own quality
 gate (so what is printed is what the engine runs, the ONNX graph included); the gate is told to accept
 the loss so that every row is measured. llama.cpp rows quantize ``--gguf`` (a GGUF of the same model)
-with llama.cpp's own quantizer (``llama_model_quantize``; the file is dequantized and quantized
-again) and run the same windows through it, teacher-forced. Perplexity change and top-1 agreement are
+with llama.cpp's own ``llama-quantize`` (the file is dequantized and quantized again) and run the
+same windows through its library, teacher-forced (``llmd.export.llamacpp``: the programs
+``bench/build_llama_server.sh`` builds). Perplexity change and top-1 agreement are
 both against llmd's float32 model, the reference of every row.
 """
 from __future__ import annotations
 
 import argparse
-import ctypes
-import math
 import tempfile
 import time
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
 
-from llmd.export import quality
+from llmd.export import llamacpp, quality
 from llmd.export.cli import ExportOptions, export_engine
-from llmd.export.quality import Predictions
+from llmd.runtime.formats.gguf_import import resolve_model_path
 from llmd.runtime.models.loader import load_model
 from llmd.runtime.tokenizer import Tokenizer
 
-LLAMA_FTYPES = {"Q8_0": 7, "Q4_0": 2, "Q4_1": 3}     # llama_ftype values of llama.cpp's C API
 FORMATS = {     # row name -> llmd export options
     "int8": dict(quant="int8"),
     "int8-onnxruntime": dict(quant="int8", backend="onnxruntime"),
@@ -49,46 +45,19 @@ def llmd_row(model: str, name: str, windows: int, tokens: int, scratch: Path, ev
             "detail": s["quantization"] | {"backend": s["backend"]}, "seconds": time.perf_counter() - t}
 
 
-def llamacpp_quantize(src: Path, ftype: str, cache: Path) -> Path:
-    import llama_cpp
-    out = cache / f"{src.stem}.{ftype}.gguf"
-    if not out.exists():
-        params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype, params.allow_requantize = LLAMA_FTYPES[ftype], True
-        part = out.with_suffix(".partial")
-        if llama_cpp.llama_model_quantize(str(src).encode(), str(part).encode(), ctypes.byref(params)) != 0:
-            raise RuntimeError(f"llama.cpp could not quantize {src} to {ftype}")
-        part.rename(out)
-    return out
-
-
-@torch.inference_mode()
-def llamacpp_predict(gguf: Path, windows: torch.Tensor):
-    import llama_cpp
-    import numpy as np
-
-    n = windows.shape[1]
-    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n, n_batch=n, n_ubatch=n, logits_all=True, verbose=False)
-    nll, top1 = [], []
-    for w in windows:
-        llm.reset()
-        llm.eval(w.tolist())
-        logits = torch.from_numpy(np.array(llm.scores[:n], dtype=np.float32))
-        nll.append(F.cross_entropy(logits[:-1], w[1:], reduction="none"))
-        top1.append(logits.argmax(-1))
-    return Predictions(torch.stack(nll), torch.stack(top1))
-
-
 def llamacpp_rows(model: str, gguf: Path, types: list[str], windows: int, tokens: int, cache: Path,
                   eval_file: str | None) -> list[dict]:
+    tools = llamacpp.find_tools()
+    if tools is None:
+        raise SystemExit(f"llama.cpp's tools were not found: {llamacpp.BUILD_HINT}")
     tok = Tokenizer.from_dir(model)
     win = quality.token_windows(tok, quality.heldout_texts(eval_file)[0], tokens, windows)
     reference = quality.predict(load_model(model, "float32"), win)
     rows = []
     for ftype in ["original"] + types:
         t = time.perf_counter()
-        path = gguf if ftype == "original" else llamacpp_quantize(gguf, ftype, cache)
-        q = quality.compare(reference, llamacpp_predict(path, win), None, "", "llama.cpp")
+        path = gguf if ftype == "original" else llamacpp.quantize(tools, gguf, ftype, cache)
+        q = quality.compare(reference, llamacpp.predict(tools, path, win), None, "", "llama.cpp")
         rows.append({"engine": f"llama.cpp {ftype if ftype != 'original' else gguf.name}",
                      "ppl_increase": q.ppl_increase, "top1": q.top1_agreement, "ppl": q.ppl_quantized,
                      "ppl_reference": q.ppl_reference, "tokens": q.num_tokens, "seconds": time.perf_counter() - t})
@@ -97,25 +66,29 @@ def llamacpp_rows(model: str, gguf: Path, types: list[str], windows: int, tokens
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="float model directory (Hugging Face layout)")
-    p.add_argument("--gguf", help="a GGUF of the same model, for llama.cpp's rows (needs llama-cpp-python)")
+    p.add_argument("--model", required=True, help="float model directory (Hugging Face layout), or a GGUF file "
+                   "(its float32 import; also llama.cpp's source unless --gguf is given)")
+    p.add_argument("--gguf", help="a GGUF of the same model, for llama.cpp's rows (bench/build_llama_server.sh builds its tools)")
     p.add_argument("--formats", default="int8,int8-onnxruntime,int4,int4-g32-plain,int4-g64-plain,int4-g64",
                    help=f"llmd rows, comma-separated, of {', '.join(FORMATS)}")
     p.add_argument("--llamacpp-types", default="Q8_0,Q4_0,Q4_1", help="llama.cpp rows, comma-separated")
     p.add_argument("--eval-file", help="text measured (default: llmd's evaluation text)")
     p.add_argument("--windows", type=int, default=16, help="windows measured (default 16)")
     p.add_argument("--tokens", type=int, default=128, help="tokens per window (default 128)")
-    p.add_argument("--cache", default=".cache/quality", help="where llama.cpp's quantized files are kept")
+    p.add_argument("--cache", help="where llama.cpp's quantized files are kept (default: ~/.cache/llmd/llamacpp)")
     a = p.parse_args(argv)
+    if a.model.endswith(".gguf"):
+        a.gguf = a.gguf or a.model
+        a.model = resolve_model_path(a.model)
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         for name in filter(None, a.formats.split(",")):
             rows.append(llmd_row(a.model, name, a.windows, a.tokens, Path(scratch), a.eval_file))
             print(row_text(rows[-1]), flush=True)
     if a.gguf:
-        Path(a.cache).mkdir(parents=True, exist_ok=True)
+        cache = Path(a.cache) if a.cache else llamacpp.cache_dir()
         for r in llamacpp_rows(a.model, Path(a.gguf), list(filter(None, a.llamacpp_types.split(","))),
-                               a.windows, a.tokens, Path(a.cache), a.eval_file):
+                               a.windows, a.tokens, cache, a.eval_file):
             rows.append(r)
             print(row_text(r), flush=True)
     print(f"\n| engine and format | perplexity change | top-1 agreement |\n|---|---|---|")

@@ -28,7 +28,7 @@ from llmd.runtime.models.config import ModelConfig
 from llmd.runtime.models.loader import load_model
 from llmd.runtime.tokenizer import Tokenizer, check_vocab
 
-from . import quality
+from . import llamacpp, quality
 from .aot import build_aot_package
 from .awq import apply_awq
 from .engine_dir import save_model_dir, source_hashes
@@ -63,6 +63,8 @@ class ExportOptions:
     min_top1_agreement: float = MIN_TOP1_AGREEMENT     # percent
     accept_loss: bool = False
     force: bool = False
+    compare_gguf: Optional[str] = None    # a GGUF of the same model: llama.cpp's figures beside llmd's
+    llamacpp: str = "auto"                # auto: compare where compare_gguf and llama.cpp's tools are found
     shape_buckets: dict = field(default_factory=lambda: {"batch": [1, 2, 4, 8, 16, 32, 64],
                                                          "tokens": [1, 16, 64, 256, 512]})
 
@@ -76,6 +78,8 @@ class ExportOptions:
             raise ValueError(f"--max-ppl-increase must be a finite percentage, got {self.max_ppl_increase}")
         if not 0 <= self.min_top1_agreement <= 100:
             raise ValueError(f"--min-top1-agreement must be a percentage from 0 to 100, got {self.min_top1_agreement}")
+        if self.llamacpp not in ("auto", "off"):
+            raise ValueError(f"--llamacpp must be auto or off, got {self.llamacpp!r}")
 
 
 CALIBRATION_WINDOWS = 16   # windows of calibration text for the int4 group size and scale search
@@ -123,6 +127,12 @@ def add_export_parser(sub) -> None:
            f"the float model's (default {MIN_TOP1_AGREEMENT:g})")
     a("--accept-loss", action="store_true",
       help="write the engine whatever the quality gate measures (the figures are still printed and recorded)")
+    a("--compare-gguf", metavar="FILE.gguf",
+      help="a GGUF of the same model: the summary prints llama.cpp's quality for the same format on the gate's "
+           "own windows (default: the --target file when it is a GGUF)")
+    a("--llamacpp", default="auto", choices=("auto", "off"),
+      help="auto (default): compare with llama.cpp where a GGUF is at hand and its tools are found "
+           "($LLMD_LLAMA_CPP, .cache/llama-server/bin or PATH; bench/build_llama_server.sh builds them); off: never")
     a("--force", action="store_true", help="replace an existing engine directory (one with a manifest.json); "
       "it is replaced only once the new engine is complete")
     a("--out", required=True, help="engine directory to write")
@@ -132,6 +142,8 @@ def add_export_parser(sub) -> None:
 def run_export(args) -> int:
     keys = ExportOptions.__dataclass_fields__
     try:
+        if args.compare_gguf is None and str(args.target).endswith(".gguf"):
+            args.compare_gguf = args.target                        # llama.cpp reads the very file
         args.target = resolve_model_path(args.target)            # a .gguf file: its float32 import
         args.draft = args.draft and resolve_model_path(args.draft)
         opts = ExportOptions(**{k: v for k, v in vars(args).items() if k in keys})
@@ -246,16 +258,23 @@ def _export_into(out: Path, opts: ExportOptions, spec, parts: dict, progress) ->
     draft_pred = quality.predict(loaded["draft"], windows) if "draft" in loaded else None
     measured = quality.compare(reference, quant_pred, draft_pred, source, measured_on)
     times["validate"] = time.perf_counter() - t
+    t = time.perf_counter()
+    peers = llamacpp_figures(opts, spec, reference, windows, source, progress)
+    if peers:
+        times["llama.cpp"] = time.perf_counter() - t
     progress.close()
 
     failures = quality.gate_failures(measured, opts.max_ppl_increase, opts.min_top1_agreement)
     if failures and not opts.accept_loss:
-        raise QualityGateFailed(f"{'; '.join(failures)} (measured on {measured.source}, {measured.measured_on}). "
-                                f"The engine was not written ({opts.out} is as it was). Pass --accept-loss to write "
-                                "it anyway, or loosen the limit named above.")
+        beside = "".join(f"; llama.cpp {r['format']}: {100 * r['ppl_increase']:+.2f} % perplexity, top-1 "
+                         f"{100 * r['top1_agreement']:.1f} %" for r in peers.get("rows", []))
+        raise QualityGateFailed(f"{'; '.join(failures)} (measured on {measured.source}, {measured.measured_on}"
+                                f"{beside}). The engine was not written ({opts.out} is as it was). Pass "
+                                "--accept-loss to write it anyway, or loosen the limit named above.")
     gate = {"max_ppl_increase": opts.max_ppl_increase, "min_top1_agreement": opts.min_top1_agreement,
             "passed": not failures, "accepted_loss": failures}
     summary = {"quality": measured.to_dict() | {"gate": gate}, "times_s": times, "quantization": spec.to_dict(),
+               **({"llamacpp": peers} if peers else {}),
                **({"int4_calibration": calibration} if calibration else {}),
                "sizes": {name: {"source_bytes": dir_bytes(src, "*.safetensors"),
                                 "engine_bytes": dir_bytes(out / name, "*.safetensors")} for name, src in parts.items()}}
@@ -265,6 +284,31 @@ def _export_into(out: Path, opts: ExportOptions, spec, parts: dict, progress) ->
         "tokenizer": {"dir": "target", "files": sorted(p.name for p in (out / "target").glob("tokenizer*"))},
         "artifacts": artifacts, **summary})
     return summary | ({"graph_quantization": artifacts["onnx_quantization"]} if "onnx_quantization" in artifacts else {})
+
+
+def llamacpp_figures(opts: ExportOptions, spec, reference, windows, source: str, progress) -> dict:
+    """llama.cpp's quantization of ``opts.compare_gguf`` to the formats of llmd's width (Q8_0 for int8,
+    Q4_0 and Q4_1 for int4), on the gate's windows against the same float reference: {} where no
+    comparison was asked for, else {"rows": [...]} or {"skipped": why}."""
+    if opts.llamacpp == "off" or not opts.compare_gguf or spec.method not in llamacpp.COMPARED:
+        return {}
+    tools = llamacpp.find_tools()
+    if tools is None:
+        return {"skipped": f"llama.cpp's tools were not found ({llamacpp.BUILD_HINT})"}
+    types = llamacpp.COMPARED[spec.method]
+    progress.phase("llama.cpp", 2 * len(types))
+    rows = []
+    try:
+        for ftype in types:
+            path = llamacpp.quantize(tools, Path(opts.compare_gguf), ftype)
+            progress.advance()
+            q = quality.compare(reference, llamacpp.predict(tools, path, windows), None, source, "llama.cpp")
+            progress.advance()
+            rows.append({"format": ftype, "ppl_quantized": q.ppl_quantized, "ppl_increase": q.ppl_increase,
+                         "top1_agreement": q.top1_agreement, "file": str(path)})
+    except (llamacpp.LlamaCppError, OSError) as e:
+        return {"skipped": str(e)}
+    return {"rows": rows, "gguf": str(opts.compare_gguf)}
 
 
 def prepare_int4(opts: ExportOptions, spec, models: dict, tokenizer, progress):
@@ -387,6 +431,11 @@ def format_summary(s: dict) -> str:
     if gate := q.get("gate"):
         rows.append(("quality gate", "passed" if gate["passed"] else
                      "FAILED, written because --accept-loss was given: " + "; ".join(gate["accepted_loss"])))
+    for r in s.get("llamacpp", {}).get("rows", []):
+        rows.append((f"llama.cpp {r['format']}", f"{100 * r['ppl_increase']:+.2f} % perplexity, top-1 "
+                     f"{100 * r['top1_agreement']:.2f} % (same windows, same float reference)"))
+    if why := s.get("llamacpp", {}).get("skipped"):
+        rows.append(("llama.cpp", f"not compared: {why}"))
     if q["draft_acceptance"] is not None:
         rows.append(("draft acceptance", f"{100 * q['draft_acceptance']:.2f} % (greedy, one token)"))
     width = max(len(k) for k, _ in rows)
