@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build llama.cpp's `llama-server` (CPU only) from the source vendored in the llama-cpp-python
 # source distribution, and print the binary's path on the last line of stdout. Its tools llmd compares
-# with go into the same bin/ folder: `llama-quantize`, `llama-bench`, and llmd's `llama-windows`
+# with go into the same bin/ folder: `llama-quantize`, `llama-bench`, `llama-tokenize`, and llmd's `llama-windows`
 # (bench/llama_windows.cpp, linked against the same static libraries: teacher-forced token windows for
 # the export's and bench's quality tables).
 #
@@ -24,7 +24,7 @@ version="${LLMD_LLAMA_CPP_PYTHON:-0.3.36}"
 dir="${LLMD_LLAMA_SERVER_DIR:-$repo/.cache/llama-server}"
 jobs="${LLMD_BUILD_JOBS:-2}"
 binary="$dir/bin/llama-server"
-programs=(llama-server llama-quantize llama-bench llama-windows)
+programs=(llama-server llama-quantize llama-bench llama-tokenize llama-windows)
 if [[ -z "${PIP:-}" ]]; then
     if [[ -x "$repo/.venv/bin/pip" ]]; then PIP="$repo/.venv/bin/pip"; else PIP=pip; fi
 fi
@@ -68,11 +68,11 @@ if [[ ! -f "$dir/build/CMakeCache.txt" ]]; then
         -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON >&2
 fi
 
-say "building llama-server, llama-quantize and llama-bench with -j$jobs (several minutes on two cores)"
-cmake --build "$dir/build" --target llama-server llama-quantize llama-bench -j "$jobs" >&2
+say "building llama-server, llama-quantize, llama-bench and llama-tokenize with -j$jobs (several minutes on two cores)"
+cmake --build "$dir/build" --target llama-server llama-quantize llama-bench llama-tokenize -j "$jobs" >&2
 
 mkdir -p "$dir/bin"
-for p in llama-server llama-quantize llama-bench; do
+for p in llama-server llama-quantize llama-bench llama-tokenize; do
     found=$(find "$dir/build/bin" "$dir/build" -type f -name "$p" -perm -u+x 2>/dev/null | head -n1)
     if [[ -z "$found" ]]; then
         say "build finished but no $p binary was found under $dir/build"
