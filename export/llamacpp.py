@@ -79,7 +79,7 @@ def quantize(tools: Tools, gguf: Path, ftype: str, cache: Path | None = None, th
     out = cache / f"{file_key(gguf)}.{ftype}.gguf"
     if out.exists():
         return out
-    part = out.with_name(out.name + ".partial")
+    part = out.with_name(f"{out.name}.{os.getpid()}.partial")     # two exports at once each write their own
     cmd = [str(tools.quantize), "--allow-requantize", str(gguf), str(part), ftype, str(threads or os.cpu_count() or 1)]
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=QUANTIZE_TIMEOUT_S)
