@@ -71,7 +71,7 @@ def main(argv=None) -> int:
     p.add_argument("--gguf", help="a GGUF of the same model, for llama.cpp's rows (bench/build_llama_server.sh builds its tools)")
     p.add_argument("--formats", default="int8,int8-onnxruntime,int4,int4-g32-plain,int4-g64-plain,int4-g64",
                    help=f"llmd rows, comma-separated, of {', '.join(FORMATS)}")
-    p.add_argument("--llamacpp-types", default="Q8_0,Q4_0,Q4_1", help="llama.cpp rows, comma-separated")
+    p.add_argument("--llamacpp-types", default="Q8_0,Q4_0,Q4_1", help="llama.cpp rows, comma-separated, or none")
     p.add_argument("--eval-file", help="text measured (default: llmd's evaluation text)")
     p.add_argument("--windows", type=int, default=16, help="windows measured (default 16)")
     p.add_argument("--tokens", type=int, default=128, help="tokens per window (default 128)")
@@ -85,7 +85,7 @@ def main(argv=None) -> int:
         for name in filter(None, a.formats.split(",")):
             rows.append(llmd_row(a.model, name, a.windows, a.tokens, Path(scratch), a.eval_file))
             print(row_text(rows[-1]), flush=True)
-    if a.gguf:
+    if a.gguf and a.llamacpp_types != "none":
         cache = Path(a.cache) if a.cache else llamacpp.cache_dir()
         for r in llamacpp_rows(a.model, Path(a.gguf), list(filter(None, a.llamacpp_types.split(","))),
                                a.windows, a.tokens, cache, a.eval_file):
