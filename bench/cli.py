@@ -80,8 +80,10 @@ class BenchArgumentError(ValueError):
 
 def peer_names(args) -> list[str]:
     names = [p for p in args.against.split(",") if p]
-    if "llamacpp-server" in names and len(names) > 1:
-        raise BenchArgumentError("--against llamacpp-server is a load test of its own; give it alone")
+    if "llamacpp-server" in names and (len(names) > 1 or args.workload):
+        raise BenchArgumentError("--against llamacpp-server is a load test of its own; give it alone, without --workload")
+    if "llama-bench" in names and args.workload:
+        raise BenchArgumentError("--against llama-bench compares one stream; it does not run --workload")
     return names
 
 

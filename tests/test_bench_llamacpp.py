@@ -57,6 +57,8 @@ def bench_args(*argv):
 
 @pytest.mark.parametrize("argv, message", [
     (["m.gguf", "--against", "llamacpp-server,hf"], "give it alone"),
+    (["m.gguf", "--against", "llamacpp-server", "--workload", "batch"], "without --workload"),
+    (["m.gguf", "--against", "llama-bench", "--workload", "batch"], "does not run --workload"),
     (["m.gguf", "--against", "llamacpp-server", "--sweep", "1,x"], "integers"),
     (["m.gguf", "--against", "llamacpp-server", "--sweep", "0,4"], "between 1 and 256"),
 ])
