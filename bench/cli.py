@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import signal
 import statistics
 import sys
 import tempfile
@@ -51,7 +52,9 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--sweep", default=None, help="concurrency levels of the throughput sweep (default 1,2,4,8; "
                    "1,4,8,16 for llamacpp-server)")
     p.add_argument("--requests-per-client", type=int, default=4, help="llamacpp-server: requests per client at each "
-                   "level, at least 8 in all (default 4)")
+                   "level (default 4)")
+    p.add_argument("--min-requests", type=int, default=8, help="llamacpp-server: requests per level, at least "
+                   "(default 8)")
     p.add_argument("--socket", default=None, help="the daemon for the `daemon` peer (it must serve the same model)")
     p.add_argument("--out", default=None, help="write OUT.json and OUT.png (workload runs)")
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per request (default 128)")
@@ -112,9 +115,11 @@ def llama_gguf(args, model: str) -> str:
 def against_llama_server(args, model: str) -> int:
     """`--against llamacpp-server`: the closed-loop load test (llmd.bench.load_test)."""
     cfg = LoadConfig(levels=parse_levels(args.sweep, "1,4,8,16"), prompt_len=args.prompt_len, gen=args.gen,
-                     requests_per_client=args.requests_per_client, repeat=args.repeat,
+                     requests_per_client=args.requests_per_client, min_requests=args.min_requests, repeat=args.repeat,
                      threads=args.threads or torch.get_num_threads(), seed=args.workload_seed)
     engine = given(args, EngineConfig, skip=("model", "threads"))
+    # a terminated bench still stops the two servers it started (the finally blocks run on SystemExit)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     res = run_load(model, llama_gguf(args, model), engine, cfg, log=lambda m: print(m, file=sys.stderr))
     if args.out:
         write_json(res, f"{args.out}.json")

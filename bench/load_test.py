@@ -260,7 +260,8 @@ async def _run_levels(targets: list, cfg: LoadConfig, prompts: list[list[int]], 
             for t in (targets if (i + r) % 2 == 0 else targets[::-1]):
                 rounds[t.name].append(await closed_loop(t, batch, n, cfg.gen))
                 s = level_summary(rounds[t.name][-1][2], *rounds[t.name][-1][:2])
-                log(f"concurrency {n} round {r + 1} {t.name}: {s['tok_s']:.1f} tok/s, p95 {s['latency_p95_s']:.2f} s")
+                log(f"concurrency {n} round {r + 1} {t.name}: {s['tok_s']:.1f} tok/s, latency p50 "
+                    f"{s['latency_p50_s']:.2f} s, p95 {s['latency_p95_s']:.2f} s ({s['requests']} requests)")
         levels[str(n)] = {name: merge_rounds(rs) for name, rs in rounds.items()}
     return levels
 
