@@ -3,6 +3,10 @@
 Reports time to first token, inter-token latency and tokens/s for one stream, aggregate tokens/s for
 N concurrent streams, and the time to first token of a request whose long prefix is already cached.
 Peers are interleaved with llmd in the same process so machine noise hits both alike.
+
+llama.cpp on the same GGUF file: `--against llama-bench` runs llama.cpp's `llama-bench` between llmd's
+one-stream rounds (llmd.bench.llama_bench); `--against llamacpp-server` is a load test of its own,
+llmd's daemon against llama.cpp's server, both started and stopped here (llmd.bench.load_test).
 """
 from __future__ import annotations
 
@@ -61,7 +65,8 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--gen", type=int, default=64, help="tokens generated per request (default 64)")
     p.add_argument("--concurrency", type=int, default=16, help="concurrent streams for the throughput test (default 16; 0 skips it)")
     p.add_argument("--shared-prefix", type=int, default=1000, help="length of the cached prefix test (0 skips it)")
-    p.add_argument("--repeat", type=int, default=3, help="rounds of the single-stream, peer and concurrent tests, taken in turn; medians reported")
+    p.add_argument("--repeat", type=int, default=3, help="rounds of the single-stream, peer and concurrent tests, taken in turn; medians reported "
+                   "(llamacpp-server: rounds of each level, new prompts each round, pooled)")
     p.add_argument("--spec", action="store_true", help="also run the single stream with speculation (needs --draft)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     add_flags(p.add_argument_group("engine"), EngineConfig, skip=("model",))
