@@ -92,6 +92,9 @@ def peer_names(args) -> list[str]:
         raise BenchArgumentError("--against llamacpp-server is a load test of its own; give it alone, without --workload")
     if "llama-bench" in names and args.workload:
         raise BenchArgumentError("--against llama-bench compares one stream; it does not run --workload")
+    if "llama-bench" in names and args.gen < 2:
+        raise BenchArgumentError("--against llama-bench needs --gen of at least 2 (the decode steps follow the "
+                                 "first token)")
     return names
 
 
@@ -119,13 +122,20 @@ def llama_gguf(args, model: str) -> str:
 
 def against_llama_server(args, model: str) -> int:
     """`--against llamacpp-server`: the closed-loop load test (llmd.bench.load_test)."""
-    cfg = LoadConfig(levels=parse_levels(args.sweep, "1,4,8,16"), prompt_len=args.prompt_len, gen=args.gen,
-                     requests_per_client=args.requests_per_client, min_requests=args.min_requests, repeat=args.repeat,
-                     threads=args.threads or torch.get_num_threads(), seed=args.workload_seed)
+    try:
+        cfg = LoadConfig(levels=parse_levels(args.sweep, "1,4,8,16"), prompt_len=args.prompt_len, gen=args.gen,
+                         requests_per_client=args.requests_per_client, min_requests=args.min_requests,
+                         repeat=args.repeat, threads=args.threads or torch.get_num_threads(), seed=args.workload_seed)
+    except ValueError as e:
+        raise BenchArgumentError(f"llamacpp-server: {e}") from None
     engine = given(args, EngineConfig, skip=("model", "threads"))
+    gguf = llama_gguf(args, model)
     # a terminated bench still stops the two servers it started (the finally blocks run on SystemExit)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    res = run_load(model, llama_gguf(args, model), engine, cfg, log=lambda m: print(m, file=sys.stderr))
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        res = run_load(model, gguf, engine, cfg, log=lambda m: print(m, file=sys.stderr))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     if args.out:
         write_json(res, f"{args.out}.json")
     print(json.dumps(res, indent=1) if args.json else load_table(res))
@@ -135,9 +145,10 @@ def against_llama_server(args, model: str) -> int:
 def _run_bench(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
+    peers = peer_names(args)                                  # refuses bad combinations before any import
     if args.model is not None:
         model = resolve_model_path(args.model, args.dtype or "float32")     # a GGUF file: its cached import
-        if "llamacpp-server" in peer_names(args):
+        if "llamacpp-server" in peers:
             return against_llama_server(args, model)
         return bench_model(args, model)
     if not args.shape:
@@ -204,8 +215,6 @@ def bench_model(args, model: str) -> int:
 def llama_bench_peer(args, model: str):
     """One llama-bench run per call on the GGUF llama.cpp reads: as many decode steps as llmd's one
     stream takes (its first token comes from the prompt), after a context of the prompt's length."""
-    if args.gen < 2:
-        raise BenchArgumentError("--against llama-bench needs --gen of at least 2 (the decode steps follow the first token)")
     gguf, binary = llama_gguf(args, model), llama_bench_binary()
     threads = args.threads or torch.get_num_threads()
 

@@ -61,9 +61,11 @@ def bench_args(*argv):
     (["m.gguf", "--against", "llama-bench", "--workload", "batch"], "does not run --workload"),
     (["m.gguf", "--against", "llamacpp-server", "--sweep", "1,x"], "integers"),
     (["m.gguf", "--against", "llamacpp-server", "--sweep", "0,4"], "between 1 and 256"),
+    (["m.gguf", "--against", "llamacpp-server", "--requests-per-client", "0"], "requests_per_client must be"),
+    (["m.gguf", "--against", "llama-bench", "--gen", "1"], "--gen of at least 2"),
 ])
 def test_bad_flags_are_refused_with_the_reason(argv, message, capsys, monkeypatch):
-    monkeypatch.setattr(cli, "resolve_model_path", lambda path, dtype: str(path))   # no import of a missing file
+    monkeypatch.setattr(cli, "resolve_model_path", lambda path, dtype: str(path))   # m.gguf does not exist
     assert cli.run_bench(bench_args(*argv)) == 2
     assert message in capsys.readouterr().err
 
