@@ -3,11 +3,16 @@
 Reports time to first token, inter-token latency and tokens/s for one stream, aggregate tokens/s for
 N concurrent streams, and the time to first token of a request whose long prefix is already cached.
 Peers are interleaved with llmd in the same process so machine noise hits both alike.
+
+llama.cpp on the same GGUF file: `--against llama-bench` runs llama.cpp's `llama-bench` between llmd's
+one-stream rounds (llmd.bench.llama_bench); `--against llamacpp-server` is a load test of its own,
+llmd's daemon against llama.cpp's server, both started and stopped here (llmd.bench.load_test).
 """
 from __future__ import annotations
 
 import json
 import random
+import signal
 import statistics
 import sys
 import tempfile
@@ -19,11 +24,14 @@ import torch
 from llmd.options import add_flags, given
 from llmd.runtime.config import EngineConfig
 from llmd.runtime.errors import LLMDError
-from llmd.runtime.formats.gguf_import import resolve_model_path
+from llmd.runtime.formats.gguf_import import is_gguf, resolve_model_path, source_gguf
 from llmd.runtime.llm import LLM
 from llmd.runtime.models.random_model import write_random_model
 from llmd.runtime.request import SamplingParams
 
+from .llama_bench import LlamaBenchError, decode_rate, llama_bench_binary
+from .llama_server import LlamaServerError
+from .load_test import LoadConfig, run_load, table as load_table
 from .report import write_json, write_png
 from .runner import BenchConfig, headline, run
 from .workloads import WORKLOADS
@@ -35,20 +43,30 @@ def add_bench_parser(sub) -> None:
     p.add_argument("model", nargs="?", help="model directory or GGUF file; omit and use --shape for random weights")
     p.add_argument("--shape", choices=("tiny", "qwen2-0.5b"), help="benchmark a random-weight model of this shape")
     p.add_argument("--against", default="", help="comma-separated peers to run side by side: hf, llamacpp, "
-                   "daemon (llamacpp and daemon only with --workload)")
+                   "daemon (llamacpp and daemon only with --workload); llama-bench (llama.cpp's one-stream decode "
+                   "on the same GGUF, alternating with llmd's); or alone, llamacpp-server (a closed-loop load test: "
+                   "llmd's daemon against llama.cpp's server, both started here, at each --sweep concurrency)")
+    p.add_argument("--llama-gguf", default=None, help="the GGUF file llama-bench or llama-server reads (default: MODEL "
+                   "when it is a GGUF file, else the file MODEL was imported from; needed for an engine directory)")
     p.add_argument("--workload", default=None, help="run shipped workloads instead: comma-separated among "
                    "completion, voice, edit, batch, mixed, stamped, or 'all'")
     p.add_argument("--scale", choices=("short", "full"), default="full", help="workload size (short: seconds)")
     p.add_argument("--workload-seed", type=int, default=0, help="workload seed (default 0)")
     p.add_argument("--rate", type=float, default=4.0, help="mixed workload: arrivals per second (default 4)")
-    p.add_argument("--sweep", default="1,2,4,8", help="concurrency levels of the throughput sweep (default 1,2,4,8)")
+    p.add_argument("--sweep", default=None, help="concurrency levels of the throughput sweep (default 1,2,4,8; "
+                   "1,4,8,16 for llamacpp-server)")
+    p.add_argument("--requests-per-client", type=int, default=4, help="llamacpp-server: requests per client at each "
+                   "level (default 4)")
+    p.add_argument("--min-requests", type=int, default=8, help="llamacpp-server: requests per level, at least "
+                   "(default 8)")
     p.add_argument("--socket", default=None, help="the daemon for the `daemon` peer (it must serve the same model)")
     p.add_argument("--out", default=None, help="write OUT.json and OUT.png (workload runs)")
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per request (default 128)")
     p.add_argument("--gen", type=int, default=64, help="tokens generated per request (default 64)")
-    p.add_argument("--concurrency", type=int, default=16, help="concurrent streams for the throughput test (default 16)")
+    p.add_argument("--concurrency", type=int, default=16, help="concurrent streams for the throughput test (default 16; 0 skips it)")
     p.add_argument("--shared-prefix", type=int, default=1000, help="length of the cached prefix test (0 skips it)")
-    p.add_argument("--repeat", type=int, default=3, help="rounds of the single-stream, peer and concurrent tests, taken in turn; medians reported")
+    p.add_argument("--repeat", type=int, default=3, help="rounds of the single-stream, peer and concurrent tests, taken in turn; medians reported "
+                   "(llamacpp-server: rounds of each level, new prompts each round, pooled)")
     p.add_argument("--spec", action="store_true", help="also run the single stream with speculation (needs --draft)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     add_flags(p.add_argument_group("engine"), EngineConfig, skip=("model",))
@@ -59,16 +77,80 @@ def run_bench(args) -> int:
     """With --shape, the random-weight model lives in a temporary folder removed at the end."""
     try:
         return _run_bench(args)
-    except LLMDError as e:
+    except (LLMDError, BenchArgumentError, LlamaBenchError, LlamaServerError) as e:
         print(f"llmd bench: {e}", file=sys.stderr)
         return 2
+
+
+class BenchArgumentError(ValueError):
+    """A flag of `llmd bench` that cannot be used as given."""
+
+
+def peer_names(args) -> list[str]:
+    names = [p for p in args.against.split(",") if p]
+    if "llamacpp-server" in names and (len(names) > 1 or args.workload):
+        raise BenchArgumentError("--against llamacpp-server is a load test of its own; give it alone, without --workload")
+    if "llama-bench" in names and args.workload:
+        raise BenchArgumentError("--against llama-bench compares one stream; it does not run --workload")
+    if "llama-bench" in names and args.gen < 2:
+        raise BenchArgumentError("--against llama-bench needs --gen of at least 2 (the decode steps follow the "
+                                 "first token)")
+    return names
+
+
+def parse_levels(text: str | None, default: str) -> tuple[int, ...]:
+    """--sweep: concurrency levels, each in [1, 256]."""
+    try:
+        levels = tuple(int(n) for n in (text or default).split(",") if n.strip())
+    except ValueError:
+        raise BenchArgumentError(f"--sweep takes integers separated by commas, got {text!r}") from None
+    if not levels or any(not 1 <= n <= 256 for n in levels):
+        raise BenchArgumentError(f"--sweep levels must be between 1 and 256, got {text!r}")
+    return levels
+
+
+def llama_gguf(args, model: str) -> str:
+    """The GGUF file llama.cpp reads: --llama-gguf, MODEL itself, or the file MODEL was imported from."""
+    path = args.llama_gguf or (args.model if is_gguf(args.model or "") else source_gguf(model))
+    if not path:
+        raise BenchArgumentError(f"{model} was not imported from a GGUF file: give the file llama.cpp should read "
+                                 "with --llama-gguf FILE")
+    if not Path(path).is_file():
+        raise BenchArgumentError(f"--llama-gguf {path}: no such file")
+    return str(path)
+
+
+def against_llama_server(args, model: str) -> int:
+    """`--against llamacpp-server`: the closed-loop load test (llmd.bench.load_test)."""
+    try:
+        cfg = LoadConfig(levels=parse_levels(args.sweep, "1,4,8,16"), prompt_len=args.prompt_len, gen=args.gen,
+                         requests_per_client=args.requests_per_client, min_requests=args.min_requests,
+                         repeat=args.repeat, threads=args.threads or torch.get_num_threads(), seed=args.workload_seed)
+    except ValueError as e:
+        raise BenchArgumentError(f"llamacpp-server: {e}") from None
+    engine = given(args, EngineConfig, skip=("model", "threads"))
+    gguf = llama_gguf(args, model)
+    # a terminated bench still stops the two servers it started (the finally blocks run on SystemExit)
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        res = run_load(model, gguf, engine, cfg, log=lambda m: print(m, file=sys.stderr))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if args.out:
+        write_json(res, f"{args.out}.json")
+    print(json.dumps(res, indent=1) if args.json else load_table(res))
+    return 0
 
 
 def _run_bench(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
+    peers = peer_names(args)                                  # refuses bad combinations before any import
     if args.model is not None:
-        return bench_model(args, resolve_model_path(args.model))     # a GGUF file: its cached import
+        model = resolve_model_path(args.model, args.dtype or "float32")     # a GGUF file: its cached import
+        if "llamacpp-server" in peers:
+            return against_llama_server(args, model)
+        return bench_model(args, model)
     if not args.shape:
         print("llmd bench: give a model directory or --shape", file=sys.stderr)
         return 2
@@ -83,26 +165,32 @@ def bench_model(args, model: str) -> int:
         return run_workloads(args, model, draft, opts)
     llm = LLM(model, draft="none", **opts)
     spec_llm = LLM(model, draft=draft, **opts) if (args.spec and draft) else None
-    peers = [p for p in args.against.split(",") if p]
+    peers = peer_names(args)
     device = getattr(llm.engine.runner, "device", torch.device("cpu"))
-    hf = load_hf(model, device, args.dtype) if "hf" in peers else None
+    hf = load_hf(model, device, args.dtype or "float32") if "hf" in peers else None
+    llama = llama_bench_peer(args, model) if "llama-bench" in peers else None
     vocab = min(llm.engine.model_config.vocab_size, llm.tokenizer.vocab_size)
     rng = random.Random(0)
     prompt = [rng.randrange(vocab) for _ in range(args.prompt_len)]
     res: dict = {"model": model, "threads": torch.get_num_threads(), "prompt_len": args.prompt_len, "gen": args.gen,
-                 "device": str(device), "dtype": args.dtype}
-    singles, hfs, specs, concurrents = [], [], [], []
+                 "device": str(device), "dtype": args.dtype or "float32"}
+    singles, hfs, specs, concurrents, llamas = [], [], [], [], []
     single_stream(llm, prompt[:8], 8)                       # warm-up
     streams = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(args.concurrency)]
     # one stream, its peers and many streams take turns, so a slow spell of the machine falls on
-    # all of them alike; each figure is the median of its repeats
-    for _ in range(args.repeat):
+    # all of them alike; each figure is the median of its repeats (llama-bench's: the best too)
+    for i in range(args.repeat):
+        if llama and i % 2:
+            llamas.append(llama())
         singles.append(single_stream(llm, prompt, args.gen))
+        if llama and not i % 2:
+            llamas.append(llama())
         if spec_llm:
             specs.append(single_stream(spec_llm, prompt, args.gen))
         if hf is not None:
             hfs.append(hf_single(hf, prompt, args.gen))
-        concurrents.append(concurrent(llm, streams, args.gen))
+        if streams:
+            concurrents.append(concurrent(llm, streams, args.gen))
     res["llmd_single"] = median_dict(singles)
     if specs:
         res["llmd_spec_single"] = median_dict(specs)
@@ -110,15 +198,40 @@ def bench_model(args, model: str) -> int:
         res["hf_single"] = median_dict(hfs)
         res["ratio_decode_vs_hf"] = res["llmd_single"]["decode_tok_s"] / res["hf_single"]["decode_tok_s"]
         res["ratio_ttft_vs_hf"] = res["llmd_single"]["ttft_s"] / res["hf_single"]["ttft_s"]
-    res["llmd_concurrent"] = median_dict(concurrents)
-    # decode against decode: the single-stream figure leaves its prompt out, so the concurrent one does too
-    res["concurrency_gain"] = res["llmd_concurrent"]["decode_aggregate_tok_s"] / res["llmd_single"]["decode_tok_s"]
-    res["concurrency_gain_end_to_end"] = res["llmd_concurrent"]["aggregate_tok_s"] / res["llmd_single"]["decode_tok_s"]
+    if llamas:
+        res["llama_bench"] = llama_bench_summary(singles, llamas, llama.gguf)
+    if concurrents:
+        res["llmd_concurrent"] = median_dict(concurrents)
+        # decode against decode: the single-stream figure leaves its prompt out, so the concurrent one does too
+        res["concurrency_gain"] = res["llmd_concurrent"]["decode_aggregate_tok_s"] / res["llmd_single"]["decode_tok_s"]
+        res["concurrency_gain_end_to_end"] = res["llmd_concurrent"]["aggregate_tok_s"] / res["llmd_single"]["decode_tok_s"]
     if args.shared_prefix:
         res["prefix"] = shared_prefix(llm, vocab, args.shared_prefix, rng)
     res["engine_stats"] = {k: v for k, v in llm.stats().items() if not isinstance(v, dict)}
     print(json.dumps(res, indent=1) if args.json else table(res))
     return 0
+
+
+def llama_bench_peer(args, model: str):
+    """One llama-bench run per call on the GGUF llama.cpp reads: as many decode steps as llmd's one
+    stream takes (its first token comes from the prompt), after a context of the prompt's length."""
+    gguf, binary = llama_gguf(args, model), llama_bench_binary()
+    threads = args.threads or torch.get_num_threads()
+
+    def run() -> dict:
+        return decode_rate(binary, gguf, threads, depth=args.prompt_len, gen=args.gen - 1)
+    run.gguf = gguf
+    return run
+
+
+def llama_bench_summary(singles: list[dict], llamas: list[dict], gguf: str) -> dict:
+    """Best and median decode tokens/s of llmd's one stream and of llama-bench, and llmd / llama.cpp."""
+    mine = [s["decode_tok_s"] for s in singles]
+    theirs = [r["decode_tok_s"] for r in llamas]
+    return {"gguf": gguf, "kv": llamas[0]["kv"], "model_type": llamas[0]["model_type"], "llama_runs": theirs,
+            "llmd_runs": mine, "llmd_best": max(mine), "llama_best": max(theirs),
+            "ratio_best": max(mine) / max(theirs),
+            "ratio_median": statistics.median(mine) / statistics.median(theirs)}
 
 
 def run_workloads(args, model, draft, opts) -> int:
@@ -128,11 +241,7 @@ def run_workloads(args, model, draft, opts) -> int:
     if unknown:
         print(f"llmd bench: unknown workload {', '.join(unknown)}; choose from {', '.join(WORKLOADS)}", file=sys.stderr)
         return 2
-    try:
-        levels = tuple(int(n) for n in args.sweep.split(",") if n)
-    except ValueError:
-        print(f"llmd bench: --sweep takes integers separated by commas, got {args.sweep!r}", file=sys.stderr)
-        return 2
+    levels = parse_levels(args.sweep, "1,2,4,8")
     k = opts.pop("num_speculative_tokens", None)
     cfg = BenchConfig(model=model, workloads=names, peers=tuple(p for p in args.against.split(",") if p),
                       seed=args.workload_seed, scale=args.scale, rate=args.rate, draft=draft, num_speculative_tokens=k,
@@ -240,10 +349,15 @@ def table(r: dict) -> str:
     if "ratio_decode_vs_hf" in r:
         lines.append(f"llmd / transformers: decode {r['ratio_decode_vs_hf']:.2f}x, ttft {r['ratio_ttft_vs_hf']:.2f}x "
                      "(ttft: lower is better)")
-    c = r["llmd_concurrent"]
-    lines.append(f"llmd {c['streams']} streams: {c['decode_aggregate_tok_s']:.1f} tok/s aggregate decode, prompts cached "
-                 f"({r['concurrency_gain']:.1f}x one stream); {c['aggregate_tok_s']:.1f} tok/s end to end with their "
-                 f"prompts ({r['concurrency_gain_end_to_end']:.1f}x), ttft p50 {ms(c['ttft_p50_s'])}")
+    if "llama_bench" in r:
+        b = r["llama_bench"]
+        lines.append(f"llama-bench {b['model_type']} (KV {b['kv']}): decode best {b['llama_best']:.1f} tok/s; llmd best "
+                     f"{b['llmd_best']:.1f}; llmd / llama.cpp {b['ratio_best']:.2f}x best, {b['ratio_median']:.2f}x median")
+    c = r.get("llmd_concurrent")
+    if c:
+        lines.append(f"llmd {c['streams']} streams: {c['decode_aggregate_tok_s']:.1f} tok/s aggregate decode, prompts "
+                     f"cached ({r['concurrency_gain']:.1f}x one stream); {c['aggregate_tok_s']:.1f} tok/s end to end "
+                     f"with their prompts ({r['concurrency_gain_end_to_end']:.1f}x), ttft p50 {ms(c['ttft_p50_s'])}")
     if "prefix" in r:
         p = r["prefix"]
         lines.append(f"shared prefix {p['prefix_len']}: ttft {ms(p['first_ttft_s'])} cold, {ms(p['second_ttft_s'])} "
