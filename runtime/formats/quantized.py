@@ -35,7 +35,8 @@ embedding is int8 in a quantized export (``embed="auto"``) and float only when a
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import re
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -47,10 +48,12 @@ from llmd.runtime.errors import InvalidRequest
 from llmd.runtime.kernels import ops
 from llmd.runtime.models.layers import Linear
 
-METHODS = ("none", "int8", "int4", "w8a8")
+METHODS = ("none", "int8", "int4", "w8a8", "mixed")
 HEADS = ("auto", "float", "int8", "int8g", "w8a8", "int4")
 HEAD_GROUP = 64        # int8g: input columns per scale of the head
 SMALL_M = 4            # rows up to which the packed low-bit kernels beat dense bf16 here
+MODULE_FORM = re.compile(r"float|int8|int8g/(16|32|64|128|256)|int4/(32|64|128|256)")
+MAX_MODULES = 1 << 16
 
 
 class QuantizationError(InvalidRequest):
@@ -66,10 +69,15 @@ class QuantSpec:
     embed: str = "auto"           # auto | float | int8: an untied embedding (a tied one follows the head)
     kv_dtype: str = "auto"        # one of KV_DTYPES (recorded; the runtime owns the pool)
     small_m: int = SMALL_M
+    # method "mixed" only: llmd module name ("layers.0.self_attn.qkv_proj", "lm_head", "embed_tokens")
+    # -> its form: "float", "int8" (a scale per row), "int8g/G" or "int4/G" (a scale, and for int4 an
+    # offset, per G input columns). A GGUF import keeps each tensor's blocks in the form that holds them.
+    modules: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise QuantizationError(f"quantization must be one of {METHODS}, got {self.method!r}")
+        check_modules(self.method, self.modules)
         if self.group_size not in (32, 64, 128, 256):
             raise QuantizationError(f"group size must be 32, 64, 128 or 256, got {self.group_size}")
         if self.head not in HEADS or self.embed not in ("auto", "float", "int8"):
@@ -83,11 +91,27 @@ class QuantSpec:
             raise QuantizationError(f"kv dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
 
     def to_dict(self) -> dict:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+        return {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "modules" or self.modules}
+
+    def form(self, module: str) -> tuple[str, int]:
+        """(kind, group size) of ``module`` under method "mixed": kind float, int8, int8g or int4."""
+        kind, _, group = self.modules.get(module, "float").partition("/")
+        return kind, int(group or 0)
 
     @classmethod
     def from_dict(cls, d: dict) -> "QuantSpec":
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+
+def check_modules(method: str, modules) -> None:
+    """A "mixed" spec's module table: bounded, every form one llmd holds."""
+    if not isinstance(modules, dict) or (modules and method != "mixed") or len(modules) > MAX_MODULES:
+        raise QuantizationError("a module table (at most 65536 entries) goes with quantization 'mixed' only")
+    for name, form in modules.items():
+        if not isinstance(name, str) or len(name) > 256 or not isinstance(form, str) \
+                or not MODULE_FORM.fullmatch(form):
+            raise QuantizationError(f"module {str(name)[:256]!r}: form {str(form)[:64]!r} is not float, int8, "
+                                    "int8g/G or int4/G")
 
 
 # ---- pure quantizers (also used by the round-trip tests) ---------------------------------------
@@ -479,6 +503,8 @@ def quantize_model(model: nn.Module, spec: QuantSpec, from_weights: bool = True)
     """
     if spec.method == "none":
         return model
+    if spec.method == "mixed":
+        return _quantize_mixed(model, spec, from_weights)
     if from_weights and spec.method == "int8":
         equalize_columns(model)
     for layer in model.layers:
@@ -519,6 +545,53 @@ def _quantize_head(model: nn.Module, spec: QuantSpec, from_weights: bool) -> Non
         if from_weights:
             table.load_weight(model.embed_tokens.weight.detach())
         model.embed_tokens = QuantEmbedding(table, owns_table=True)
+
+
+def make_module_form(spec: QuantSpec, name: str, in_features: int, out_features: int,
+                     bias: bool) -> QuantLinear | None:
+    """The module ``name`` of a "mixed" spec, empty; None where its form is float."""
+    kind, group = spec.form(name)
+    if kind == "int8g":
+        return Int8GroupLinear(in_features, out_features, bias, spec.small_m, group)
+    if kind == "int4":
+        return Int4Linear(in_features, out_features, bias, spec.small_m, group)
+    if kind == "int8":
+        return Int8Linear(in_features, out_features, bias, spec.small_m)
+    return None
+
+
+def _quantize_mixed(model: nn.Module, spec: QuantSpec, from_weights: bool) -> nn.Module:
+    """Each module in the form the spec's table names (absent: float)."""
+    known = {"lm_head", "embed_tokens"}
+    for i, layer in enumerate(model.layers):
+        for part, parent in (("self_attn", layer.self_attn), ("mlp", layer.mlp)):
+            for child_name, child in list(parent.named_children()):
+                if isinstance(child, Linear):
+                    name = f"layers.{i}.{part}.{child_name}"
+                    known.add(name)
+                    q = make_module_form(spec, name, child.in_features, child.out_features, child.bias is not None)
+                    if q is not None:
+                        setattr(parent, child_name, _swap(child, q, from_weights))
+    unknown = sorted(set(spec.modules) - known)
+    if unknown:
+        raise QuantizationError(f"the module table names {unknown[0]!r}, which this model does not have")
+    cfg = model.config
+    head = make_module_form(spec, "lm_head", cfg.hidden_size, cfg.vocab_size, False)
+    if head is not None:
+        if model.lm_head is not None:
+            model.lm_head = _swap(model.lm_head, head, from_weights)
+        else:       # tied: one quantized table serves as head and embedding
+            if from_weights:
+                head.load_weight(model.embed_tokens.weight.detach())
+            model.lm_head = head
+            model.embed_tokens = QuantEmbedding(head, owns_table=False)
+    if model.lm_head is not None and not isinstance(model.embed_tokens, QuantEmbedding):
+        table = make_module_form(spec, "embed_tokens", cfg.hidden_size, cfg.vocab_size, False)
+        if table is not None:
+            if from_weights:
+                table.load_weight(model.embed_tokens.weight.detach())
+            model.embed_tokens = QuantEmbedding(table, owns_table=True)
+    return model
 
 
 def prepare_quantized(model: nn.Module, use_kernels: bool = True) -> None:
