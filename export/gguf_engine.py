@@ -43,7 +43,7 @@ def import_engine(path: str | Path, out: str | Path, progress: bool = True) -> d
     layout = model_layout(path, cfg)
     tied = cfg["tie_word_embeddings"]
     parts: dict[str, list] = defaultdict(list)      # llmd tensor name -> [(row offset, Blocks | float32 values)]
-    routes: Counter = Counter()                      # (GGUF type, route) -> tensors
+    kept: list[tuple[str, str, str]] = []            # (GGUF type, llmd tensor name, why not kept or "")
     seen = []
     for t, name, values, order in tensor_values(f, cfg, progress, desc="reading"):
         check_tensor(path, cfg, layout, name, values.shape)
@@ -53,12 +53,14 @@ def import_engine(path: str | Path, out: str | Path, progress: bool = True) -> d
         form, why = None, "1-D" if values.ndim == 1 else f"{kind} has no llmd form"
         if values.ndim == 2 and kind in DECODERS:
             form, why = exact_form(kind, t.data, values.shape, values, order)
-        routes[(kind, form.form if form is not None else f"float32 ({why})")] += 1
+        if tied and target == "embed_tokens.weight":       # the table is the head: a quantized one is lm_head's
+            target = "lm_head.weight"
+        kept.append((kind, target, "" if form is not None else why))
         parts[target].append((offset, form if form is not None else values))
     check_complete(path, cfg, layout, seen)
-    if tied:              # the table is the head: llmd stores a quantized one under lm_head
-        parts["lm_head.weight"] = parts.pop("embed_tokens.weight")
     state, modules, demoted = assemble(parts)
+    routes = Counter((kind, modules.get(target.rsplit(".", 1)[0]) or
+                      f"float32 ({why or 'fused with parts that share no llmd form'})") for kind, target, why in kept)
     if tied and "lm_head" not in modules:         # a float table stays the embedding
         state["embed_tokens.weight"] = state.pop("lm_head.weight")
     spec = QuantSpec("mixed", head=_head(modules.get("lm_head", "float")),

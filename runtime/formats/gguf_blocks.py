@@ -160,11 +160,12 @@ def exact_form(type_name: str, raw: np.ndarray, shape: tuple[int, int], referenc
 
 def common_form(parts: list[Blocks | None]) -> list[Blocks] | None:
     """The parts of one fused llmd module (q, k, v; gate, up) in one form, or None where they have none:
-    int4 parts of one group size stay int4; int8g parts, and int4 parts without offsets, become int8g
-    with the smallest group."""
+    int4 parts of one group size stay int4 (where the rows come in the multiples of 16 llmd's int4
+    takes); int8g parts, and int4 parts without offsets, become int8g with the smallest group."""
     if any(p is None for p in parts):
         return None
-    if all(p.kind == "int4" for p in parts) and len({p.group for p in parts}) == 1:
+    if all(p.kind == "int4" for p in parts) and len({p.group for p in parts}) == 1 \
+            and sum(p.q.shape[0] for p in parts) % 16 == 0:
         return parts
     wide = [p.as_int8g() for p in parts]
     if any(p is None for p in wide):
