@@ -2,7 +2,9 @@
 
     python -m llmd.bench.quality_table --model DIR [--gguf FILE.gguf] [--formats int8,int4] ...
 
-Every llmd row is a real ``llmd export`` into a scratch directory, measured by the export's own quality
+The ``gguf-blocks`` row is ``llmd import --gguf FILE --keep-blocks`` (the file's quantized blocks kept
+as llmd's int8g and int4 layouts), loaded as the engine loads it and run on the same windows.
+Every other llmd row is a real ``llmd export`` into a scratch directory, measured by the export's own quality
 gate (so what is printed is what the engine runs, the ONNX graph included); the gate is told to accept
 the loss so that every row is measured. llama.cpp rows quantize ``--gguf`` (a GGUF of the same model)
 with llama.cpp's own quantizer (``llama_model_quantize``; the file is dequantized and quantized
@@ -47,6 +49,25 @@ def llmd_row(model: str, name: str, windows: int, tokens: int, scratch: Path, ev
     return {"engine": f"llmd {name}", "ppl_increase": q["ppl_increase"], "top1": q["top1_agreement"],
             "ppl": q["ppl_quantized"], "ppl_reference": q["ppl_reference"], "tokens": q["num_tokens"],
             "detail": s["quantization"] | {"backend": s["backend"]}, "seconds": time.perf_counter() - t}
+
+
+def gguf_blocks_row(model: str, gguf: Path, windows: int, tokens: int, scratch: Path, eval_file: str | None) -> dict:
+    """The GGUF's blocks kept (llmd import --keep-blocks) against the float model ``model``."""
+    from llmd.export.gguf_engine import import_engine
+    from llmd.runtime.formats.engine_dir import load_engine_part
+    from llmd.runtime.formats.manifest import read_manifest
+    t = time.perf_counter()
+    out = scratch / "gguf-blocks"
+    summary = import_engine(gguf, out)
+    tok = Tokenizer.from_dir(model)
+    texts, source = quality.heldout_texts(eval_file)
+    win = quality.token_windows(tok, texts, tokens, windows)
+    reference = quality.predict(load_model(model, "float32"), win)
+    engine = load_engine_part(out, read_manifest(out), "target")[0]
+    q = quality.compare(reference, quality.predict(engine, win), None, source)
+    return {"engine": "llmd gguf-blocks", "ppl_increase": q.ppl_increase, "top1": q.top1_agreement,
+            "ppl": q.ppl_quantized, "ppl_reference": q.ppl_reference, "tokens": q.num_tokens,
+            "detail": summary["routes"], "seconds": time.perf_counter() - t}
 
 
 def llamacpp_quantize(src: Path, ftype: str, cache: Path) -> Path:
@@ -100,8 +121,10 @@ def main(argv=None) -> int:
     p.add_argument("--model", required=True, help="float model directory (Hugging Face layout)")
     p.add_argument("--gguf", help="a GGUF of the same model, for llama.cpp's rows (needs llama-cpp-python)")
     p.add_argument("--formats", default="int8,int8-onnxruntime,int4,int4-g32-plain,int4-g64-plain,int4-g64",
-                   help=f"llmd rows, comma-separated, of {', '.join(FORMATS)}")
-    p.add_argument("--llamacpp-types", default="Q8_0,Q4_0,Q4_1", help="llama.cpp rows, comma-separated")
+                   help=f"llmd rows, comma-separated, of {', '.join(FORMATS)}, gguf-blocks (the --gguf file's "
+                   "blocks kept: llmd import --keep-blocks)")
+    p.add_argument("--llamacpp-types", default="Q8_0,Q4_0,Q4_1",
+                   help="llama.cpp rows, comma-separated ('none': no llama.cpp rows, even with --gguf)")
     p.add_argument("--eval-file", help="text measured (default: llmd's evaluation text)")
     p.add_argument("--windows", type=int, default=16, help="windows measured (default 16)")
     p.add_argument("--tokens", type=int, default=128, help="tokens per window (default 128)")
@@ -110,9 +133,14 @@ def main(argv=None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         for name in filter(None, a.formats.split(",")):
-            rows.append(llmd_row(a.model, name, a.windows, a.tokens, Path(scratch), a.eval_file))
+            if name == "gguf-blocks":
+                if not a.gguf:
+                    p.error("the gguf-blocks row needs --gguf FILE.gguf")
+                rows.append(gguf_blocks_row(a.model, Path(a.gguf), a.windows, a.tokens, Path(scratch), a.eval_file))
+            else:
+                rows.append(llmd_row(a.model, name, a.windows, a.tokens, Path(scratch), a.eval_file))
             print(row_text(rows[-1]), flush=True)
-    if a.gguf:
+    if a.gguf and a.llamacpp_types != "none":
         Path(a.cache).mkdir(parents=True, exist_ok=True)
         for r in llamacpp_rows(a.model, Path(a.gguf), list(filter(None, a.llamacpp_types.split(","))),
                                a.windows, a.tokens, Path(a.cache), a.eval_file):

@@ -17,6 +17,11 @@ they cannot run (other CPUs, no compiler, a graph being compiled, int4 group siz
 a multiple of 128) torch's packed kernels take their place: _weight_int8pack_mm and
 _weight_int4pack_mm_for_cpu with x rounded to bfloat16, which are compute-bound here.
 
+Method ``mixed`` gives each module its own form (``QuantSpec.modules``: float, int8, int8g/G or
+int4/G, G down to 16 for int8g and 32 for int4): what `llmd import --keep-blocks` writes, keeping a
+GGUF file's blocks (llmd.runtime.formats.gguf_blocks). llmd's kernels take int8g and int4 groups of
+64 columns and more; smaller groups run through torch's forms (bf16 weights, or torch's int4 kernel).
+
 Formulas (q is the stored integer, G the group size):
     int8:  w = q * s[n]                              q in [-127, 127]
     int4:  w = (q - 8) * s[n, g] + z[n, g]           q in [0, 15]; symmetric groups have z = 0
