@@ -59,8 +59,8 @@ def import_engine(path: str | Path, out: str | Path, progress: bool = True) -> d
         parts[target].append((offset, form if form is not None else values))
     check_complete(path, cfg, layout, seen)
     state, modules, demoted = assemble(parts)
-    routes = Counter((kind, modules.get(target.rsplit(".", 1)[0]) or
-                      f"float32 ({why or 'fused with parts that share no llmd form'})") for kind, target, why in kept)
+    routes = Counter((kind, f"float32 ({why})" if why else modules.get(target.rsplit(".", 1)[0]) or
+                      "float32 (fused with parts that share no llmd form)") for kind, target, why in kept)
     if tied and "lm_head" not in modules:         # a float table stays the embedding
         state["embed_tokens.weight"] = state.pop("lm_head.weight")
     spec = QuantSpec("mixed", head=_head(modules.get("lm_head", "float")),

@@ -91,6 +91,7 @@ def test_mixed_types_fused_modules_and_an_untied_head(tmp_path):
                                                    "ffn_down": "q4_0", "token_embd": "q5_0", "output": "q8_0"})
     summary = import_engine(path, tmp_path / "engine", progress=False)
     assert routes(summary)["Q4_0"] == "int4/32" and routes(summary)["Q5_0"] == "int8g/32"
+    assert routes(summary)["F32"] == "float32 (1-D)"              # norms and q, k, v biases
     assert summary["demoted_modules"] == ["layers.0.self_attn.qkv_proj", "layers.1.self_attn.qkv_proj"]
     modules = QuantSpec.from_dict(json.loads((tmp_path / "engine" / "manifest.json").read_text())
                                   ["quantization"]).modules
