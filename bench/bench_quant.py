@@ -35,7 +35,9 @@ from pathlib import Path
 import torch
 
 from llmd.bench.to_gguf import convert
+from llmd.runtime.formats.engine_dir import load_engine_part
 from llmd.runtime.formats.gguf_import import resolve_model_path
+from llmd.runtime.formats.manifest import read_manifest
 from llmd.runtime.formats.quantized import QuantSpec, auto_group_size, prepare_quantized, quantize_model
 from llmd.runtime.model_runner import Feed, ModelRunner
 from llmd.runtime.models.config import ModelConfig
@@ -160,8 +162,6 @@ def main() -> None:
     for name in names:
         timers[name] = Timer(build(args.shape, VARIANTS[name], 0, args.model), args.prompt_tokens, args.decode)
     if args.engine:
-        from llmd.runtime.formats.engine_dir import load_engine_part
-        from llmd.runtime.formats.manifest import read_manifest
         names.append("engine")
         timers["engine"] = Timer(load_engine_part(args.engine, read_manifest(args.engine), "target")[0],
                                  args.prompt_tokens, args.decode)

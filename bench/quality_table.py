@@ -27,7 +27,10 @@ import torch.nn.functional as F
 
 from llmd.export import quality
 from llmd.export.cli import ExportOptions, export_engine
+from llmd.export.gguf_engine import import_engine
 from llmd.export.quality import Predictions
+from llmd.runtime.formats.engine_dir import load_engine_part
+from llmd.runtime.formats.manifest import read_manifest
 from llmd.runtime.formats.quantized import QuantLinear
 from llmd.runtime.models.loader import load_model
 from llmd.runtime.tokenizer import Tokenizer
@@ -66,9 +69,6 @@ def gguf_blocks_rows(model: str, gguf: Path, names: list[str], windows: int, tok
     """The GGUF's blocks kept (llmd import --keep-blocks) against the float model ``model``: as the
     runtime runs them, and with the head or every kept module computed in float32 from its exact
     dequantized weights (what separates the stored numbers from the arithmetic that runs them)."""
-    from llmd.export.gguf_engine import import_engine
-    from llmd.runtime.formats.engine_dir import load_engine_part
-    from llmd.runtime.formats.manifest import read_manifest
     out = scratch / "gguf-blocks"
     summary = import_engine(gguf, out)
     tok = Tokenizer.from_dir(model)

@@ -25,6 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
+
+from .quantized import dequantize_int4, dequantize_int8
 
 FLOAT16 = np.dtype("<f2")
 
@@ -49,9 +52,6 @@ class Blocks:
 
     def dequantize(self) -> np.ndarray:
         """The float32 weight by llmd's own formulas (llmd.runtime.formats.quantized)."""
-        import torch
-
-        from .quantized import dequantize_int4, dequantize_int8
         q, s = torch.from_numpy(self.q), torch.from_numpy(self.scales)
         if self.kind == "int8g":
             return dequantize_int8(q, s).numpy()
