@@ -294,10 +294,12 @@ class Int8GroupLinear(Int8Linear):
     output head. A tied head is the embedding table, whose rows carry outliers that one scale per
     row rounds coarsely; on the demo target, greedy tokens of 200 held-out prompts (float body)
     matched float32 in 175 with a scale per row and 189 with one per 64 columns. llmd's kernel
-    serves any number of rows; without it the bf16 dequantized weight is built once and kept."""
+    serves any number of rows; without it the bf16 dequantized weight is built once and kept. Groups
+    the kernel does not take (under 64 columns: GGUF's blocks) run decode rows through llmd's float32
+    kernel on that bf16 weight."""
 
     method = "int8g"
-    derived = ("_dense_bf16",)
+    derived = ("_dense_bf16", "_blocks")
 
     def __init__(self, in_features, out_features, bias=False, small_m=SMALL_M, group_size=HEAD_GROUP):
         super().__init__(in_features, out_features, bias, small_m)
@@ -306,6 +308,7 @@ class Int8GroupLinear(Int8Linear):
         self.group_size = group_size
         self.scales = torch.ones(out_features, in_features // group_size)
         self._dense_bf16 = None
+        self._blocks = None
 
     def load_weight(self, w: torch.Tensor) -> None:
         self.qweight, self.scales = quantize_int8(w, self.group_size)
@@ -324,9 +327,24 @@ class Int8GroupLinear(Int8Linear):
             return y
         if kernels.traced(x):
             return F.linear(x.to(torch.bfloat16), self.dense_weight().to(torch.bfloat16))   # a graph records it
+        if kernels.usable(x) and x.shape[0] <= ops.F32_MAX_ROWS and (y := self.widened_rows(x)) is not None:
+            return y
+        if self._blocks is not None:      # prompt rows beside the decode form: widened per call, not kept twice
+            return F.linear(x.to(torch.bfloat16), ops.f32_unblock(self._blocks).to(torch.bfloat16))
         if self._dense_bf16 is None:      # no kernel on this CPU: widen once, not per step
             self._dense_bf16 = self.dense_weight().to(torch.bfloat16)
         return F.linear(x.to(torch.bfloat16), self._dense_bf16)
+
+    def widened_rows(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Decode rows where llmd's int8g kernel does not take the group (under 64 columns, as GGUF blocks
+        of 32 and 16 are): the weight widened once to bfloat16 in llmd's float32 kernel's blocks, which
+        that kernel streams at memory speed with x kept in float32 (torch's bfloat16 product of one row is
+        compute-bound here: docs/performance.md, "GGUF blocks kept")."""
+        if self.out_features % 64:
+            return None
+        if self._blocks is None:
+            self._blocks = ops.f32_blocks(self.dense_weight().to(torch.bfloat16).float())
+        return ops.f32_matvec(x.float(), self._blocks, None)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return dequantize_int8(self.qweight.index_select(0, ids), self.scales.index_select(0, ids))
