@@ -327,24 +327,29 @@ class Int8GroupLinear(Int8Linear):
             return y
         if kernels.traced(x):
             return F.linear(x.to(torch.bfloat16), self.dense_weight().to(torch.bfloat16))   # a graph records it
-        if kernels.usable(x) and x.shape[0] <= ops.F32_MAX_ROWS and (y := self.widened_rows(x)) is not None:
+        if kernels.usable(x) and (y := self.widened_rows(x)) is not None:
             return y
-        if self._blocks is not None:      # prompt rows beside the decode form: widened per call, not kept twice
-            return F.linear(x.to(torch.bfloat16), ops.f32_unblock(self._blocks).to(torch.bfloat16))
         if self._dense_bf16 is None:      # no kernel on this CPU: widen once, not per step
             self._dense_bf16 = self.dense_weight().to(torch.bfloat16)
         return F.linear(x.to(torch.bfloat16), self._dense_bf16)
 
     def widened_rows(self, x: torch.Tensor) -> torch.Tensor | None:
-        """Decode rows where llmd's int8g kernel does not take the group (under 64 columns, as GGUF blocks
-        of 32 and 16 are): the weight widened once to bfloat16 in llmd's float32 kernel's blocks, which
-        that kernel streams at memory speed with x kept in float32 (torch's bfloat16 product of one row is
-        compute-bound here: docs/performance.md, "GGUF blocks kept")."""
+        """Where llmd's int8g kernel does not take the group (under 64 columns, as GGUF blocks of 32 and
+        16 are): the weight widened once to bfloat16 in llmd's float32 kernel's blocks, which that kernel
+        streams at memory speed with x kept in float32, 16 rows a call, so a row gets the numbers it gets
+        alone (torch's bfloat16 product of one row is compute-bound here: docs/performance.md, "GGUF
+        blocks kept")."""
         if self.out_features % 64:
             return None
         if self._blocks is None:
             self._blocks = ops.f32_blocks(self.dense_weight().to(torch.bfloat16).float())
-        return ops.f32_matvec(x.float(), self._blocks, None)
+        x = x.float()
+        parts = []
+        for i in range(0, x.shape[0], ops.F32_MAX_ROWS):
+            if (y := ops.f32_matvec(x[i:i + ops.F32_MAX_ROWS], self._blocks, None)) is None:
+                return None
+            parts.append(y)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return dequantize_int8(self.qweight.index_select(0, ids), self.scales.index_select(0, ids))
