@@ -213,3 +213,23 @@ def test_real_models_keep_every_quantized_tensor(name, expected, tmp_path):
     text = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                     SamplingParams(max_tokens=16)).text
     assert "Paris" in text
+
+
+def test_int8g_groups_under_64_columns_give_a_row_the_numbers_it_gets_alone():
+    """No llmd int8g kernel takes groups of 32 or 16: such modules multiply through the float32 kernel
+    on their weight widened to bfloat16, x in float32, the same numbers for a row alone or in a prompt."""
+    from llmd.runtime import kernels
+    from llmd.runtime.formats.quantized import Int8GroupLinear
+    if not kernels.available():
+        pytest.skip("llmd's kernels do not run on this machine")
+    torch.manual_seed(0)
+    m = Int8GroupLinear(256, 128, group_size=32)
+    m.load_weight(torch.randn(128, 256))
+    m.prepare()
+    x = torch.randn(40, 256)
+    with torch.inference_mode():
+        many = m(x)
+        alone = torch.cat([m(x[i:i + 1]) for i in range(40)])
+    assert torch.equal(many, alone)
+    want = x @ m.dense_weight().to(torch.bfloat16).float().t()
+    assert torch.allclose(many, want, rtol=1e-4, atol=1e-4)
