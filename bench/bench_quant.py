@@ -14,6 +14,10 @@ With --model (a model directory or a GGUF file, such as the ones `make models-re
 variants are built from those weights instead, each int4 group the largest that divides the model's
 widths; with --llamacpp and a GGUF file, llama.cpp runs that file as it is.
 
+With --engine DIR (an llmd engine directory, such as `llmd import FILE.gguf --keep-blocks` writes), the
+variant "engine" runs it as the engine loads it, beside the others (float32 from --model: that file's
+float32 import).
+
 With --llamacpp (needs the ``bench`` extra: llama-cpp-python and gguf), the same random weights are
 written once as a model directory, converted to GGUF Q8_0 and Q4_0 (every matrix, the tied
 embedding/head included), and llama.cpp decodes the same prompt with the same thread count in this
@@ -31,7 +35,9 @@ from pathlib import Path
 import torch
 
 from llmd.bench.to_gguf import convert
+from llmd.runtime.formats.engine_dir import load_engine_part
 from llmd.runtime.formats.gguf_import import resolve_model_path
+from llmd.runtime.formats.manifest import read_manifest
 from llmd.runtime.formats.quantized import QuantSpec, auto_group_size, prepare_quantized, quantize_model
 from llmd.runtime.model_runner import Feed, ModelRunner
 from llmd.runtime.models.config import ModelConfig
@@ -140,6 +146,8 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3, help="runs of each variant, taken in turns; medians reported (default %(default)s)")
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated variants to compare (default %(default)s)")
     p.add_argument("--model", default=None, help="a model directory or GGUF file instead of random weights of --shape")
+    p.add_argument("--engine", type=Path, default=None,
+                   help="also run this llmd engine directory (e.g. from `llmd import FILE.gguf --keep-blocks`)")
     p.add_argument("--llamacpp", action="store_true", help="also run llama.cpp on the same weights at Q8_0 and Q4_0")
     p.add_argument("--work", type=Path, default=None, help="where the GGUF files go (default: a temporary folder)")
     args = p.parse_args()
@@ -153,6 +161,10 @@ def main() -> None:
     timers = {}
     for name in names:
         timers[name] = Timer(build(args.shape, VARIANTS[name], 0, args.model), args.prompt_tokens, args.decode)
+    if args.engine:
+        names.append("engine")
+        timers["engine"] = Timer(load_engine_part(args.engine, read_manifest(args.engine), "target")[0],
+                                 args.prompt_tokens, args.decode)
     with torch.inference_mode():
         for _ in range(args.repeat):
             for name in names:
@@ -182,7 +194,10 @@ def main() -> None:
               ("int8 / llama.cpp Q8_0 prompt", "int8", "llama.cpp q8_0", "prefill_tps", None),
               ("w8a8 / llama.cpp Q8_0 prompt", "w8a8", "llama.cpp q8_0", "prefill_tps", None),
               ("int8 / llama.cpp (file) decode", "int8", "llama.cpp file", "decode_tps", None),
-              ("int4 / llama.cpp (file) decode", "int4", "llama.cpp file", "decode_tps", None)]
+              ("int4 / llama.cpp (file) decode", "int4", "llama.cpp file", "decode_tps", None),
+              ("engine / float32 decode", "engine", "float32", "decode_tps", None),
+              ("engine / float32 prompt", "engine", "float32", "prefill_tps", None),
+              ("engine / int4 decode", "engine", "int4", "decode_tps", None)]
     for label, a, b, key, goal in ratios:
         if a in results and b in results:
             ratio = results[a][key] / results[b][key]

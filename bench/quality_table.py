@@ -2,7 +2,11 @@
 
     python -m llmd.bench.quality_table --model DIR [--gguf FILE.gguf] [--formats int8,int4] ...
 
-Every llmd row is a real ``llmd export`` into a scratch directory, measured by the export's own quality
+The ``gguf-blocks`` row is ``llmd import --gguf FILE --keep-blocks`` (the file's quantized blocks kept
+as llmd's int8g and int4 layouts), loaded as the engine loads it and run on the same windows;
+``gguf-blocks-f32head`` and ``gguf-blocks-f32`` multiply the head, or every kept module, in float32 by
+its dequantized weights, which separates the stored numbers from the arithmetic that runs them.
+Every other llmd row is a real ``llmd export`` into a scratch directory, measured by the export's own quality
 gate (so what is printed is what the engine runs, the ONNX graph included); the gate is told to accept
 the loss so that every row is measured. llama.cpp rows quantize ``--gguf`` (a GGUF of the same model)
 with llama.cpp's own ``llama-quantize`` (the file is dequantized and quantized again) and run the
@@ -17,10 +21,16 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch.nn.functional as F
+
 
 from llmd.export import llamacpp, quality
 from llmd.export.cli import ExportOptions, export_engine
+from llmd.export.gguf_engine import import_engine
+from llmd.runtime.formats.engine_dir import load_engine_part
 from llmd.runtime.formats.gguf_import import resolve_model_path
+from llmd.runtime.formats.manifest import read_manifest
+from llmd.runtime.formats.quantized import QuantLinear
 from llmd.runtime.models.loader import load_model
 from llmd.runtime.tokenizer import Tokenizer
 
@@ -43,6 +53,50 @@ def llmd_row(model: str, name: str, windows: int, tokens: int, scratch: Path, ev
     return {"engine": f"llmd {name}", "ppl_increase": q["ppl_increase"], "top1": q["top1_agreement"],
             "ppl": q["ppl_quantized"], "ppl_reference": q["ppl_reference"], "tokens": q["num_tokens"],
             "detail": s["quantization"] | {"backend": s["backend"]}, "seconds": time.perf_counter() - t}
+
+
+GGUF_BLOCKS = {   # row name -> which kept modules are computed in float32 from their dequantized weights
+    "gguf-blocks": lambda name: False,
+    "gguf-blocks-f32head": lambda name: name == "lm_head",
+    "gguf-blocks-f32": lambda name: True,
+}
+
+
+def gguf_blocks_rows(model: str, gguf: Path, names: list[str], windows: int, tokens: int, scratch: Path,
+                     eval_file: str | None) -> list[dict]:
+    """The GGUF's blocks kept (llmd import --keep-blocks) against the float model ``model``: as the
+    runtime runs them, and with the head or every kept module computed in float32 from its exact
+    dequantized weights (what separates the stored numbers from the arithmetic that runs them)."""
+    out = scratch / "gguf-blocks"
+    summary = import_engine(gguf, out)
+    tok = Tokenizer.from_dir(model)
+    texts, source = quality.heldout_texts(eval_file)
+    win = quality.token_windows(tok, texts, tokens, windows)
+    reference = quality.predict(load_model(model, "float32"), win)
+    rows = []
+    for name in names:
+        t = time.perf_counter()
+        engine = load_engine_part(out, read_manifest(out), "target")[0]
+        for module_name, module in engine.named_modules():
+            if isinstance(module, QuantLinear) and GGUF_BLOCKS[name](module_name):
+                _float32_products(module)
+        q = quality.compare(reference, quality.predict(engine, win), None, source)
+        rows.append({"engine": f"llmd {name}", "ppl_increase": q.ppl_increase, "top1": q.top1_agreement,
+                     "ppl": q.ppl_quantized, "ppl_reference": q.ppl_reference, "tokens": q.num_tokens,
+                     "detail": summary["routes"], "seconds": time.perf_counter() - t})
+        print(row_text(rows[-1]), flush=True)
+    return rows
+
+
+def _float32_products(module: QuantLinear) -> None:
+    """Make ``module`` multiply in float32 by its dequantized weight (and bias)."""
+    weight = module.dense_weight().float()
+    bias = None if module.bias is None else module.bias.float()
+    module.bias = None
+
+    def product(x, weight=weight, bias=bias):
+        return F.linear(x.float(), weight, bias)
+    module.small = module.large = product
 
 
 def llamacpp_rows(model: str, gguf: Path, types: list[str], windows: int, tokens: int, cache: Path,
@@ -70,7 +124,9 @@ def main(argv=None) -> int:
                    "(its float32 import; also llama.cpp's source unless --gguf is given)")
     p.add_argument("--gguf", help="a GGUF of the same model, for llama.cpp's rows (bench/build_llama_server.sh builds its tools)")
     p.add_argument("--formats", default="int8,int8-onnxruntime,int4,int4-g32-plain,int4-g64-plain,int4-g64",
-                   help=f"llmd rows, comma-separated, of {', '.join(FORMATS)}")
+                   help=f"llmd rows, comma-separated, of {', '.join(FORMATS)}, and gguf-blocks (the --gguf file's "
+                   "blocks kept: llmd import --keep-blocks), gguf-blocks-f32head, gguf-blocks-f32 (the same with "
+                   "the head, or every kept module, multiplied in float32 by its dequantized weights)")
     p.add_argument("--llamacpp-types", default="Q8_0,Q4_0,Q4_1", help="llama.cpp rows, comma-separated, or none")
     p.add_argument("--eval-file", help="text measured (default: llmd's evaluation text)")
     p.add_argument("--windows", type=int, default=16, help="windows measured (default 16)")
@@ -82,7 +138,13 @@ def main(argv=None) -> int:
         a.model = resolve_model_path(a.model)
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
-        for name in filter(None, a.formats.split(",")):
+        names = list(filter(None, a.formats.split(",")))
+        blocks = [n for n in names if n in GGUF_BLOCKS]
+        if blocks and not a.gguf:
+            p.error(f"the {blocks[0]} row needs --gguf FILE.gguf")
+        if blocks:
+            rows += gguf_blocks_rows(a.model, Path(a.gguf), blocks, a.windows, a.tokens, Path(scratch), a.eval_file)
+        for name in (n for n in names if n not in GGUF_BLOCKS):
             rows.append(llmd_row(a.model, name, a.windows, a.tokens, Path(scratch), a.eval_file))
             print(row_text(rows[-1]), flush=True)
     if a.gguf and a.llamacpp_types != "none":

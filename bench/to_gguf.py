@@ -6,9 +6,9 @@ q and k rows are reordered for it; `qwen2` uses the halves layout and needs no r
 The vocabulary is written in full (padded with unused entries up to the embedding rows): llama.cpp
 receives token ids from the benchmark, never text, but checks that sizes agree.
 
-Types: float32 stays F32, anything else becomes F16 (the nearest llama.cpp float), and `q8_0`
-and `q4_0` quantize every matrix (the tied embedding/head included) for comparisons with llmd's
-int8 and int4 weights.
+Types: float32 stays F32, anything else becomes F16 (the nearest llama.cpp float), and `q8_0`,
+`q4_0`, `q4_1` and `q5_0` quantize every matrix (the tied embedding/head included) for comparisons
+with llmd's int8 and int4 weights (or each kind of matrix its own type, for tests).
 """
 from __future__ import annotations
 
@@ -27,11 +27,13 @@ LAYER = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm
 TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
        "lm_head.weight": "output.weight"}
 ARCH = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
-QUANT_TYPES = {"q8_0": "Q8_0", "q4_0": "Q4_0"}
+QUANT_TYPES = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1", "q5_0": "Q5_0"}
 
 
-def convert(model_dir: str | Path, out: str | Path, quant: str = "auto") -> Path:
-    """Write `out` (once; an existing file is reused) and return its path."""
+def convert(model_dir: str | Path, out: str | Path, quant: str | dict = "auto") -> Path:
+    """Write `out` (once; an existing file is reused) and return its path. ``quant`` is one type for
+    every matrix, or a type per GGUF tensor kind ("attn_q", "ffn_down", "token_embd", ...) with "*" for
+    the rest."""
     import gguf
     from safetensors import safe_open
     model_dir, out = Path(model_dir), Path(out)
@@ -78,7 +80,10 @@ def _pairs_adjacent(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, rows // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _add(w, gguf, name: str, t: np.ndarray, quant: str, dtype) -> None:
+def _add(w, gguf, name: str, t: np.ndarray, quant: str | dict, dtype) -> None:
+    if isinstance(quant, dict):
+        kind = name.split(".")[-2] if name.startswith("blk.") else name.split(".")[0]
+        quant = quant.get(kind, quant.get("*", "auto"))
     if t.ndim == 1 or quant == "auto" and dtype in (None, "float32"):
         w.add_tensor(name, t.astype(np.float32))
     elif quant in QUANT_TYPES and t.shape[-1] % 32 == 0:

@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from safetensors.torch import load_file
 
 from llmd.bench.to_gguf import convert
+from llmd.export.gguf_engine import import_engine
 from llmd.runtime.errors import ModelLoadError
 from llmd.runtime.formats.gguf_check import GGUFError
 from llmd.runtime.formats.gguf_import import import_gguf, imported_dir
@@ -159,24 +160,36 @@ def _hostile(data: bytes) -> dict[str, bytes]:
     return cases
 
 
-def _import_bounded(path: Path, out: Path) -> None:
-    """Import ``path``; assert that Python's allocations stayed under 64 MiB meanwhile."""
+def _import_bounded(path: Path, out: Path, keep_blocks: bool = False) -> None:
+    """Import ``path`` (as floats, or keeping its blocks in an engine directory); assert that Python's
+    allocations stayed under 64 MiB meanwhile."""
     tracemalloc.start()
     try:
-        import_gguf(path, out, progress=False)
+        if keep_blocks:
+            import_engine(path, out, progress=False)
+        else:
+            import_gguf(path, out, progress=False)
     finally:
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
         assert peak < 64 << 20, f"peak {peak} bytes"
 
 
-def test_hostile_files_give_typed_errors(gguf_file, tmp_path):
-    for name, data in _hostile(gguf_file.read_bytes()).items():
+@pytest.mark.parametrize("keep_blocks", [False, True])
+def test_hostile_files_give_typed_errors(gguf_file, quantized_gguf, tmp_path, keep_blocks):
+    for name, data in _hostile((quantized_gguf if keep_blocks else gguf_file).read_bytes()).items():
         path = tmp_path / "hostile.gguf"
         path.write_bytes(data)
         with pytest.raises(GGUFError) as e:
-            _import_bounded(path, tmp_path / name)
+            _import_bounded(path, tmp_path / name, keep_blocks)
         assert str(path) in str(e.value), name
+
+
+@pytest.fixture(scope="module")
+def quantized_gguf(source, tmp_path_factory):
+    """The tiny model with its matrices in blocks llmd keeps (Q4_1, Q8_0, Q5_0)."""
+    return convert(source, tmp_path_factory.mktemp("gguf") / "tiny-q.gguf",
+                   quant={"*": "q4_1", "token_embd": "q8_0", "ffn_down": "q5_0"})
 
 
 @pytest.fixture(scope="module")
@@ -187,10 +200,29 @@ def small_gguf(tmp_path_factory):
     return convert(src, tmp_path_factory.mktemp("fuzz") / "small.gguf")
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                    HealthCheck.too_slow])
+@pytest.fixture(scope="module")
+def small_quantized_gguf(tmp_path_factory):
+    src = make_model_dir(tmp_path_factory.mktemp("fuzz") / "src", hidden=32, layers=1, heads=2, kv_heads=1,
+                         intermediate=32)
+    return convert(src, tmp_path_factory.mktemp("fuzz") / "small-q.gguf", quant={"*": "q4_1", "ffn_up": "q8_0"})
+
+
+FUZZ = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
+
+@settings(max_examples=120, **FUZZ)
 @given(data=st.data())
 def test_fuzzed_files_import_or_fail_typed(small_gguf, tmp_path_factory, data):
+    _fuzz_once(small_gguf, tmp_path_factory, data, keep_blocks=False)
+
+
+@settings(max_examples=60, **FUZZ)
+@given(data=st.data())
+def test_fuzzed_files_keep_blocks_or_fail_typed(small_quantized_gguf, tmp_path_factory, data):
+    _fuzz_once(small_quantized_gguf, tmp_path_factory, data, keep_blocks=True)
+
+
+def _fuzz_once(small_gguf: Path, tmp_path_factory, data, keep_blocks: bool) -> None:
     blob = bytearray(small_gguf.read_bytes())
     header = min(len(blob), 4096)
     for _ in range(data.draw(st.integers(1, 8))):
@@ -213,6 +245,6 @@ def test_fuzzed_files_import_or_fail_typed(small_gguf, tmp_path_factory, data):
     path = tmp / "m.gguf"
     path.write_bytes(bytes(blob))
     try:
-        _import_bounded(path, tmp / "out")
+        _import_bounded(path, tmp / "out", keep_blocks)
     except ModelLoadError:
         pass

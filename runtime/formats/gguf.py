@@ -2,15 +2,13 @@
 values, a Hugging Face style config.json, and its tensors dequantized under Hugging Face names.
 
 Supported: the llama, mistral, qwen2 and qwen3 architectures. Every tensor type the `gguf` package
-can dequantize is read, and becomes float32 (exact) or bfloat16. None is mapped straight into
-llmd's int8/int4 engine formats yet: Q8_0 (blocks of 32 int8 values, one float16 scale each) and
-Q4_0 (blocks of 32 4-bit values around 8, one float16 scale) are symmetric like llmd's int8 and int4
-and would map exactly with a group size of 32; Q4_1 and Q5_x carry a per-block minimum and the K
-types nested 6-bit scales, which llmd's symmetric formats cannot hold.
+can dequantize is read, and becomes float32 (exact) or bfloat16. Q8_0, Q5_0, Q6_K, Q4_0, Q4_1 and
+Q4_K blocks can instead be kept as llmd's int8 and int4 layouts, unrounded (gguf_blocks.py, and
+`llmd import --keep-blocks`, which writes an engine directory).
 
 llama.cpp stores the llama and mistral architectures' q and k rows so that rotary pairs are adjacent
 (rows 2i and 2i+1 of a head); llmd, like the Hugging Face layout, pairs row i with row i + d/2, so
-those rows are put back (`_rotary_halves`). qwen2 and qwen3 files keep the halves layout.
+those rows are put back (`_rotary_order`). qwen2 and qwen3 files keep the halves layout.
 """
 from __future__ import annotations
 
@@ -165,15 +163,22 @@ def hf_name(f: GGUFFile, name: str) -> str:
 
 def read_tensors(f: GGUFFile, cfg: dict, dtype: str = "float32", progress: bool = True) -> Iterator[tuple[str, Any]]:
     """Yield (Hugging Face name, torch tensor of ``dtype``) for every tensor, dequantized."""
-    import gguf
     import torch
-    from tqdm import tqdm
-    arch = cfg["model_type"]
-    heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
     if dtype not in dtypes:
         raise GGUFError(f"{f.path}: cannot import as {dtype!r} (float32 or bfloat16)")
-    bar = tqdm(f.reader.tensors, desc=f"dequantizing {f.path.name}", unit="tensor", disable=not progress, leave=False)
+    for _, name, values, _ in tensor_values(f, cfg, progress):
+        yield name, torch.from_numpy(values).to(dtypes[dtype])
+
+
+def tensor_values(f: GGUFFile, cfg: dict, progress: bool = True, desc: str = "dequantizing"):
+    """Yield (the reader's tensor, Hugging Face name, float32 values in llmd's row order, the row order
+    applied to the file's rows or None) for every tensor, dequantized by the `gguf` package."""
+    import gguf
+    from tqdm import tqdm
+    arch = cfg["model_type"]
+    heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
+    bar = tqdm(f.reader.tensors, desc=f"{desc} {f.path.name}", unit="tensor", disable=not progress, leave=False)
     with contextlib.closing(bar):
         for t in bar:
             name = hf_name(f, t.name)
@@ -183,14 +188,16 @@ def read_tensors(f: GGUFFile, cfg: dict, dtype: str = "float32", progress: bool 
                 f.fail(t.name, f"tensor type {t.tensor_type.name} cannot be dequantized: {e}")
             values = np.array(values, dtype=np.float32).reshape(tuple(reversed([int(d) for d in t.shape])))
             kind = t.name.split(".")[-2] if t.name.startswith("blk.") else ""
+            order = None
             if arch in ROTARY_ADJACENT and kind in heads:
-                values = _rotary_halves(f, t.name, values, heads[kind])
-            yield name, torch.from_numpy(np.ascontiguousarray(values)).to(dtypes[dtype])
+                order = _rotary_order(f, t.name, values.shape[0], heads[kind])
+                values = values[order]
+            yield t, name, np.ascontiguousarray(values), order
 
 
-def _rotary_halves(f: GGUFFile, name: str, w: np.ndarray, heads: int) -> np.ndarray:
-    """Undo llama.cpp's row order: within each head, rows (2i, 2i + 1) go back to (i, i + d/2)."""
-    rows = w.shape[0]
+def _rotary_order(f: GGUFFile, name: str, rows: int, heads: int) -> np.ndarray:
+    """Undo llama.cpp's row order: within each head, rows (2i, 2i + 1) go back to (i, i + d/2).
+    Row j of the result is row order[j] of the file."""
     if rows % (2 * heads):
         f.fail(name, f"{rows} rows cannot be {heads} heads of rotary pairs")
-    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return np.arange(rows).reshape(heads, rows // heads // 2, 2).swapaxes(1, 2).reshape(rows)

@@ -40,19 +40,12 @@ def import_gguf(path: str | Path, out: str | Path, dtype: str = "float32", progr
     f = open_gguf(path)
     cfg = hf_config(f, dtype)
     files = tokenizer_files(f)                   # refuses an unsupported tokenizer before the slow part
-    layout = _layout(path, cfg)
+    layout = model_layout(path, cfg)
     tensors = {}
     for name, t in read_tensors(f, cfg, dtype, progress):
-        if name not in layout:
-            raise GGUFError(f"{path}: tensor {name} is not part of this {cfg['model_type']} model (tie_word_embeddings "
-                            f"{cfg['tie_word_embeddings']}, {cfg['num_hidden_layers']} layers)")
-        if tuple(t.shape) != layout[name][2]:
-            raise GGUFError(f"{path}: tensor {name} has shape {list(t.shape)} but the metadata implies "
-                            f"{list(layout[name][2])}")
+        check_tensor(path, cfg, layout, name, tuple(t.shape))
         tensors[name] = t
-    missing = sorted(set(layout) - set(tensors))
-    if missing:
-        raise GGUFError(f"{path}: tensors missing for the metadata's {cfg['model_type']} model, e.g. {missing[0]}")
+    check_complete(path, cfg, layout, tensors)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
@@ -63,12 +56,28 @@ def import_gguf(path: str | Path, out: str | Path, dtype: str = "float32", progr
     return out
 
 
-def _layout(path: Path, cfg: dict) -> dict:
+def model_layout(path: Path, cfg: dict) -> dict:
     """checkpoint name -> (llmd name, row offset, shape) for the model the metadata describes."""
     try:
         return checkpoint_layout(ModelConfig.from_dict(cfg, source=f"{path} (metadata)"))
     except ModelLoadError as e:
         raise GGUFError(str(e)) from None
+
+
+def check_tensor(path: Path, cfg: dict, layout: dict, name: str, shape: tuple) -> None:
+    """A tensor of the file is one the metadata's model has, with the shape it implies."""
+    if name not in layout:
+        raise GGUFError(f"{path}: tensor {name} is not part of this {cfg['model_type']} model (tie_word_embeddings "
+                        f"{cfg['tie_word_embeddings']}, {cfg['num_hidden_layers']} layers)")
+    if shape != layout[name][2]:
+        raise GGUFError(f"{path}: tensor {name} has shape {list(shape)} but the metadata implies "
+                        f"{list(layout[name][2])}")
+
+
+def check_complete(path: Path, cfg: dict, layout: dict, seen) -> None:
+    missing = sorted(set(layout) - set(seen))
+    if missing:
+        raise GGUFError(f"{path}: tensors missing for the metadata's {cfg['model_type']} model, e.g. {missing[0]}")
 
 
 def cache_root() -> Path:

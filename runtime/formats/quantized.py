@@ -17,6 +17,11 @@ they cannot run (other CPUs, no compiler, a graph being compiled, int4 group siz
 a multiple of 128) torch's packed kernels take their place: _weight_int8pack_mm and
 _weight_int4pack_mm_for_cpu with x rounded to bfloat16, which are compute-bound here.
 
+Method ``mixed`` gives each module its own form (``QuantSpec.modules``: float, int8, int8g/G or
+int4/G, G down to 16 for int8g and 32 for int4): what `llmd import --keep-blocks` writes, keeping a
+GGUF file's blocks (llmd.runtime.formats.gguf_blocks). llmd's kernels take int8g and int4 groups of
+64 columns and more; smaller groups run through torch's forms (bf16 weights, or torch's int4 kernel).
+
 Formulas (q is the stored integer, G the group size):
     int8:  w = q * s[n]                              q in [-127, 127]
     int4:  w = (q - 8) * s[n, g] + z[n, g]           q in [0, 15]; symmetric groups have z = 0
@@ -35,7 +40,8 @@ embedding is int8 in a quantized export (``embed="auto"``) and float only when a
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import re
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -47,10 +53,12 @@ from llmd.runtime.errors import InvalidRequest
 from llmd.runtime.kernels import ops
 from llmd.runtime.models.layers import Linear
 
-METHODS = ("none", "int8", "int4", "w8a8")
+METHODS = ("none", "int8", "int4", "w8a8", "mixed")
 HEADS = ("auto", "float", "int8", "int8g", "w8a8", "int4")
 HEAD_GROUP = 64        # int8g: input columns per scale of the head
 SMALL_M = 4            # rows up to which the packed low-bit kernels beat dense bf16 here
+MODULE_FORM = re.compile(r"float|int8|int8g/(16|32|64|128|256)|int4/(32|64|128|256)")
+MAX_MODULES = 1 << 16
 
 
 class QuantizationError(InvalidRequest):
@@ -66,10 +74,15 @@ class QuantSpec:
     embed: str = "auto"           # auto | float | int8: an untied embedding (a tied one follows the head)
     kv_dtype: str = "auto"        # one of KV_DTYPES (recorded; the runtime owns the pool)
     small_m: int = SMALL_M
+    # method "mixed" only: llmd module name ("layers.0.self_attn.qkv_proj", "lm_head", "embed_tokens")
+    # -> its form: "float", "int8" (a scale per row), "int8g/G" or "int4/G" (a scale, and for int4 an
+    # offset, per G input columns). A GGUF import keeps each tensor's blocks in the form that holds them.
+    modules: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise QuantizationError(f"quantization must be one of {METHODS}, got {self.method!r}")
+        check_modules(self.method, self.modules)
         if self.group_size not in (32, 64, 128, 256):
             raise QuantizationError(f"group size must be 32, 64, 128 or 256, got {self.group_size}")
         if self.head not in HEADS or self.embed not in ("auto", "float", "int8"):
@@ -83,11 +96,27 @@ class QuantSpec:
             raise QuantizationError(f"kv dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
 
     def to_dict(self) -> dict:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+        return {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "modules" or self.modules}
+
+    def form(self, module: str) -> tuple[str, int]:
+        """(kind, group size) of ``module`` under method "mixed": kind float, int8, int8g or int4."""
+        kind, _, group = self.modules.get(module, "float").partition("/")
+        return kind, int(group or 0)
 
     @classmethod
     def from_dict(cls, d: dict) -> "QuantSpec":
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+
+def check_modules(method: str, modules) -> None:
+    """A "mixed" spec's module table: bounded, every form one llmd holds."""
+    if not isinstance(modules, dict) or (modules and method != "mixed") or len(modules) > MAX_MODULES:
+        raise QuantizationError("a module table (at most 65536 entries) goes with quantization 'mixed' only")
+    for name, form in modules.items():
+        if not isinstance(name, str) or len(name) > 256 or not isinstance(form, str) \
+                or not MODULE_FORM.fullmatch(form):
+            raise QuantizationError(f"module {str(name)[:256]!r}: form {str(form)[:64]!r} is not float, int8, "
+                                    "int8g/G or int4/G")
 
 
 # ---- pure quantizers (also used by the round-trip tests) ---------------------------------------
@@ -265,10 +294,12 @@ class Int8GroupLinear(Int8Linear):
     output head. A tied head is the embedding table, whose rows carry outliers that one scale per
     row rounds coarsely; on the demo target, greedy tokens of 200 held-out prompts (float body)
     matched float32 in 175 with a scale per row and 189 with one per 64 columns. llmd's kernel
-    serves any number of rows; without it the bf16 dequantized weight is built once and kept."""
+    serves any number of rows; without it the bf16 dequantized weight is built once and kept. Groups
+    the kernel does not take (under 64 columns: GGUF's blocks) run decode rows through llmd's float32
+    kernel on that bf16 weight."""
 
     method = "int8g"
-    derived = ("_dense_bf16",)
+    derived = ("_dense_bf16", "_blocks")
 
     def __init__(self, in_features, out_features, bias=False, small_m=SMALL_M, group_size=HEAD_GROUP):
         super().__init__(in_features, out_features, bias, small_m)
@@ -277,6 +308,7 @@ class Int8GroupLinear(Int8Linear):
         self.group_size = group_size
         self.scales = torch.ones(out_features, in_features // group_size)
         self._dense_bf16 = None
+        self._blocks = None
 
     def load_weight(self, w: torch.Tensor) -> None:
         self.qweight, self.scales = quantize_int8(w, self.group_size)
@@ -295,9 +327,29 @@ class Int8GroupLinear(Int8Linear):
             return y
         if kernels.traced(x):
             return F.linear(x.to(torch.bfloat16), self.dense_weight().to(torch.bfloat16))   # a graph records it
+        if kernels.usable(x) and (y := self.widened_rows(x)) is not None:
+            return y
         if self._dense_bf16 is None:      # no kernel on this CPU: widen once, not per step
             self._dense_bf16 = self.dense_weight().to(torch.bfloat16)
         return F.linear(x.to(torch.bfloat16), self._dense_bf16)
+
+    def widened_rows(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Where llmd's int8g kernel does not take the group (under 64 columns, as GGUF blocks of 32 and
+        16 are): the weight widened once to bfloat16 in llmd's float32 kernel's blocks, which that kernel
+        streams at memory speed with x kept in float32, 16 rows a call, so a row gets the numbers it gets
+        alone (torch's bfloat16 product of one row is compute-bound here: docs/performance.md, "GGUF
+        blocks kept")."""
+        if self.out_features % 64:
+            return None
+        if self._blocks is None:
+            self._blocks = ops.f32_blocks(self.dense_weight().to(torch.bfloat16).float())
+        x = x.float()
+        parts = []
+        for i in range(0, x.shape[0], ops.F32_MAX_ROWS):
+            if (y := ops.f32_matvec(x[i:i + ops.F32_MAX_ROWS], self._blocks, None)) is None:
+                return None
+            parts.append(y)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return dequantize_int8(self.qweight.index_select(0, ids), self.scales.index_select(0, ids))
@@ -479,6 +531,8 @@ def quantize_model(model: nn.Module, spec: QuantSpec, from_weights: bool = True)
     """
     if spec.method == "none":
         return model
+    if spec.method == "mixed":
+        return _quantize_mixed(model, spec, from_weights)
     if from_weights and spec.method == "int8":
         equalize_columns(model)
     for layer in model.layers:
@@ -519,6 +573,53 @@ def _quantize_head(model: nn.Module, spec: QuantSpec, from_weights: bool) -> Non
         if from_weights:
             table.load_weight(model.embed_tokens.weight.detach())
         model.embed_tokens = QuantEmbedding(table, owns_table=True)
+
+
+def make_module_form(spec: QuantSpec, name: str, in_features: int, out_features: int,
+                     bias: bool) -> QuantLinear | None:
+    """The module ``name`` of a "mixed" spec, empty; None where its form is float."""
+    kind, group = spec.form(name)
+    if kind == "int8g":
+        return Int8GroupLinear(in_features, out_features, bias, spec.small_m, group)
+    if kind == "int4":
+        return Int4Linear(in_features, out_features, bias, spec.small_m, group)
+    if kind == "int8":
+        return Int8Linear(in_features, out_features, bias, spec.small_m)
+    return None
+
+
+def _quantize_mixed(model: nn.Module, spec: QuantSpec, from_weights: bool) -> nn.Module:
+    """Each module in the form the spec's table names (absent: float)."""
+    known = {"lm_head", "embed_tokens"}
+    for i, layer in enumerate(model.layers):
+        for part, parent in (("self_attn", layer.self_attn), ("mlp", layer.mlp)):
+            for child_name, child in list(parent.named_children()):
+                if isinstance(child, Linear):
+                    name = f"layers.{i}.{part}.{child_name}"
+                    known.add(name)
+                    q = make_module_form(spec, name, child.in_features, child.out_features, child.bias is not None)
+                    if q is not None:
+                        setattr(parent, child_name, _swap(child, q, from_weights))
+    unknown = sorted(set(spec.modules) - known)
+    if unknown:
+        raise QuantizationError(f"the module table names {unknown[0]!r}, which this model does not have")
+    cfg = model.config
+    head = make_module_form(spec, "lm_head", cfg.hidden_size, cfg.vocab_size, False)
+    if head is not None:
+        if model.lm_head is not None:
+            model.lm_head = _swap(model.lm_head, head, from_weights)
+        else:       # tied: one quantized table serves as head and embedding
+            if from_weights:
+                head.load_weight(model.embed_tokens.weight.detach())
+            model.lm_head = head
+            model.embed_tokens = QuantEmbedding(head, owns_table=False)
+    if model.lm_head is not None and not isinstance(model.embed_tokens, QuantEmbedding):
+        table = make_module_form(spec, "embed_tokens", cfg.hidden_size, cfg.vocab_size, False)
+        if table is not None:
+            if from_weights:
+                table.load_weight(model.embed_tokens.weight.detach())
+            model.embed_tokens = QuantEmbedding(table, owns_table=True)
+    return model
 
 
 def prepare_quantized(model: nn.Module, use_kernels: bool = True) -> None:
