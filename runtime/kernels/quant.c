@@ -67,16 +67,16 @@ void int8_row(const uint8_t *xh, const uint8_t *xl, const uint64_t *neg, const f
     __m512i ah[TILE_ROWS][2], al[TILE_ROWS][2];
     const __m512i zero = _mm512_setzero_si512();
     for (int m = 0; m < TILE_ROWS; m++) ah[m][0] = ah[m][1] = al[m][0] = al[m][1] = zero;
-    for (int c = 0; c < K; c += 64) {
-        const int j = (c >> 6) & 1;
-        const __m512i wv = _mm512_loadu_si512((const void *)(w + c));
-        for (int m = 0; m < MM; m++) {
-            const size_t at = (size_t)m * K + c;
-            const __m512i ws = _mm512_mask_sub_epi8(wv, neg[at / 64], zero, wv);
-            ah[m][j] = _mm512_dpbusd_epi32(ah[m][j], _mm512_loadu_si512((const void *)(xh + at)), ws);
-            al[m][j] = _mm512_dpbusd_epi32(al[m][j], _mm512_loadu_si512((const void *)(xl + at)), wv);
+    for (int c = 0; c < K; c += 128)
+        for (int j = 0; j < 2 && c + 64 * j < K; j++) {     /* j constant once unrolled: registers, not memory */
+            const __m512i wv = _mm512_loadu_si512((const void *)(w + c + 64 * j));
+            for (int m = 0; m < MM; m++) {
+                const size_t at = (size_t)m * K + c + 64 * j;
+                const __m512i ws = _mm512_mask_sub_epi8(wv, neg[at / 64], zero, wv);
+                ah[m][j] = _mm512_dpbusd_epi32(ah[m][j], _mm512_loadu_si512((const void *)(xh + at)), ws);
+                al[m][j] = _mm512_dpbusd_epi32(al[m][j], _mm512_loadu_si512((const void *)(xl + at)), wv);
+            }
         }
-    }
     for (int m = 0; m < MM; m++) {
         const float hi = (float)_mm512_reduce_add_epi32(_mm512_add_epi32(ah[m][0], ah[m][1]));
         const float lo = (float)_mm512_reduce_add_epi32(_mm512_add_epi32(al[m][0], al[m][1]));
@@ -286,15 +286,15 @@ void w8a8_row(const uint8_t *xa, const uint64_t *neg, const float *sx, const int
     __m512i acc[TILE_ROWS][2];
     const __m512i zero = _mm512_setzero_si512();
     for (int m = 0; m < TILE_ROWS; m++) acc[m][0] = acc[m][1] = zero;
-    for (int c = 0; c < K; c += 64) {
-        const int j = (c >> 6) & 1;
-        const __m512i wv = _mm512_loadu_si512((const void *)(w + c));
-        for (int m = 0; m < MM; m++) {
-            const size_t at = (size_t)m * K + c;
-            const __m512i ws = _mm512_mask_sub_epi8(wv, neg[at / 64], zero, wv);
-            acc[m][j] = _mm512_dpbusd_epi32(acc[m][j], _mm512_loadu_si512((const void *)(xa + at)), ws);
+    for (int c = 0; c < K; c += 128)
+        for (int j = 0; j < 2 && c + 64 * j < K; j++) {
+            const __m512i wv = _mm512_loadu_si512((const void *)(w + c + 64 * j));
+            for (int m = 0; m < MM; m++) {
+                const size_t at = (size_t)m * K + c + 64 * j;
+                const __m512i ws = _mm512_mask_sub_epi8(wv, neg[at / 64], zero, wv);
+                acc[m][j] = _mm512_dpbusd_epi32(acc[m][j], _mm512_loadu_si512((const void *)(xa + at)), ws);
+            }
         }
-    }
     for (int m = 0; m < MM; m++)
         y[(size_t)m * N] = (float)_mm512_reduce_add_epi32(_mm512_add_epi32(acc[m][0], acc[m][1])) * (sx[m] * s) + b;
 }
