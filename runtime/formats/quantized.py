@@ -19,8 +19,9 @@ order whatever M is. A request's greedy tokens are the same alone and in a batch
 
 The llmd kernels (llmd.runtime.kernels, AVX-512 VNNI) stream the weights at memory speed; where
 they cannot run (other CPUs, no compiler, a graph being compiled, int4 group size 32, widths not
-a multiple of 64) torch's packed kernels take their place (for M <= small_m; more rows as above): _weight_int8pack_mm and
-_weight_int4pack_mm_for_cpu with x rounded to bfloat16, which are compute-bound here.
+a multiple of 64) torch's packed kernels take their place for M <= small_m (more rows as above):
+_weight_int8pack_mm and _weight_int4pack_mm_for_cpu with x rounded to bfloat16, which are
+compute-bound here.
 
 Formulas (q is the stored integer, G the group size):
     int8:  w = q * s[n]                              q in [-127, 127]
