@@ -9,7 +9,7 @@ llmd uses; the engine is built once and each round swaps the loaded library, so 
 and the prompts are the same for both. Reported: medians of each build's decode tokens/s (prompts
 cached, counted from the first token, as ``llmd bench`` does), the 16-stream / one-stream ratio, and
 whether both builds produced the same tokens (a kernel change must not change greedy output). A
-revision whose library lacks an entry point llmd now calls (the fused decode step, ``llmd_decode``,
+revision whose library lacks an entry point llmd now calls (the fused decode step, ``llmd_decode2``,
 before it existed in this form) runs that step's Python fallback.
 """
 from __future__ import annotations

@@ -45,19 +45,25 @@ from llmd.runtime.models.llama import LlamaForCausalLM
 from llmd.runtime.models.loader import load_model
 from llmd.runtime.models.random_model import hf_config, init_weights, write_random_model
 
-VARIANTS = {"float32": QuantSpec("none"), "int8": QuantSpec("int8"), "int4": QuantSpec("int4", group_size=128),
+VARIANTS = {"float32": QuantSpec("none"), "bf16": QuantSpec("none"), "int8": QuantSpec("int8"), "int4": QuantSpec("int4", group_size=128),
             "w8a8": QuantSpec("w8a8"), "int8-int8head": QuantSpec("int8", head="int8"),
             # every matrix at 4 bits, the head too: what llama.cpp's Q4_0 file here holds
             "int4-int4head": QuantSpec("int4", group_size=128, head="int4")}
+BF16_VALUES = {"bf16"}      # float32 weights rounded to bfloat16 values: served from bfloat16 blocks (half the bytes)
 
 
-def build(shape: str, spec: QuantSpec, seed: int, model_dir: str | None = None) -> LlamaForCausalLM:
+def build(shape: str, spec: QuantSpec, seed: int, model_dir: str | None = None,
+          bf16_values: bool = False) -> LlamaForCausalLM:
     if model_dir is None:
         model = LlamaForCausalLM(ModelConfig.from_dict(hf_config(shape)))
         init_weights(model, seed)
     else:
         model = load_model(model_dir, "float32")
         spec = replace(spec, group_size=auto_group_size([model.config])) if "int4" in (spec.method, spec.head) else spec
+    if bf16_values:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.to(torch.bfloat16).float())
     quantize_model(model, spec)
     model.prepare_for_inference()
     prepare_quantized(model)
@@ -160,7 +166,10 @@ def main() -> None:
     names = args.variants.split(",")
     timers = {}
     for name in names:
-        timers[name] = Timer(build(args.shape, VARIANTS[name], 0, args.model), args.prompt_tokens, args.decode)
+        model = build(args.shape, VARIANTS[name], 0, args.model, name in BF16_VALUES)
+        timers[name] = Timer(model, args.prompt_tokens, args.decode)
+        print(f"{name}: built ({'fused step' if model.fused_decode is not None else 'layer-by-layer forward'})",
+              flush=True)
     if args.engine:
         names.append("engine")
         timers["engine"] = Timer(load_engine_part(args.engine, read_manifest(args.engine), "target")[0],
@@ -185,6 +194,9 @@ def main() -> None:
                                                                  args.decode, args.repeat, work)
                 report(f"llama.cpp {quant}", results[f"llama.cpp {quant}"])
     ratios = [("int8 / float32 decode", "int8", "float32", "decode_tps", 1.8),
+              ("int8 / bf16 decode", "int8", "bf16", "decode_tps", 1.4),
+              ("int4 / bf16 decode", "int4", "bf16", "decode_tps", 1.8),
+              ("bf16 / float32 decode", "bf16", "float32", "decode_tps", None),
               ("int4 / int8 decode", "int4", "int8", "decode_tps", 1.3),
               ("int4 (int4 head) / int8 decode", "int4-int4head", "int8", "decode_tps", 1.3),
               ("w8a8 / int8 prompt", "w8a8", "int8", "prefill_tps", 1.5),

@@ -8,8 +8,10 @@ import torch
 
 from llmd import LLM, SamplingParams
 from llmd.runtime import kernels
+from llmd.runtime.formats.quantized import QuantLinear, QuantSpec, prepare_quantized, quantize_model
+from llmd.runtime.kernels import ops
 from llmd.runtime.model_runner import Feed, ModelRunner
-from llmd.runtime.models.fused_decode import FusedDecode
+from llmd.runtime.models.fused_decode import FusedDecode, layer_linears
 from llmd.runtime.models.layers import Linear, MatvecPlan
 from llmd.runtime.models.loader import load_model
 
@@ -30,12 +32,17 @@ def force_fused(model) -> FusedDecode:
     return model.fused_decode
 
 
-def loaded(model_factory, name, bf16_values=False, **kw):
+def loaded(model_factory, name, bf16_values=False, quant=None, **kw):
+    """A random model prepared as the engine prepares it; ``quant`` a QuantSpec to quantize it first."""
     model = load_model(model_factory(name, **kw), "float32")
     if bf16_values:             # a checkpoint stored in bfloat16, served in float32: bfloat16 blocks
         for p in model.parameters():
             p.data = p.data.to(torch.bfloat16).float()
+    if quant is not None:
+        quantize_model(model, quant)
     model.prepare_for_inference()
+    if quant is not None:
+        prepare_quantized(model)
     return model
 
 
@@ -69,6 +76,36 @@ def test_fused_step_is_bit_identical_to_the_python_forward(model_factory, arch, 
     fused = force_fused(model)
     narrow = {m.stored.dtype == torch.bfloat16 for m in model.layers.modules() if type(m) is Linear}
     assert narrow == {bool(kw.get("bf16_values"))}
+    assert_steps_match(model, fused, kv_dtype)
+
+
+QUANT = {   # hidden 192 = 128 + 64 (SmolLM2's 576 is 4 x 128 + 64): the kernels' half lines
+    "int8": (QuantSpec("int8"), {"hidden": 192, "intermediate": 320}, ops.KIND_INT8),
+    "int4-g64": (QuantSpec("int4", group_size=64), {"hidden": 192, "intermediate": 320}, ops.KIND_INT4),
+    "int4-g128-qkv-bias": (QuantSpec("int4", group_size=128), {"architecture": "Qwen2ForCausalLM", "hidden": 256,
+                                                                "heads": 8, "kv_heads": 2, "intermediate": 384},
+                           ops.KIND_INT4),
+    "int8-untied": (QuantSpec("int8"), {"tie": False, "hidden": 128, "intermediate": 256}, ops.KIND_INT8),
+}
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "bfloat16"])
+@pytest.mark.parametrize("name", QUANT)
+def test_quantized_fused_step_is_bit_identical_to_the_python_forward(model_factory, name, kv_dtype):
+    """int8 and int4 layers (and the int8g head that reads the result) in the fused step: one stream,
+    five streams and verification rows give the logits and pools of the layer-by-layer forward."""
+    spec, kw, kind = QUANT[name]
+    model = loaded(model_factory, f"fused-{name}", quant=spec, **kw)
+    assert all(isinstance(m, QuantLinear) for m in layer_linears(model))
+    fused = model.fused_decode
+    assert fused is not None and fused.max_rows == 16
+    assert {p.kind for p in fused._products} == {kind}
+    assert_steps_match(model, fused, kv_dtype)
+
+
+def assert_steps_match(model, fused, kv_dtype):
+    """Prompts through the Python forward, then decode and verification steps each run both ways from
+    the same pools: the same logits and pools, bit for bit, and the fused step really ran."""
     runner = ModelRunner(model, num_blocks=64, block_size=BS, dtype="float32", kv_dtype=kv_dtype)
     rng = random.Random(1)
     vocab = model.config.vocab_size
@@ -116,6 +153,10 @@ def test_parts_without_a_kernel_form_keep_the_python_forward(model_factory):
     bf16 = load_model(model_factory("fused-bf16"), "bfloat16")
     bf16.prepare_for_inference()
     assert FusedDecode.build(bf16) is None
+    w8a8 = loaded(model_factory, "fused-w8a8", quant=QuantSpec("w8a8"))
+    assert w8a8.fused_decode is None                                  # no fused kind for w8a8
+    int4_g32 = loaded(model_factory, "fused-int4-g32", quant=QuantSpec("int4", group_size=32))
+    assert int4_g32.fused_decode is None                              # a group the int4 kernel does not take
     model = loaded(model_factory, "fused-copy")
     force_fused(model)
     assert copy.deepcopy(model).fused_decode is None                  # a copy has its own weights
@@ -159,7 +200,10 @@ def test_the_side_by_side_benchmark_runs_both_paths_and_finds_the_same_tokens():
     ({}, "auto"),                                                         # tied head: rows from its blocks
     ({"bf16_values": True}, "auto"),                                      # ... in bfloat16
     ({"tie": False, "hidden": 128, "intermediate": 320}, "bfloat16"),     # untied: float32 embedding rows
-], ids=["tied", "tied-bf16-values", "untied-bf16-kv"])
+    ({"quant": QuantSpec("int8"), "hidden": 192, "intermediate": 320}, "auto"),   # int8g head and its rows
+    ({"quant": QuantSpec("int4", group_size=64), "tie": False, "hidden": 128, "intermediate": 256},
+     "bfloat16"),                                                         # int8g head, int8 embedding rows
+], ids=["tied", "tied-bf16-values", "untied-bf16-kv", "int8-tied", "int4-untied-bf16-kv"])
 # the head's outputs fill blocks of 64 (real vocabularies do: 8192, 32000, 151936): a model vocabulary of
 # 512 over the test tokenizer's 446 tokens
 def test_greedy_draft_rounds_in_one_call_match_the_forward_loop(model_factory, kw, kv_dtype):
@@ -170,7 +214,8 @@ def test_greedy_draft_rounds_in_one_call_match_the_forward_loop(model_factory, k
     from llmd.runtime.models.fused_decode import head_of
     model = loaded(model_factory, "draft-" + "-".join(map(str, kw.values())) + kv_dtype, vocab_size=512, **kw)
     fused = force_fused(model)
-    head_of(model)[0].apply_plan(MatvecPlan("blocked", 1, 16, packed=False))
+    if type(head_of(model)[0]) is Linear:
+        head_of(model)[0].apply_plan(MatvecPlan("blocked", 1, 16, packed=False))
     runner = ModelRunner(model, num_blocks=64, block_size=BS, dtype="float32", kv_dtype=kv_dtype)
     rng = random.Random(3)
     vocab = model.config.vocab_size

@@ -5,8 +5,8 @@ import os
 import pytest
 import torch
 
-from llmd.runtime.formats.quantized import (Int4Linear, Int8Linear, W8A8Linear, dequantize_int4, dequantize_int8, quantize_int4,
-                                  quantize_int8)
+from llmd.runtime.formats.quantized import (Int4Linear, Int8GroupLinear, Int8Linear, W8A8Linear, dequantize_int4,
+                                            dequantize_int8, quantize_int4, quantize_int8)
 from llmd.runtime import kernels
 from llmd.runtime.kernels import ops
 
@@ -26,8 +26,8 @@ def weight(n, k, seed):
     return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 4])
-@pytest.mark.parametrize("n,k", [(40, 128), (1152, 896), (384, 1024)])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 16])
+@pytest.mark.parametrize("n,k", [(40, 128), (1152, 896), (384, 1024), (200, 576)])      # 576: 64 past 4 x 128
 def test_int8_kernel_matches_weight_only_reference(m, n, k):
     q, s = quantize_int8(weight(n, k, n + k))
     x = rows(m, k, m)
@@ -41,21 +41,69 @@ def test_int8_kernel_matches_weight_only_reference(m, n, k):
     assert ((y.double() - ref).abs() <= bound).all()
 
 
-@pytest.mark.parametrize("m", [1, 4, 7, 70])          # 70: a chunk of 64 prompt rows, then a tile of 4 and of 2
-@pytest.mark.parametrize("group", [64, 128, 256])
+@pytest.mark.parametrize("m", [1, 4, 7, 16, 70])      # 70: a chunk of 64 prompt rows, then a tile of 4 and of 2
+@pytest.mark.parametrize("group,k", [(64, 1024), (128, 1024), (256, 1024), (64, 576), (64, 192)])   # 576, 192: a half line
 @pytest.mark.parametrize("symmetric", [False, True])
-def test_int4_kernel_matches_reference(m, group, symmetric):
-    n, k = 200, 1024
+def test_int4_kernel_matches_reference(m, group, k, symmetric):
+    n = 200
     q, s, z = quantize_int4(weight(n, k, group), group, symmetric)
     form = ops.int4_pack(q, s, z, group)
     x = rows(m, k, group + m)
     y = ops.int4_matvec(x, form, group, None)
     w = dequantize_int4(q, s, z).double()
     ref = x.double() @ w.t()
-    # x is quantized per block of 128 columns to 8 bits: half a step of that block per element
-    step = (x.abs().view(m, k // 128, 128).amax(-1).double() / 127).repeat_interleave(128, dim=1)   # [m, k]
+    # x is quantized per block of 128 columns (the last 64 alone where K is 64 past a multiple of 128) to
+    # 8 bits: half a step of that block per element
+    step = torch.cat([x[:, c:c + 128].abs().amax(1, keepdim=True).double().expand(m, min(128, k - c)) / 127
+                      for c in range(0, k, 128)], dim=1)                                                   # [m, k]
     bound = (step / 2) @ w.abs().t() + 1e-5 * (x.double().abs() @ w.abs().t())
     assert ((y.double() - ref).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("group,k", [(64, 576), (128, 512)])
+def test_int8g_kernel_matches_reference(m, group, k):
+    n = 320
+    q, s = quantize_int8(weight(n, k, k), group)
+    x = rows(m, k, m + 1)
+    y = ops.int8g_matvec(x, q, s, None)
+    w = dequantize_int8(q, s).double()
+    ref = x.double() @ w.t()
+    step = x.abs().amax(1, keepdim=True).double() / 32767                 # x at 16 bits per row, as int8
+    bound = step / 2 * w.abs().sum(1) + 1e-5 * (x.double().abs() @ w.abs().t())
+    assert ((y.double() - ref).abs() <= bound).all()
+
+
+QUANT_LAYERS = {
+    "int8": lambda k: Int8Linear(k, 192, bias=True),
+    "int4-g64": lambda k: Int4Linear(k, 192, bias=True, group_size=64),
+    "int4-g128": lambda k: Int4Linear(k, 192, bias=True, group_size=128),
+    "int8g": lambda k: Int8GroupLinear(k, 192, group_size=64),
+    "w8a8": lambda k: W8A8Linear(k, 192, bias=True),
+}
+
+
+@pytest.mark.parametrize("k", [512, 576])
+@pytest.mark.parametrize("kind", QUANT_LAYERS)
+def test_every_row_of_one_to_sixteen_is_the_row_computed_alone(kind, k):
+    """Batch invariance: rows 1..16 of a product, each count on the kernel, give every row bit for bit
+    the numbers it gets alone (each row quantized on its own, its sums in one order whatever M)."""
+    if kind == "int4-g128" and k % 128:
+        pytest.skip("a group of 128 does not divide 576")
+    layer = QUANT_LAYERS[kind](k)
+    layer.load_weight(weight(192, k, k + 1))
+    if layer.bias is not None:
+        layer.bias = torch.randn(192)
+    layer.prepare()
+    x = rows(16, k, 3)
+    alone = torch.cat([layer.kernel_rows(x[i:i + 1]) for i in range(16)])
+    for m in range(1, 17):
+        assert torch.equal(layer.kernel_rows(x[:m]), alone[:m]), m
+    assert torch.equal(layer(x[:16]), torch.cat([layer(x[i:i + 1]) for i in range(16)]))
+    if kind == "int8":        # past 16 rows the integer _int_mm form: the same numbers again
+        many = rows(40, k, 4)
+        many[:16] = x
+        assert torch.equal(layer(many)[:16], layer(x))
 
 
 @pytest.mark.parametrize("make", [lambda: Int4Linear(896, 208, bias=True, group_size=128),
@@ -75,11 +123,9 @@ def test_prompt_rows_get_the_numbers_each_row_gets_alone(make):
     assert (together.double() - ref).abs().max() < 0.05 * ref.abs().max()
 
 
-def test_int4_kernel_declines_group_32_and_odd_widths():
+def test_int4_kernel_declines_group_32():
     q, s, z = quantize_int4(weight(64, 256, 0), 32)
     assert ops.int4_pack(q, s, z, 32) is None
-    q, s, z = quantize_int4(weight(64, 192, 0), 64)
-    assert ops.int4_pack(q, s, z, 64) is None             # 192 is not a multiple of 128
 
 
 @pytest.mark.parametrize("m", [1, 3])
@@ -96,8 +142,8 @@ def test_w8a8_kernel_matches_integer_reference(m):
 
 def test_kernels_refuse_rows_and_widths_they_do_not_take():
     q, s = quantize_int8(weight(16, 128, 0))
-    assert ops.w8a8_matvec(rows(5, 128, 0), q, s, None) is None          # prompts go to torch._int_mm
-    assert ops.int8_matvec(rows(5, 128, 0), q, s, None) is None
+    assert ops.w8a8_matvec(rows(17, 128, 0), q, s, None) is None         # prompts go to torch._int_mm
+    assert ops.int8_matvec(rows(17, 128, 0), q, s, None) is None
     q, s = quantize_int8(weight(16, 96, 0))
     assert ops.int8_matvec(rows(1, 96, 0), q, s, None) is None
 

@@ -3,19 +3,25 @@
 Every quantized module keeps the forward signature of ``llmd.runtime.models.layers.Linear``
 (x [..., in] -> [..., out], output in x's dtype) and picks its kernel by the number of rows M:
 
-    method  stored (safetensors)                       M <= small_m                 M > small_m
+    method  stored (safetensors)                       M <= 16 (ops.MAX_ROWS)       more rows
     int8    qweight int8 [N,K], scales f32 [N]         llmd int8 kernel: x as       x split the same way into two
                                                        16-bit integers per row      int8 halves, two _int_mm
     int4    qweight u8 [N,K/2] (two nibbles, low       llmd int4 kernel: x as 8-bit the same kernel up to 640 rows,
             first), scales/zeros f32 [N, K/G]          integers per 128 columns     then bf16 matmul, weight
                                                                                     dequantized once per call
-    w8a8    qweight int8 [N,K], scales f32 [N]         llmd w8a8 kernel (M <= 4), else _int_mm: activations
-                                                       quantized per token (dynamic, symmetric), int32 sums
+    w8a8    qweight int8 [N,K], scales f32 [N]         llmd w8a8 kernel             _int_mm: activations quantized
+                                                                                    per token (dynamic, symmetric)
+
+Batch invariance: up to the last column above, a row's output does not depend on the other rows of
+the product. Each row of x is quantized alone, and the int8 and w8a8 sums are exact integers, so the
+kernel and the _int_mm form give the same numbers; int4 runs one kernel, whose per-row sums keep one
+order whatever M is. A request's greedy tokens are the same alone and in a batch.
 
 The llmd kernels (llmd.runtime.kernels, AVX-512 VNNI) stream the weights at memory speed; where
 they cannot run (other CPUs, no compiler, a graph being compiled, int4 group size 32, widths not
-a multiple of 128) torch's packed kernels take their place: _weight_int8pack_mm and
-_weight_int4pack_mm_for_cpu with x rounded to bfloat16, which are compute-bound here.
+a multiple of 64) torch's packed kernels take their place for M <= small_m (more rows as above):
+_weight_int8pack_mm and _weight_int4pack_mm_for_cpu with x rounded to bfloat16, which are
+compute-bound here.
 
 Method ``mixed`` gives each module its own form (``QuantSpec.modules``: float, int8, int8g/G or
 int4/G, G down to 16 for int8g and 32 for int4): what `llmd import --keep-blocks` writes, keeping a
@@ -51,6 +57,7 @@ from llmd.runtime import kernels
 from llmd.runtime.config import KV_DTYPES
 from llmd.runtime.errors import InvalidRequest
 from llmd.runtime.kernels import ops
+from llmd.runtime.models.fused_decode import FusedDecode
 from llmd.runtime.models.layers import Linear
 
 METHODS = ("none", "int8", "int4", "w8a8", "mixed")
@@ -196,7 +203,11 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)     # decode rows come 2-D: no reshape
-        y = self.small(x2) if x2.shape[0] <= self.small_m else self.large(x2)
+        y = None
+        if x2.shape[0] <= ops.MAX_ROWS and kernels.usable(x2):
+            y = self.kernel_rows(x2)
+        if y is None:
+            y = self.small(x2) if x2.shape[0] <= self.small_m else self.large(x2)
         if y.dtype != x.dtype:
             y = y.to(x.dtype)
         if self.bias is not None:
@@ -210,6 +221,11 @@ class QuantLinear(nn.Module):
 
     def kernel_rows(self, x: torch.Tensor) -> torch.Tensor | None:
         """x times the weight through llmd's kernel, or None where it does not take these rows."""
+        return None
+
+    def kernel_product(self) -> ops.KernelProduct | None:
+        """The weight as the fused step reads it (the same kernel ``kernel_rows`` calls), or None
+        where that kernel does not serve this layer."""
         return None
 
     def prepare(self, use_kernels: bool = True) -> None:
@@ -274,6 +290,11 @@ class Int8Linear(QuantLinear):
     def kernel_rows(self, x: torch.Tensor) -> torch.Tensor | None:
         return ops.int8_matvec(x, self.qweight, self.scales, None)
 
+    def kernel_product(self) -> ops.KernelProduct | None:
+        if not kernels.available() or self.in_features % 64 or self.in_features >= 1 << 16:
+            return None
+        return ops.KernelProduct(ops.KIND_INT8, self.qweight, self.scales)
+
     def small(self, x: torch.Tensor) -> torch.Tensor:
         if kernels.usable(x) and (y := self.kernel_rows(x)) is not None:
             return y
@@ -318,6 +339,12 @@ class Int8GroupLinear(Int8Linear):
 
     def kernel_rows(self, x: torch.Tensor) -> torch.Tensor | None:
         return ops.int8g_matvec(x, self.qweight, self.scales, None)
+
+    def kernel_product(self) -> ops.KernelProduct | None:
+        if not kernels.available() or self.group_size not in (64, 128, 256) or self.in_features >= 1 << 16:
+            return None
+        return ops.KernelProduct(ops.KIND_INT8G, self.qweight, self.scales, group=self.group_size,
+                                 max_rows=ops.MANY_MAX_ROWS)
 
     def small(self, x: torch.Tensor) -> torch.Tensor:
         return self.large(x)
@@ -366,6 +393,9 @@ class W8A8Linear(Int8Linear):
     def kernel_rows(self, x: torch.Tensor) -> torch.Tensor | None:
         return ops.w8a8_matvec(x, self.qweight, self.scales, None)     # declines over ops.MAX_ROWS rows
 
+    def kernel_product(self) -> None:
+        return None          # not a kind of the fused step
+
     def small(self, x: torch.Tensor) -> torch.Tensor:
         if kernels.usable(x) and (y := self.kernel_rows(x)) is not None:
             return y
@@ -384,6 +414,7 @@ class W8A8Linear(Int8Linear):
 
 class Int4Linear(QuantLinear):
     method = "int4"
+    KERNEL_ROWS = 640       # rows up to which the kernel serves (``large``)
 
     def __init__(self, in_features, out_features, bias=False, small_m=SMALL_M, group_size=128,
                  symmetric=False):
@@ -421,11 +452,17 @@ class Int4Linear(QuantLinear):
             return None
         return ops.int4_matvec(x, self._kernel_form, self.group_size, None)
 
+    def kernel_product(self) -> ops.KernelProduct | None:
+        if self._kernel_form is None:
+            return None
+        packed, scales, offsets = self._kernel_form
+        return ops.KernelProduct(ops.KIND_INT4, packed, scales, offsets, self.group_size, max_rows=self.KERNEL_ROWS)
+
     def large(self, x: torch.Tensor) -> torch.Tensor:
         """Prompt rows through the decode kernel up to 640 rows: the weights stay 4-bit, read once
         per 64 rows (faster than dequantizing to bf16: docs/performance.md), and a row gets the
         numbers it gets alone."""
-        if x.shape[0] <= 640 and kernels.usable(x) and (y := self.kernel_rows(x)) is not None:
+        if x.shape[0] <= self.KERNEL_ROWS and kernels.usable(x) and (y := self.kernel_rows(x)) is not None:
             return y
         return super().large(x)
 
@@ -628,3 +665,5 @@ def prepare_quantized(model: nn.Module, use_kernels: bool = True) -> None:
     for m in model.modules():
         if isinstance(m, QuantLinear):
             m.prepare(use_kernels)
+    if use_kernels and hasattr(model, "fused_decode"):      # its products' kernel forms are built now
+        model.fused_decode = FusedDecode.build(model)

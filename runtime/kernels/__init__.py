@@ -1,6 +1,6 @@
 """llmd's own CPU kernels for the decode step, built on first use: quantized products (quant.c),
 float32 products (f32.c), paged attention (attention.c), rmsnorm / silu*mul / rotary (rows.c), and
-every layer of a float32 decode step in one call (decode.c).
+every layer of a decode step in one call (decode.c).
 
 The C sources are compiled once per machine with the system C compiler into a cache directory
 (``$LLMD_CACHE``, else ``$XDG_CACHE_HOME/llmd``, else ``~/.cache/llmd``; used only when owned by

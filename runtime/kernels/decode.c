@@ -1,4 +1,5 @@
-/* Every decoder layer of a float32 decode step in one call: the same kernels, in the same order and
+/* Every decoder layer of a decode step in one call, over float32, bfloat16-block, int8, int4 or int8g
+ * weights (llmd_product's kinds): the same kernels, in the same order and
  * with the same thread counts, as the Python forward calls one by one (llmd.runtime.models.llama),
  * so the hidden states are bit-identical; what goes is the Python between them (about 0.4 ms a
  * step for four layers here, as much as the arithmetic of one small-model token).
@@ -40,22 +41,36 @@ static void write_kv(void *kp, void *vp, const int64_t *slots, int T, const floa
 /* The threads of one product, as llmd.runtime.kernels.ops._threads picks them. */
 static int product_threads(int m, int n, int k, int nt) { return (long)m * n * k < (1L << 18) ? 1 : nt; }
 
-/* w: float32 blocks, or bfloat16 blocks where narrow (f32.c). */
-static int product(const float *x, int M, int K, const void *w, int narrow, const float *bias, float *y, int N,
-                   int nt) {
+/* y [M, N] = x [M, K] times one weight, by its kind; a quantized product's bias is added after it, as
+ * the layer-by-layer forward adds it (llmd.runtime.formats.quantized), and a block product's inside
+ * (f32.c), as llmd.runtime.kernels.ops passes it. 0, -1 (a kind or shape refused), -2 (no memory). */
+static int product(const float *x, int M, int K, const llmd_product *p, float *y, int N, int nt) {
     const int threads = product_threads(M, N, K, nt);
-    return narrow ? llmd_f32_w16(x, M, K, w, bias, y, N, threads) : llmd_f32(x, M, K, w, bias, y, N, threads);
+    int rc;
+    switch (p->kind) {
+    case LLMD_KIND_F32: return llmd_f32(x, M, K, p->w, p->bias, y, N, threads);
+    case LLMD_KIND_BF16: return llmd_f32_w16(x, M, K, p->w, p->bias, y, N, threads);
+    case LLMD_KIND_INT8: rc = llmd_int8_x(x, M, K, p->w, p->scales, 0, y, N, threads); break;
+    case LLMD_KIND_INT8G: rc = llmd_int8g_x(x, M, K, p->group, p->w, p->scales, 0, y, N, threads); break;
+    case LLMD_KIND_INT4:
+        rc = llmd_int4_x(x, M, K, p->group, p->w, p->scales, p->offsets, 0, y, N, product_threads(M, N, K / 2, nt));
+        break;
+    default: return -1;
+    }
+    if (!rc && p->bias)
+        for (int m = 0; m < M; m++)
+            for (int n = 0; n < N; n++) y[(size_t)m * N + n] += p->bias[n];
+    return rc;
 }
 
-/* Pointers per layer, in this order (a bias may be NULL); narrow[4 l + i] says whether layer l's
- * i-th product (qkv, o, gate_up, down) has bfloat16 blocks. */
-enum { W_IN_NORM, W_QKV, B_QKV, W_O, B_O, W_POST_NORM, W_GU, B_GU, W_DOWN, B_DOWN, W_PER_LAYER };
+/* Each layer's products, in this order (llmd_decode2's products[4 l + i]). */
+enum { P_QKV, P_O, P_GU, P_DOWN, P_PER_LAYER };
 
 /* The model's part of a step: its weights and tables. */
 typedef struct {
     const llmd_dims *dims;
-    const void *const *w;
-    const uint8_t *narrow;
+    const float *const *norms;          /* [2 L]: input, post-attention */
+    const llmd_product *products;       /* [4 L] */
     const float *final_norm, *cos_t, *sin_t;
     float eps;
     void *k_pool, *v_pool;
@@ -82,11 +97,10 @@ static int layers(const Model *m, int T, float *x, float *out, const int64_t *po
         if (slots[t] < 0 || slots[t] >= dims->pool_slots) return -1;
     int rc = 0;
     for (int l = 0; l < L && !rc; l++) {
-        const void *const *lw = m->w + (size_t)l * W_PER_LAYER;
-        const uint8_t *nw = m->narrow + 4 * l;
-        rc = l == 0 ? llmd_rmsnorm(x, T, E, (const float *)lw[W_IN_NORM], eps, h)
-                    : llmd_add_rmsnorm(x, mlp, T, E, (const float *)lw[W_IN_NORM], eps, x, h);
-        if (!rc) rc = product(h, T, E, lw[W_QKV], nw[0], lw[B_QKV], qkv, F, nt);
+        const llmd_product *lp = m->products + (size_t)l * P_PER_LAYER;
+        const float *in_norm = m->norms[2 * l], *post_norm = m->norms[2 * l + 1];
+        rc = l == 0 ? llmd_rmsnorm(x, T, E, in_norm, eps, h) : llmd_add_rmsnorm(x, mlp, T, E, in_norm, eps, x, h);
+        if (!rc) rc = product(h, T, E, lp + P_QKV, qkv, F, nt);
         if (!rc) rc = llmd_rope_qk(qkv, T, H, KVH, D, m->cos_t, m->sin_t, P, pos, q, k);
         if (rc) break;
         char *kp = (char *)m->k_pool + l * layer_bytes, *vp = (char *)m->v_pool + l * layer_bytes;
@@ -95,11 +109,11 @@ static int layers(const Model *m, int T, float *x, float *out, const int64_t *po
                                    KVH, D, att, nt)
                      : llmd_attend_bf16(q, (uint16_t *)kp, (uint16_t *)vp, rows, spans, lengths, T, table,
                                         table_width, bs, H, KVH, D, att, nt);
-        if (!rc) rc = product(att, T, H * D, lw[W_O], nw[1], lw[B_O], h, E, nt);
-        if (!rc) rc = llmd_add_rmsnorm(x, h, T, E, (const float *)lw[W_POST_NORM], eps, x, h);
-        if (!rc) rc = product(h, T, E, lw[W_GU], nw[2], lw[B_GU], gu, 2 * I, nt);
+        if (!rc) rc = product(att, T, H * D, lp + P_O, h, E, nt);
+        if (!rc) rc = llmd_add_rmsnorm(x, h, T, E, post_norm, eps, x, h);
+        if (!rc) rc = product(h, T, E, lp + P_GU, gu, 2 * I, nt);
         if (!rc) rc = llmd_silu_mul(gu, T, I, act);
-        if (!rc) rc = product(act, T, I, lw[W_DOWN], nw[3], lw[B_DOWN], mlp, E, nt);
+        if (!rc) rc = product(act, T, I, lp + P_DOWN, mlp, E, nt);
     }
     if (!rc) rc = llmd_add_rmsnorm(x, mlp, T, E, m->final_norm, eps, x, out);
     return rc;
@@ -108,12 +122,43 @@ static int layers(const Model *m, int T, float *x, float *out, const int64_t *po
 /* One step of T packed rows (dims->rows) whose attention metadata the caller built. Returns 0, -1 (a
  * kernel refused the shape: a position past the rotary tables, a slot outside the pool), or -2
  * (attention could not allocate). */
-TARGET int llmd_decode(const llmd_dims *dims, float *x, float *out, const void *const *w, const uint8_t *narrow,
-                       const float *final_norm, float eps, const float *cos_t, const float *sin_t, const int64_t *pos,
-                       void *k_pool, void *v_pool, const int64_t *slots, const int32_t *rows, const int32_t *spans,
-                       const int32_t *lengths, const int32_t *table, float *work, int nt) {
-    const Model m = {dims, w, narrow, final_norm, cos_t, sin_t, eps, k_pool, v_pool, work, nt};
+TARGET int llmd_decode2(const llmd_dims *dims, float *x, float *out, const float *const *norms,
+                        const llmd_product *products, const float *final_norm, float eps, const float *cos_t,
+                        const float *sin_t, const int64_t *pos, void *k_pool, void *v_pool, const int64_t *slots,
+                        const int32_t *rows, const int32_t *spans, const int32_t *lengths, const int32_t *table,
+                        float *work, int nt) {
+    const Model m = {dims, norms, products, final_norm, cos_t, sin_t, eps, k_pool, v_pool, work, nt};
     return layers(&m, dims->rows, x, out, pos, slots, rows, spans, lengths, table);
+}
+
+/* Row id of a token table (E columns) as float32, as the layer-by-layer forward looks it up: float32
+ * rows; a tied head's blocks (block id / 64, column id % 64; bfloat16 widened exactly); int8 rows
+ * times their scale, or their group's (one product, as torch's dequantization rounds it). */
+static void embed_row(const llmd_product *t, int64_t id, int E, float *xr) {
+    const size_t row = (size_t)id * E;
+    switch (t->kind) {
+    case LLMD_KIND_ROWS: memcpy(xr, (const float *)t->w + row, sizeof(float) * E); break;
+    case LLMD_KIND_F32:
+    case LLMD_KIND_BF16: {
+        const size_t at = (size_t)(id / 64) * E * 64 + id % 64;
+        for (int e = 0; e < E; e++) {
+            if (t->kind == LLMD_KIND_BF16) {
+                const uint32_t u = (uint32_t)((const uint16_t *)t->w)[at + (size_t)e * 64] << 16;
+                memcpy(xr + e, &u, 4);
+            } else {
+                xr[e] = ((const float *)t->w)[at + (size_t)e * 64];
+            }
+        }
+        break;
+    }
+    case LLMD_KIND_INT8:
+        for (int e = 0; e < E; e++) xr[e] = (float)((const int8_t *)t->w)[row + e] * t->scales[id];
+        break;
+    case LLMD_KIND_INT8G:
+        for (int e = 0; e < E; e++)
+            xr[e] = (float)((const int8_t *)t->w)[row + e] * t->scales[(size_t)id * (E / t->group) + e / t->group];
+        break;
+    }
 }
 
 /* Greedy proposals of a draft model, `steps` forwards in one call: each of the T requests first feeds
@@ -123,21 +168,25 @@ TARGET int llmd_decode(const llmd_dims *dims, float *x, float *out, const void *
  * there: the same kernels, so the same tokens and KV.
  *   ids [sum count]: the tokens fed first, request after request; table [T, dims->table_width]: each
  *   request's block ids, covering its last position; out [T, steps]: the tokens taken.
- *   head: the output head's blocks [V/64, hidden, 64] (bfloat16 where head_narrow);
- *   embed: the token embeddings, float32 rows [V, hidden] (embed_rows), or the head's own blocks
- *   (a tied head: embed_rows = 0).
+ *   head: the output head (no bias); embed: the token table (embed_row's kinds).
  *   x, hidden [16, hidden] and logits [T, V]: scratch. dims->rows is T.
  * Returns the steps completed: all, or fewer where a position falls outside the block table or the
  * rotary tables, a token is outside the vocabulary, or a row's logits hold NaN (the caller's own
- * loop goes on from there); or -1 (more than 16 rows) or -2 (attention could not allocate). */
-TARGET int llmd_draft(const llmd_dims *dims, const void *const *w, const uint8_t *narrow, const float *final_norm,
-                      float eps, const float *cos_t, const float *sin_t, void *k_pool, void *v_pool,
-                      const int32_t *table, const void *head, int head_narrow, const void *embed, int embed_rows,
-                      const int64_t *ids, const int32_t *count, const int64_t *pos0, int steps, int64_t *out,
-                      float *x, float *hidden, float *logits, float *work, int nt) {
+ * loop goes on from there); or -1 (more than 16 rows, a table kind it does not read) or -2 (no
+ * memory). */
+TARGET int llmd_draft2(const llmd_dims *dims, const float *const *norms, const llmd_product *products,
+                       const float *final_norm, float eps, const float *cos_t, const float *sin_t, void *k_pool,
+                       void *v_pool, const int32_t *table, const llmd_product *head, const llmd_product *embed,
+                       const int64_t *ids, const int32_t *count, const int64_t *pos0, int steps, int64_t *out,
+                       float *x, float *hidden, float *logits, float *work, int nt) {
     const int T = dims->rows, E = dims->hidden, V = dims->vocab, tw = dims->table_width, bs = dims->block_size;
-    if (!llmd_cpu_ok() || T < 1 || T > 16 || V % 64 || E % 16) return -1;
-    const Model m = {dims, w, narrow, final_norm, cos_t, sin_t, eps, k_pool, v_pool, work, nt};
+    const int k = embed->kind;
+    if (!llmd_cpu_ok() || T < 1 || T > 16 || E % 16 || head->bias || head->kind == LLMD_KIND_ROWS) return -1;
+    if ((head->kind == LLMD_KIND_F32 || head->kind == LLMD_KIND_BF16) && V % 64) return -1;
+    if (k != LLMD_KIND_ROWS && k != LLMD_KIND_F32 && k != LLMD_KIND_BF16 && k != LLMD_KIND_INT8
+        && !(k == LLMD_KIND_INT8G && embed->group > 0 && E % embed->group == 0))
+        return -1;
+    const Model m = {dims, norms, products, final_norm, cos_t, sin_t, eps, k_pool, v_pool, work, nt};
     int64_t tok[16], pos[16], slots[16], next[16], start[16];
     int32_t rows[16], spans[16], lengths[16], last[16];
     int R = 0;
@@ -158,20 +207,7 @@ TARGET int llmd_draft(const llmd_dims *dims, const void *const *w, const uint8_t
                 rows[r] = r;
                 spans[r] = t;
                 lengths[r] = (int32_t)(p + 1);
-                float *xr = x + (size_t)r * E;
-                if (embed_rows) {
-                    memcpy(xr, (const float *)embed + (size_t)id * E, sizeof(float) * E);
-                } else {                   /* row id of the head's blocks: block id / 64, column id % 64 */
-                    const size_t at = (size_t)(id / 64) * E * 64 + id % 64;
-                    for (int e = 0; e < E; e++) {
-                        if (head_narrow) {
-                            const uint32_t u = (uint32_t)((const uint16_t *)head)[at + (size_t)e * 64] << 16;
-                            memcpy(xr + e, &u, 4);
-                        } else {
-                            xr[e] = ((const float *)head)[at + (size_t)e * 64];
-                        }
-                    }
-                }
+                embed_row(embed, id, E, x + (size_t)r * E);
             }
             last[t] = r - 1;
         }
@@ -180,7 +216,9 @@ TARGET int llmd_draft(const llmd_dims *dims, const void *const *w, const uint8_t
         if (rc) return s;
         for (int t = 0; t < T; t++)                 /* each request's last row, in request order */
             if (last[t] != t) memcpy(hidden + (size_t)t * E, hidden + (size_t)last[t] * E, sizeof(float) * E);
-        if (product(hidden, T, E, head, head_narrow, 0, logits, V, nt)) return s;
+        rc = product(hidden, T, E, head, logits, V, nt);
+        if (rc == -2) return -2;
+        if (rc) return s;
         if (llmd_argmax(logits, T, V, next, (long)T * V >= (1L << 18) ? nt : 1)) return s;    /* NaN */
         for (int t = 0; t < T; t++) out[(size_t)t * steps + s] = tok[t] = next[t];
     }

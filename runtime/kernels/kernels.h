@@ -10,7 +10,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define MAXM 4
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
 
 /* llmd API begin: the entry points, declared here alone. llmd.runtime.kernels reads this block with
@@ -30,6 +29,18 @@ typedef struct {
     int pool_bytes;     /* bytes per pool value: 4 float32, 2 bfloat16 */
     int vocab;          /* V (llmd_draft only) */
 } llmd_dims;
+
+/* One weight as a fused step reads it (decode.c): its kind (LLMD_KIND_* below) says what the
+ * pointers hold. A bias (or NULL) is added after the product, as the layer-by-layer forward adds it. */
+typedef struct {
+    const void *w;          /* f32, bf16: blocks [N/64, K, 64] (f32.c); int8, int8g: int8 [N, K];
+                               int4: llmd_int4_pack's layout [N, K/2]; rows: float32 [N, K] */
+    const float *scales;    /* int8: [N]; int4, int8g: [N, K/group] */
+    const float *offsets;   /* int4: z - 8 s [N, K/group] */
+    const float *bias;
+    int kind;
+    int group;              /* int4, int8g: the columns per scale */
+} llmd_product;
 
 /* quant.c: AVX-512 F/BW/VL/DQ and VNNI present */
 int llmd_cpu_ok(void);
@@ -61,17 +72,25 @@ int llmd_silu_mul(const float *gu, int M, int I, float *out);
 int llmd_rope_qk(const float *qkv, int T, int H, int KVH, int D, const float *cos_t, const float *sin_t, int P,
                  const int64_t *pos, float *q, float *k);
 int llmd_argmax(const float *x, int M, int V, int64_t *out, int nt);
-/* decode.c: every layer of a step in one call, and a draft model's greedy proposals */
-int llmd_decode(const llmd_dims *dims, float *x, float *out, const void *const *w, const uint8_t *narrow,
-                const float *final_norm, float eps, const float *cos_t, const float *sin_t, const int64_t *pos,
-                void *k_pool, void *v_pool, const int64_t *slots, const int32_t *rows, const int32_t *spans,
-                const int32_t *lengths, const int32_t *table, float *work, int nt);
-int llmd_draft(const llmd_dims *dims, const void *const *w, const uint8_t *narrow, const float *final_norm,
-               float eps, const float *cos_t, const float *sin_t, void *k_pool, void *v_pool, const int32_t *table,
-               const void *head, int head_narrow, const void *embed, int embed_rows, const int64_t *ids,
-               const int32_t *count, const int64_t *pos0, int steps, int64_t *out, float *x, float *hidden,
-               float *logits, float *work, int nt);
+/* decode.c: every layer of a step in one call, and a draft model's greedy proposals (the earlier
+ * llmd_decode and llmd_draft took float32 or bfloat16 blocks only, marked by a narrow flag each):
+ * norms [2 L] (each layer's input and post-attention norm weights), products [4 L] (qkv, o, gate_up,
+ * down per layer); llmd_draft2's embed holds the token rows (kind rows, int8, int8g, or a tied
+ * head's f32/bf16 blocks). */
+int llmd_decode2(const llmd_dims *dims, float *x, float *out, const float *const *norms,
+                 const llmd_product *products, const float *final_norm, float eps, const float *cos_t,
+                 const float *sin_t, const int64_t *pos, void *k_pool, void *v_pool, const int64_t *slots,
+                 const int32_t *rows, const int32_t *spans, const int32_t *lengths, const int32_t *table,
+                 float *work, int nt);
+int llmd_draft2(const llmd_dims *dims, const float *const *norms, const llmd_product *products,
+                const float *final_norm, float eps, const float *cos_t, const float *sin_t, void *k_pool,
+                void *v_pool, const int32_t *table, const llmd_product *head, const llmd_product *embed,
+                const int64_t *ids, const int32_t *count, const int64_t *pos0, int steps, int64_t *out, float *x,
+                float *hidden, float *logits, float *work, int nt);
 /* llmd API end */
+
+/* llmd_product.kind (llmd.runtime.kernels.ops names them alike) */
+enum { LLMD_KIND_F32, LLMD_KIND_BF16, LLMD_KIND_INT8, LLMD_KIND_INT4, LLMD_KIND_INT8G, LLMD_KIND_ROWS };
 
 /* max|r| / qmax over a row of K floats (never 0, so that dividing by it is safe). */
 static inline TARGET float row_scale(const float *r, int K, float qmax) {
@@ -80,16 +99,6 @@ static inline TARGET float row_scale(const float *r, int K, float qmax) {
     float scale = _mm512_reduce_max_ps(mx) / qmax;
     return scale < 1e-30f ? 1e-30f : scale;
 }
-
-/* The body of each product: rows of the output split across nt threads, M fixed per case so the
- * compiler unrolls the loops over rows of x. */
-#define BY_ROWS(CASE) do { \
-    switch (M) { \
-    case 1: CASE(1) break; \
-    case 2: CASE(2) break; \
-    case 3: CASE(3) break; \
-    default: CASE(4) break; \
-    } } while (0)
 
 /* exp(x) for x in [-87, 88] (clamped there): 2^(x log2 e) as 2^n 2^f, f in [-1/2, 1/2], 2^f by a
  * degree-6 polynomial (relative error below 2e-7), 2^n exactly by scalef. */

@@ -3,12 +3,14 @@ x [M, K] and return float32 [M, N]; every wrapper returns None when its kernel c
 built, unsupported CPU or shape), and the caller then uses torch's ops."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from . import lib, usable
+from . import lib, struct, usable
 
-MAX_ROWS = 4              # rows of x the quantized kernels take
-MANY_MAX_ROWS = 8192      # ... except int4 and int8g (the head), which take any number of rows
+MAX_ROWS = 16             # rows of x the int8 and w8a8 products run on the kernels (decode batches, verification)
+MANY_MAX_ROWS = 8192      # ... int4 and int8g (the head) up to this many (prompts too)
 F32_MAX_ROWS = 16         # rows of x the float32 kernel takes
 _SERIAL_BELOW = 1 << 18      # multiply-adds in a product below which one thread beats the parallel split
 
@@ -65,7 +67,7 @@ def _start(x: torch.Tensor, max_rows: int = MAX_ROWS):
     """(library, x as contiguous float32, M, K), or None when the quantized kernels cannot take x."""
     so = lib()
     m, k = x.shape
-    if so is None or not 1 <= m <= max_rows or k % 128:
+    if so is None or not 1 <= m <= max_rows or k % 64:
         return None
     return so, x.float().contiguous(), m, k
 
@@ -115,10 +117,10 @@ def int8g_matvec(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, b
 def int4_pack(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int):
     """uint8 [N, K] nibbles with [N, K/G] scales and zeros -> the kernel's form (packed weights
     uint8 [N, K/2], scales, offsets z - 8 s; see quant.c), or None where the kernel does not run
-    (not built, K not a multiple of 128, G not 64, 128 or 256)."""
+    (not built, G not 64, 128 or 256, or not dividing K)."""
     so = lib()
     n, k = q.shape
-    if so is None or k % 128 or group_size not in (64, 128, 256):
+    if so is None or group_size not in (64, 128, 256) or k % group_size:
         return None
     q = q.to(torch.uint8).contiguous()
     packed = torch.empty(n, k // 2, dtype=torch.uint8)
@@ -137,6 +139,37 @@ def int4_matvec(x: torch.Tensor, form: tuple, group_size: int, bias: torch.Tenso
     rc = so.llmd_int4_x(x.data_ptr(), m, k, group_size, packed.data_ptr(), scales.data_ptr(), offsets.data_ptr(),
                         _ptr(bias), y.data_ptr(), n, _threads(m, n, k // 2))
     return y if rc == 0 else None
+
+
+# kernels.h's llmd_product kinds
+KIND_F32, KIND_BF16, KIND_INT8, KIND_INT4, KIND_INT8G, KIND_ROWS = range(6)
+
+
+@dataclass(frozen=True, eq=False)
+class KernelProduct:
+    """One weight as the fused step reads it (kernels.h's llmd_product): its kind, its tensors, and
+    the rows up to which the layer-by-layer forward runs the same kernel on it (so that the fused step,
+    which serves no more rows than that, gives the same numbers)."""
+    kind: int
+    weight: torch.Tensor
+    scales: torch.Tensor | None = None
+    offsets: torch.Tensor | None = None
+    group: int = 0
+    max_rows: int = MAX_ROWS
+
+    @classmethod
+    def blocks(cls, stored: torch.Tensor, max_rows: int) -> "KernelProduct | None":
+        """A weight in ``f32_blocks`` layout (float32 or bfloat16 values), or None for any other storage."""
+        kinds = {torch.float32: KIND_F32, torch.bfloat16: KIND_BF16}
+        return cls(kinds[stored.dtype], stored, max_rows=max_rows) if stored.dtype in kinds else None
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.weight, self.scales, self.offsets) if t is not None]
+
+    def struct(self, bias: torch.Tensor | None = None):
+        """The llmd_product the kernels read (its pointers stay valid while these tensors live)."""
+        return struct("llmd_product")(w=self.weight.data_ptr(), scales=_ptr(self.scales), offsets=_ptr(self.offsets),
+                                      bias=_ptr(bias), kind=self.kind, group=self.group)
 
 
 ATTEND_POOL_DTYPES = (torch.float32, torch.bfloat16)     # pools the attention kernel reads

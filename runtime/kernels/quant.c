@@ -1,4 +1,4 @@
-/* Quantized products for a few rows (decode, short verification), x86-64 with AVX-512.
+/* Quantized products, x86-64 with AVX-512: decode rows, verification, batches (int4 and int8g: prompts too).
  *
  * llmd's decode step reads every weight once per token, so its speed is the rate at which weights
  * stream from memory. torch's packed int8/int4 kernels convert and multiply at a rate below that
@@ -10,9 +10,14 @@
  *   int4:  y[m,n] = sum_g s[n,g] sum_{k in g} (q[n,k] - 8) x[m,k] + z[n,g] sum_{k in g} x[m,k]
  *          q in [0,15], x as 8-bit integers per block of 128; weights in the layout of llmd_int4_pack
  *   w8a8:  y[m,n] = sx[m] s[n] sum_k w[n,k] xq[m,k]            xq = round(x / sx), sx = max|x| / 127
- * The entry points (llmd_*_x) take M <= 4 rows (int4: up to 8192, prompts too) and K a multiple
- * of 128 and return 0, -1 for a CPU
- * or shape they do not take (the caller then uses torch's kernels), -2 out of memory.
+ * The entry points (llmd_*_x) take 1..8192 rows and K a multiple of 64 (int8, int8g, w8a8: below
+ * 65536; int4: of its group size G) and return 0, -1 for a CPU or shape they do not take (the
+ * caller then uses torch's kernels), -2 out of memory.
+ *
+ * Batch invariance: every row of x is quantized on its own (its own scales) and each output value
+ * y[m, n] is summed by the same code in the same order whatever M is and wherever row m falls in
+ * its tile (MANY_ROWS below), so a row's result never depends on the other rows of the call (a
+ * request's tokens are the same alone and in a batch). The int8 and w8a8 sums are exact integers.
  */
 #include "kernels.h"
 
@@ -27,17 +32,18 @@ int llmd_cpu_ok(void) {
     return ok;
 }
 
-/* Many rows (a prompt): taken CHUNK_ROWS rows of x at a time, and within a chunk each output
- * row's weights are used by every tile of four rows while they sit in the first-level cache, so
- * the weights are read from memory once per chunk and never widened to floats. TILE(MM) computes
- * rows m..m+MM-1 of x against output row n. */
+/* Rows of x taken CHUNK_ROWS at a time; within a chunk each output row's weights are used by
+ * every tile of up to TILE_ROWS rows while they sit in the first-level cache, so the weights are
+ * read from memory once per chunk and never widened to floats. TILE(MM) computes rows m..m+MM-1 of
+ * x against output row n; each row's sums are its own (see batch invariance above). */
 #define CHUNK_ROWS 64
+#define TILE_ROWS 4
 #define MANY_ROWS(TILE) \
     for (int c0 = 0; c0 < M; c0 += CHUNK_ROWS) { \
         const int c1 = c0 + CHUNK_ROWS < M ? c0 + CHUNK_ROWS : M; \
         _Pragma("omp parallel for num_threads(nt) schedule(static)") \
         for (int n = 0; n < N; n++) \
-            for (int m = c0; m < c1; m += MAXM) { \
+            for (int m = c0; m < c1; m += TILE_ROWS) { \
                 switch (c1 - m) { \
                 case 1: TILE(1) break; \
                 case 2: TILE(2) break; \
@@ -52,36 +58,34 @@ int llmd_cpu_ok(void) {
  * the bfloat16 that torch's int8 kernel rounds x to), split into a signed high byte and an
  * unsigned low byte, xi = 256 * hi + lo. vpdpbusd multiplies unsigned by signed bytes: lo enters
  * as it is; hi enters as |hi| with its sign moved onto the weight (w negated where hi < 0).
- * Both sums are exact in int32 for K < 2^16. */
+ * Both sums are exact in int32 for K < 2^16. Columns go 64 at a time into two accumulators in
+ * turn (independent chains); K a multiple of 64. */
 
 static inline TARGET __attribute__((always_inline))
-void int8_row(const uint8_t *xh, const uint8_t *xl, const uint64_t *neg, int M, int K, const int8_t *w,
-              float s, const float *sx, float b, float *y, int N) {
-    __m512i ah[MAXM][2], al[MAXM][2];
+void int8_row(const uint8_t *xh, const uint8_t *xl, const uint64_t *neg, const float *sx, const int MM, int K,
+              const int8_t *w, float s, float b, float *y, int N) {
+    __m512i ah[TILE_ROWS][2], al[TILE_ROWS][2];
     const __m512i zero = _mm512_setzero_si512();
-    for (int m = 0; m < MAXM; m++) ah[m][0] = ah[m][1] = al[m][0] = al[m][1] = zero;
-    for (int k = 0; k < K; k += 128) {
-        for (int j = 0; j < 2; j++) {
-            __m512i wv = _mm512_loadu_si512((const void *)(w + k + 64 * j));
-            for (int m = 0; m < M; m++) {
-                size_t at = (size_t)m * K + k + 64 * j;
-                __m512i ws = _mm512_mask_sub_epi8(wv, neg[at / 64], zero, wv);
+    for (int m = 0; m < TILE_ROWS; m++) ah[m][0] = ah[m][1] = al[m][0] = al[m][1] = zero;
+    for (int c = 0; c < K; c += 128)
+        for (int j = 0; j < 2 && c + 64 * j < K; j++) {     /* j constant once unrolled: registers, not memory */
+            const __m512i wv = _mm512_loadu_si512((const void *)(w + c + 64 * j));
+            for (int m = 0; m < MM; m++) {
+                const size_t at = (size_t)m * K + c + 64 * j;
+                const __m512i ws = _mm512_mask_sub_epi8(wv, neg[at / 64], zero, wv);
                 ah[m][j] = _mm512_dpbusd_epi32(ah[m][j], _mm512_loadu_si512((const void *)(xh + at)), ws);
                 al[m][j] = _mm512_dpbusd_epi32(al[m][j], _mm512_loadu_si512((const void *)(xl + at)), wv);
             }
         }
-    }
-    for (int m = 0; m < M; m++) {
-        float hi = (float)_mm512_reduce_add_epi32(_mm512_add_epi32(ah[m][0], ah[m][1]));
-        float lo = (float)_mm512_reduce_add_epi32(_mm512_add_epi32(al[m][0], al[m][1]));
+    for (int m = 0; m < MM; m++) {
+        const float hi = (float)_mm512_reduce_add_epi32(_mm512_add_epi32(ah[m][0], ah[m][1]));
+        const float lo = (float)_mm512_reduce_add_epi32(_mm512_add_epi32(al[m][0], al[m][1]));
         y[(size_t)m * N] = (256.f * hi + lo) * (sx[m] * s) + b;
     }
 }
 
-#define INT8_CASE(MM) \
-    _Pragma("omp parallel for num_threads(nt) schedule(static)") \
-    for (int n = 0; n < N; n++) \
-        int8_row(xh, xl, neg, MM, K, w + (size_t)n * K, s[n], sx, bias ? bias[n] : 0.f, y + n, N);
+#define INT8_TILE(MM) int8_row(xh + (size_t)m * K, xl + (size_t)m * K, neg + (size_t)m * (K / 64), sx + m, MM, K, \
+                               w + (size_t)n * K, s[n], bias ? bias[n] : 0.f, y + (size_t)m * N + n, N);
 
 /* x float32 [M,K] -> |hi| and lo bytes, sign masks of hi (one bit per column), scales sx [M]. */
 static TARGET void x16_quantize(const float *x, int M, int K, uint8_t *xh, uint8_t *xl, uint64_t *neg, float *sx) {
@@ -107,24 +111,24 @@ static TARGET void x16_quantize(const float *x, int M, int K, uint8_t *xh, uint8
 
 static TARGET void int8_rows(const uint8_t *xh, const uint8_t *xl, const uint64_t *neg, const float *sx, int M, int K,
                              const int8_t *w, const float *s, const float *bias, float *y, int N, int nt) {
-    BY_ROWS(INT8_CASE);
+    MANY_ROWS(INT8_TILE);
 }
 
 /* ---- int8 weights with a scale per group of G columns, 16-bit integer activations --------- */
 /* As the int8 product above, with w = q * s[n, g]: the output head, whose rows (a tied embedding's
  * token vectors) carry outliers that a single scale per row rounds coarsely. Per group the hi and
  * lo sums are combined exactly in int32 (|256 hi + lo| < 2^31 for G <= 256) and scaled once.
- * Any number of rows: tiles of four over each output row, as for int4. G is 64, 128 or 256. */
+ * G is 64, 128 or 256. */
 
 static inline TARGET __attribute__((always_inline))
 void int8g_row(const uint8_t *xh, const uint8_t *xl, const uint64_t *neg, const float *sx, const int MM, int K,
                int G, const int8_t *w, const float *s, float b, float *y, int N) {
     const __m512i zero = _mm512_setzero_si512();
-    __m512 acc[MAXM];
-    for (int m = 0; m < MAXM; m++) acc[m] = _mm512_setzero_ps();
+    __m512 acc[TILE_ROWS];
+    for (int m = 0; m < TILE_ROWS; m++) acc[m] = _mm512_setzero_ps();
     for (int g0 = 0; g0 < K; g0 += G) {
-        __m512i d[MAXM];
-        for (int m = 0; m < MAXM; m++) d[m] = zero;
+        __m512i d[TILE_ROWS];
+        for (int m = 0; m < TILE_ROWS; m++) d[m] = zero;
         for (int c = g0; c < g0 + G; c += 64) {
             const __m512i wv = _mm512_loadu_si512((const void *)(w + c));
             for (int m = 0; m < MM; m++) {
@@ -154,33 +158,38 @@ static TARGET void int8g_rows(const uint8_t *xh, const uint8_t *xl, const uint64
 
 /* ---- int4 weights, 8-bit activations per block of 128 columns ---------------------------- */
 /* Layout: each 128 columns of a row are 64 bytes; byte j holds q[c+j] | q[c+64+j] << 4, so the
- * low nibbles of a line are 64 consecutive columns and the high nibbles the next 64. x is
- * quantized per block b of 128 columns, xq = round(x / sx[b]), sx[b] = max|x in b| / 127 (as for
- * the weights, the error is bounded by the block, not the row). The weights take vpdpbusd's
- * unsigned side as they are. Per row n and half-line h (64 columns, inside weight group g):
+ * low nibbles of a line are 64 consecutive columns and the high nibbles the next 64. Where K is
+ * 64 past a multiple of 128 (SmolLM2's 576), its last 64 columns are a half line of 32 bytes, byte
+ * j holding q[c+j] | q[c+32+j] << 4. x is quantized per block b of 128 columns (the half line: 64),
+ * xq = round(x / sx[b]), sx[b] = max|x in b| / 127 (as for the weights, the error is bounded by
+ * the block, not the row). The weights take vpdpbusd's unsigned side as they are. Per row n and
+ * half-line h (64 columns, inside weight group g):
  *   sum_k ((q - 8) s + z) x = s sx[b] sum_k q xq + (z - 8 s) X[h],   X[h] = sx[b] sum_{k in h} xq
  * and the last term summed over a group is (z - 8 s) X[g].
- * G is 64, 128 or 256. */
+ * G is 64, 128 or 256 (a half line: 64). */
 
 TARGET void llmd_int4_pack(const uint8_t *q, int N, int K, uint8_t *out) {
     for (int n = 0; n < N; n++)
-        for (int c = 0; c < K; c += 128)
-            for (int j = 0; j < 64; j++) {
-                const uint8_t *r = q + (size_t)n * K + c;
-                out[((size_t)n * K + c) / 2 + j] = (uint8_t)(r[j] | r[64 + j] << 4);
-            }
+        for (int c = 0; c < K; c += 128) {
+            const int half = K - c < 128 ? 32 : 64;       /* bytes of this line */
+            const uint8_t *r = q + (size_t)n * K + c;
+            for (int j = 0; j < half; j++)
+                out[((size_t)n * K + c) / 2 + j] = (uint8_t)(r[j] | r[half + j] << 4);
+        }
 }
 
-/* x float32 [M,K] -> xq int8 [M,K], block scales sx [M, K/128], and the sums X of sx xq over each
- * weight group [M, K/G]. */
+/* x float32 [M,K] -> xq int8 [M,K], block scales sx [M, ceil(K/128)], and the sums X of sx xq over
+ * each weight group [M, K/G]. */
 static TARGET void x8_blocks(const float *x, int M, int K, int G, int8_t *xq, float *sx, float *xs) {
+    const int nb = (K + 127) / 128;
     memset(xs, 0, sizeof(float) * (size_t)M * (K / G));
     for (int m = 0; m < M; m++)
         for (int c = 0; c < K; c += 128) {
             const float *r = x + (size_t)m * K + c;
-            const float scale = sx[((size_t)m * K + c) / 128] = row_scale(r, 128, 127.f);
+            const int width = K - c < 128 ? 64 : 128;
+            const float scale = sx[(size_t)m * nb + c / 128] = row_scale(r, width, 127.f);
             const __m512 inv = _mm512_set1_ps(1.f / scale);
-            for (int h = 0; h < 2; h++) {
+            for (int h = 0; h < width / 64; h++) {
                 __m512i sum = _mm512_setzero_si512();
                 for (int k = 64 * h; k < 64 * h + 64; k += 16) {
                     __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(r + k), inv));
@@ -194,14 +203,15 @@ static TARGET void x8_blocks(const float *x, int M, int K, int G, int8_t *xq, fl
 }
 
 /* One line of 128 columns for MM rows of x into acc. With SPLIT the two halves lie in different
- * weight groups (G = 64) and are scaled apart; otherwise their sums are added first. */
+ * weight groups (G = 64) and are scaled apart; otherwise their sums are added first. Row m of x:
+ * xq + m K, its block scales sx + m nb. */
 #define INT4_LINE(c, acc, SPLIT) do { \
     __m512i v = _mm512_loadu_si512((const void *)(w + (c) / 2)); \
     __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib); \
     const float s0 = s[(c) >> gshift], s1 = s[((c) + 64) >> gshift]; \
     for (int m = 0; m < MM; m++) { \
         const int8_t *xr = xq + (size_t)m * K + (c); \
-        const float bs = sx[((size_t)m * K + (c)) / 128]; \
+        const float bs = sx[(size_t)m * nb + (c) / 128]; \
         __m512i d0 = _mm512_dpbusd_epi32(zero, lo, _mm512_loadu_si512((const void *)xr)); \
         if (SPLIT) { \
             __m512i d1 = _mm512_dpbusd_epi32(zero, hi, _mm512_loadu_si512((const void *)(xr + 64))); \
@@ -213,22 +223,37 @@ static TARGET void x8_blocks(const float *x, int M, int K, int G, int8_t *xq, fl
         } \
     } } while (0)
 
+/* The half line of the last 64 columns (one group: G = 64), in the low half of each vector. */
+#define INT4_HALF_LINE(c, acc) do { \
+    const __mmask64 half = 0xFFFFFFFFull; \
+    __m512i v = _mm512_maskz_loadu_epi8(half, (const void *)(w + (c) / 2)); \
+    __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib); \
+    const float s0 = s[(c) >> gshift]; \
+    for (int m = 0; m < MM; m++) { \
+        const int8_t *xr = xq + (size_t)m * K + (c); \
+        const float bs = sx[(size_t)m * nb + (c) / 128]; \
+        __m512i d = _mm512_dpbusd_epi32(zero, lo, _mm512_maskz_loadu_epi8(half, (const void *)xr)); \
+        d = _mm512_dpbusd_epi32(d, hi, _mm512_maskz_loadu_epi8(half, (const void *)(xr + 32))); \
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(s0 * bs), acc[m]); \
+    } } while (0)
+
 #define INT4_LINES(SPLIT) do { \
     int c = 0; \
     for (; c + 256 <= K; c += 256) {       /* two lines, two accumulators: independent chains */ \
         INT4_LINE(c, a0, SPLIT); \
         INT4_LINE(c + 128, a1, SPLIT); \
     } \
-    if (c < K) INT4_LINE(c, a0, SPLIT); } while (0)
+    if (c + 128 <= K) { INT4_LINE(c, a0, SPLIT); c += 128; } \
+    if (c < K) INT4_HALF_LINE(c, a1); } while (0)
 
 static inline TARGET __attribute__((always_inline))
 void int4_row(const int8_t *xq, const float *sx, const float *xs, const int MM, int K, int gshift,
               const uint8_t *w, const float *s, const float *off, float b, float *y, int N) {
     const __m512i nib = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
-    __m512 a0[MAXM], a1[MAXM];
-    for (int m = 0; m < MAXM; m++) a0[m] = a1[m] = _mm512_setzero_ps();
+    const int nb = (K + 127) / 128, groups = K >> gshift;
+    __m512 a0[TILE_ROWS], a1[TILE_ROWS];
+    for (int m = 0; m < TILE_ROWS; m++) a0[m] = a1[m] = _mm512_setzero_ps();
     if (gshift == 6) INT4_LINES(1); else INT4_LINES(0);
-    const int groups = K >> gshift;
     for (int m = 0; m < MM; m++) {
         for (int i = 0; i < groups; i += 16) {     /* the offsets, in the same vector as the rest */
             __mmask16 k = groups - i >= 16 ? 0xFFFF : (__mmask16)((1u << (groups - i)) - 1);
@@ -238,29 +263,16 @@ void int4_row(const int8_t *xq, const float *sx, const float *xs, const int MM, 
     }
 }
 
-#define INT4_CASE(MM) \
-    _Pragma("omp parallel for num_threads(nt) schedule(static)") \
-    for (int n = 0; n < N; n++) \
-        int4_row(xq, sx, xs, MM, K, gshift, w + (size_t)n * K / 2, s + (size_t)n * groups, \
-                 off + (size_t)n * groups, bias ? bias[n] : 0.f, y + n, N);
+#define INT4_TILE(MM) int4_row(xq + (size_t)m * K, sx + (size_t)m * nb, xs + (size_t)m * groups, MM, K, gshift, \
+                               w + (size_t)n * K / 2, s + (size_t)n * groups, off + (size_t)n * groups, \
+                               bias ? bias[n] : 0.f, y + (size_t)m * N + n, N);
 
-/* xq, sx, xs [M, K/G] from x8_blocks; w [N, K/2] in the layout above; s, off: [N, K/G] scales and
- * z - 8 s; G = 2^gshift. */
+/* xq, sx, xs from x8_blocks; w [N, K/2] in the layout above; s, off: [N, K/G] scales and z - 8 s;
+ * G = 2^gshift. */
 static TARGET void int4_rows(const int8_t *xq, const float *sx, const float *xs, int M, int K, int gshift,
                              const uint8_t *w, const float *s, const float *off, const float *bias,
                              float *y, int N, int nt) {
-    const int groups = K >> gshift;
-    BY_ROWS(INT4_CASE);
-}
-
-#define INT4_TILE(MM) int4_row(xq + (size_t)m * K, sx + (size_t)m * (K / 128), xs + (size_t)m * groups, MM, K, \
-                               gshift, w + (size_t)n * K / 2, s + (size_t)n * groups, off + (size_t)n * groups, \
-                               bias ? bias[n] : 0.f, y + (size_t)m * N + n, N);
-
-static TARGET void int4_many_rows(const int8_t *xq, const float *sx, const float *xs, int M, int K, int gshift,
-                                  const uint8_t *w, const float *s, const float *off, const float *bias,
-                                  float *y, int N, int nt) {
-    const int groups = K >> gshift;
+    const int groups = K >> gshift, nb = (K + 127) / 128;
     MANY_ROWS(INT4_TILE);
 }
 
@@ -269,30 +281,26 @@ static TARGET void int4_many_rows(const int8_t *xq, const float *sx, const float
  * onto the weight (w negated where xq < 0), so the sum is exact in int32. */
 
 static inline TARGET __attribute__((always_inline))
-void w8a8_row(const uint8_t *xa, const uint64_t *neg, int M, int K, const int8_t *w, float s,
-              const float *sx, float b, float *y, int N) {
-    __m512i acc[MAXM][2];
+void w8a8_row(const uint8_t *xa, const uint64_t *neg, const float *sx, const int MM, int K, const int8_t *w,
+              float s, float b, float *y, int N) {
+    __m512i acc[TILE_ROWS][2];
     const __m512i zero = _mm512_setzero_si512();
-    for (int m = 0; m < MAXM; m++) acc[m][0] = acc[m][1] = zero;
-    for (int k = 0; k < K; k += 128) {
-        for (int j = 0; j < 2; j++) {
-            __m512i wv = _mm512_loadu_si512((const void *)(w + k + 64 * j));
-            for (int m = 0; m < M; m++) {
-                __mmask64 nm = neg[((size_t)m * K + k) / 64 + j];
-                __m512i ws = _mm512_mask_sub_epi8(wv, nm, zero, wv);
-                __m512i xv = _mm512_loadu_si512((const void *)(xa + (size_t)m * K + k + 64 * j));
-                acc[m][j] = _mm512_dpbusd_epi32(acc[m][j], xv, ws);
+    for (int m = 0; m < TILE_ROWS; m++) acc[m][0] = acc[m][1] = zero;
+    for (int c = 0; c < K; c += 128)
+        for (int j = 0; j < 2 && c + 64 * j < K; j++) {
+            const __m512i wv = _mm512_loadu_si512((const void *)(w + c + 64 * j));
+            for (int m = 0; m < MM; m++) {
+                const size_t at = (size_t)m * K + c + 64 * j;
+                const __m512i ws = _mm512_mask_sub_epi8(wv, neg[at / 64], zero, wv);
+                acc[m][j] = _mm512_dpbusd_epi32(acc[m][j], _mm512_loadu_si512((const void *)(xa + at)), ws);
             }
         }
-    }
-    for (int m = 0; m < M; m++)
+    for (int m = 0; m < MM; m++)
         y[(size_t)m * N] = (float)_mm512_reduce_add_epi32(_mm512_add_epi32(acc[m][0], acc[m][1])) * (sx[m] * s) + b;
 }
 
-#define W8A8_CASE(MM) \
-    _Pragma("omp parallel for num_threads(nt) schedule(static)") \
-    for (int n = 0; n < N; n++) \
-        w8a8_row(xa, neg, MM, K, w + (size_t)n * K, s[n], sx, bias ? bias[n] : 0.f, y + n, N);
+#define W8A8_TILE(MM) w8a8_row(xa + (size_t)m * K, neg + (size_t)m * (K / 64), sx + m, MM, K, w + (size_t)n * K, \
+                               s[n], bias ? bias[n] : 0.f, y + (size_t)m * N + n, N);
 
 /* x float32 [M,K] -> |xq| bytes, sign masks (one bit per column), per-row scales sx. */
 static TARGET void w8a8_quantize(const float *x, int M, int K, uint8_t *xa, uint64_t *neg, float *sx) {
@@ -315,7 +323,7 @@ static TARGET void w8a8_quantize(const float *x, int M, int K, uint8_t *xa, uint
 
 static TARGET void w8a8_rows(const uint8_t *xa, const uint64_t *neg, const float *sx, int M, int K, const int8_t *w,
                              const float *s, const float *bias, float *y, int N, int nt) {
-    BY_ROWS(W8A8_CASE);
+    MANY_ROWS(W8A8_TILE);
 }
 
 /* ---- one call per product: quantize x into per-thread scratch, then multiply --------------- */
@@ -335,10 +343,10 @@ static void *scratch_for(size_t bytes) {
     return scratch;
 }
 
-/* The shapes every product takes: 1..MAXM rows of x (int4, int8g: up to MANY_MAX_ROWS), K a multiple of 128. */
+/* The shapes the int8 (and w8a8) products take: 1..MANY_MAX_ROWS rows of x, K a multiple of 64 below 2^16. */
 #define MANY_MAX_ROWS 8192
 static int takes(int M, int K) {
-    return llmd_cpu_ok() && M >= 1 && M <= MAXM && K % 128 == 0;
+    return llmd_cpu_ok() && M >= 1 && M <= MANY_MAX_ROWS && K % 64 == 0 && K > 0 && K < 65536;
 }
 
 /* x16_quantize into the thread's scratch; 0, or -2 out of memory. */
@@ -356,7 +364,7 @@ static TARGET int x16_in_scratch(const float *x, int M, int K, uint8_t **xh, uin
 
 TARGET int llmd_int8_x(const float *x, int M, int K, const int8_t *w, const float *s, const float *bias, float *y,
                        int N, int nt) {
-    if (!takes(M, K) || K >= 65536) return -1;
+    if (!takes(M, K)) return -1;
     uint8_t *xh, *xl;
     uint64_t *neg;
     float *sx;
@@ -367,8 +375,7 @@ TARGET int llmd_int8_x(const float *x, int M, int K, const int8_t *w, const floa
 
 TARGET int llmd_int8g_x(const float *x, int M, int K, int G, const int8_t *w, const float *s, const float *bias,
                         float *y, int N, int nt) {
-    if (!llmd_cpu_ok() || M < 1 || M > MANY_MAX_ROWS || K >= 65536 || (G != 64 && G != 128 && G != 256) || K % G)
-        return -1;                                /* K a multiple of G: of 64 at least (x16_quantize's step) */
+    if (!takes(M, K) || (G != 64 && G != 128 && G != 256) || K % G) return -1;
     uint8_t *xh, *xl;
     uint64_t *neg;
     float *sx;
@@ -381,16 +388,14 @@ TARGET int llmd_int4_x(const float *x, int M, int K, int G, const uint8_t *w, co
                        const float *bias, float *y, int N, int nt) {
     int gshift = 6;
     while (gshift < 9 && (1 << gshift) != G) gshift++;
-    if (!llmd_cpu_ok() || M < 1 || M > MANY_MAX_ROWS || K % 128 || gshift == 9 || K % G) return -1;  /* G: 64, 128, 256 */
-    float *sx = scratch_for((size_t)M * (K / 128) * 4 + (size_t)M * (K / G) * 4 + (size_t)M * K + 64);
+    if (!llmd_cpu_ok() || M < 1 || M > MANY_MAX_ROWS || K < 64 || gshift == 9 || K % G) return -1;  /* G: 64, 128, 256 */
+    const int nb = (K + 127) / 128;
+    float *sx = scratch_for((size_t)M * nb * 4 + (size_t)M * (K / G) * 4 + (size_t)M * K + 64);
     if (!sx) return -2;
-    float *xs = sx + (size_t)M * (K / 128);
+    float *xs = sx + (size_t)M * nb;
     int8_t *xq = (int8_t *)(xs + (size_t)M * (K / G));
     x8_blocks(x, M, K, G, xq, sx, xs);
-    if (M <= MAXM)
-        int4_rows(xq, sx, xs, M, K, gshift, w, s, off, bias, y, N, nt);
-    else
-        int4_many_rows(xq, sx, xs, M, K, gshift, w, s, off, bias, y, N, nt);
+    int4_rows(xq, sx, xs, M, K, gshift, w, s, off, bias, y, N, nt);
     return 0;
 }
 

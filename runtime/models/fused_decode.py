@@ -1,12 +1,13 @@
-"""Every decoder layer of a small float32 step in one kernel call (``llmd_decode`` in
-llmd.runtime.kernels' decode.c), and a draft model's greedy proposals in another (``llmd_draft``).
+"""Every decoder layer of a small step in one kernel call (``llmd_decode2`` in llmd.runtime.kernels'
+decode.c), and a draft model's greedy proposals in another (``llmd_draft2``).
 
 The Python forward of a decode step calls a dozen kernels per layer, and the Python between them
 (module calls, checks, allocations) cost as much as the arithmetic for a small model: 0.4 ms of a
 1 ms tiny-shape token here. The fused call runs the same kernels in the same order, with the same
 thread counts, so its hidden states are bit-identical to the Python forward's (tests hold the two
-to it). It serves a step when everything that step needs has a kernel form: float32 weights in the
-blocked layout (float32 or bfloat16 blocks), rotary on adjacent pairs without q/k norms, a float32
+to it). It serves a step when everything that step needs has a kernel form: each product's
+``kernel_product()`` (float32 weights in the blocked layout, float32 or bfloat16 blocks; int8, int4
+or int8g weights on llmd's quantized kernels), rotary on adjacent pairs without q/k norms, a float32
 or bfloat16 KV pool (keys and values rounded to bfloat16 as torch rounds them), and every request on
 the attention kernel (at most 16 rows: decode, verification, short prompt chunks). Anything else
 returns None and the Python forward runs, as it always could.
@@ -20,8 +21,6 @@ import torch
 from llmd.runtime import kernels
 from llmd.runtime.kernels import ops
 
-from .layers import Linear
-
 MAX_ROWS = ops.F32_MAX_ROWS
 POOL_DTYPES = (torch.float32, torch.bfloat16)     # KV pools the fused step writes and reads
 
@@ -30,7 +29,9 @@ class FusedDecode:
     """The weight pointers of one prepared model and a scratch buffer: called by one thread at a time,
     as the engine runs its model."""
 
-    def __init__(self, model, linears: list, max_rows: int):
+    def __init__(self, model, linears: list, forms: list[ops.KernelProduct], max_rows: int):
+        """``linears``: each layer's four products in order (``layer_linears``); ``forms`` their
+        ``kernel_product()``s."""
         cfg = model.config
         # what the calls read, not the model itself (which holds this object: no reference cycle)
         self.config, self.rotary, self.norm = cfg, model.rotary, model.norm.weight.detach()
@@ -39,14 +40,12 @@ class FusedDecode:
         self.eps = cfg.rms_norm_eps
         # the storage behind the pointers, held (as detached tensors, which a later swap of a parameter's
         # ``.data`` cannot free) for as long as the pointers live; prepare_for_inference builds anew
-        self._tensors = []
-        for layer, (qkv, o, gu, down) in zip(model.layers, linears):
-            self._tensors += [_held(t) for t in (layer.input_layernorm.weight, qkv.stored, qkv.bias, o.stored, o.bias,
-                                                 layer.post_attention_layernorm.weight, gu.stored, gu.bias,
-                                                 down.stored, down.bias)]
-        self._weights = (ctypes.c_void_p * len(self._tensors))(*map(_ptr, self._tensors))
-        narrow = [m.stored.dtype == torch.bfloat16 for four in linears for m in four]
-        self._narrow = (ctypes.c_uint8 * len(narrow))(*narrow)     # bfloat16 blocks (f32.c)
+        norms = [_held(n.weight) for layer in model.layers
+                 for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+        biases = [_held(m.bias) for m in linears]
+        self._tensors = [*norms, *biases, *(t for f in forms for t in f.tensors())]
+        self._norms = (ctypes.c_void_p * len(norms))(*map(_ptr, norms))
+        self._products = (kernels.struct("llmd_product") * len(forms))(*(f.struct(b) for f, b in zip(forms, biases)))
         h, kvh, d, i = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
         e = cfg.hidden_size
         self._dims = kernels.struct("llmd_dims")(layers=cfg.num_layers, hidden=e, heads=h, kv_heads=kvh, head_dim=d,
@@ -60,30 +59,22 @@ class FusedDecode:
     def __deepcopy__(self, memo):
         return None           # a copied model has its own weights: it runs the Python forward
 
-    @staticmethod
-    def possible(model) -> bool:
-        """Every part of the model (not yet prepared) has a kernel form: float32 products whose
-        outputs fill blocks of 64 columns, and the shapes ``_shapes_fit`` asks for."""
-        return _shapes_fit(model) and all(type(m) is Linear and m.weight is not None and m.weight.dtype == torch.float32
-                                          and m.out_features % 64 == 0 for m in layer_linears(model))
-
     @classmethod
     def build(cls, model) -> "FusedDecode | None":
         """The fused form of a prepared model, or None when some part has no kernel form."""
         if not _shapes_fit(model):
             return None
         flat = layer_linears(model)
-        if not all(type(m) is Linear and m.plan.layout == "blocked" and m.stored is not None
-                   and m.stored.dtype in (torch.float32, torch.bfloat16) for m in flat):
+        forms = [m.kernel_product() for m in flat]
+        if any(f is None for f in forms):
             return None
         norms = [model.norm.weight, *(w for layer in model.layers
                                       for w in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight))]
         if any(w.dtype != torch.float32 or not w.is_contiguous() for w in norms):
             return None
         # rows beyond what every product's plan sends to the kernel take the Python path, as they would anyway
-        max_rows = min(m.plan.split_max_rows for m in flat)
-        linears = [tuple(flat[i:i + 4]) for i in range(0, len(flat), 4)]
-        return cls(model, linears, min(max_rows, MAX_ROWS)) if max_rows >= 1 else None
+        max_rows = min(f.max_rows for f in forms)
+        return cls(model, flat, forms, min(max_rows, MAX_ROWS)) if max_rows >= 1 else None
 
     def _step_dims(self, rows: int, pools: torch.Tensor, table_width: int, block_size: int):
         """The dims (kernels.h's llmd_dims) with this call's rows, pool slots, table width, block size
@@ -108,7 +99,7 @@ class FusedDecode:
         if (t > self.max_rows or x.dtype != torch.float32 or x.dim() != 2 or kr is None or attn.groups
                 or kr.rows.numel() != t or positions.dtype != torch.int64):
             return None
-        fn = getattr(kernels.lib(), "llmd_decode", None)     # None: a library built before it (kernel A/B)
+        fn = getattr(kernels.lib(), "llmd_decode2", None)    # None: a library built before it (kernel A/B)
         if fn is None:
             return None
         pools = attn.k_pool
@@ -117,13 +108,13 @@ class FusedDecode:
         x = x.contiguous().clone()           # the residual stream, overwritten; the caller's x stays whole
         out = torch.empty_like(x)
         positions = positions.contiguous()   # held while the kernel reads it
-        rc = fn(ctypes.addressof(dims), x.data_ptr(), out.data_ptr(), ctypes.addressof(self._weights),
-                ctypes.addressof(self._narrow), self.norm.data_ptr(), self.eps, rotary.cos.data_ptr(),
+        rc = fn(ctypes.addressof(dims), x.data_ptr(), out.data_ptr(), ctypes.addressof(self._norms),
+                ctypes.addressof(self._products), self.norm.data_ptr(), self.eps, rotary.cos.data_ptr(),
                 rotary.sin.data_ptr(), positions.data_ptr(), pools.data_ptr(), attn.v_pool.data_ptr(),
                 attn.slot_mapping.data_ptr(), kr.rows.data_ptr(), kr.spans.data_ptr(), kr.lengths.data_ptr(),
                 kr.table.data_ptr(), self._work.data_ptr(), torch.get_num_threads())
         if rc == -2:
-            raise MemoryError("the attention kernel could not allocate its score buffers (out of memory)")
+            raise MemoryError("the fused step's kernels could not allocate their buffers (out of memory)")
         if rc:
             return None      # a shape a kernel refused (a position past the rotary tables): the Python path says why
         self.steps += 1
@@ -139,13 +130,12 @@ class FusedDecode:
         this (more rows than the products take on the kernel, a head not on the kernel for this many
         rows); ``runner``'s pools must be ones it ``serves``."""
         t, rows = len(feeds), sum(len(f) for f in feeds)
-        fn = getattr(kernels.lib(), "llmd_draft", None)
-        head, embed = self.head, self.embed
+        fn = getattr(kernels.lib(), "llmd_draft2", None)
         attn = runner.attn
+        head = self.head.kernel_product()
+        table = self._table(head)
         if (fn is None or not 1 <= t <= rows <= self.max_rows or not all(feeds) or steps < 1 or head is None
-                or head.plan.layout != "blocked" or head.stored is None or head.plan.split_max_rows < t
-                or head.bias is not None
-                or (embed is not None and (embed.dtype != torch.float32 or not embed.is_contiguous()))):
+                or head.max_rows < t or self.head.bias is not None or table is None):
             return None
         # a request's own blocks bound its steps (the table's zero padding is no block of its own): its
         # last position at step s is positions[i] + len(feeds[i]) - 1 + s
@@ -154,7 +144,7 @@ class FusedDecode:
         if steps < 1:
             return None
         width = max(len(b) for b in block_ids)
-        table = torch.tensor([b + [0] * (width - len(b)) for b in block_ids], dtype=torch.int32)
+        blocks = torch.tensor([b + [0] * (width - len(b)) for b in block_ids], dtype=torch.int32)
         dims = self._step_dims(t, attn.k_pool, width, bs)
         e, v = self.config.hidden_size, self.config.vocab_size
         ids = torch.tensor([i for f in feeds for i in f], dtype=torch.int64)
@@ -163,27 +153,41 @@ class FusedDecode:
         out = torch.empty(t, steps, dtype=torch.int64)
         x, hidden, logits = torch.empty(MAX_ROWS, e), torch.empty(MAX_ROWS, e), torch.empty(t, v)
         rotary = self.rotary
-        done = fn(ctypes.addressof(dims), ctypes.addressof(self._weights), ctypes.addressof(self._narrow),
+        head_struct, table_struct = head.struct(), table.struct()
+        done = fn(ctypes.addressof(dims), ctypes.addressof(self._norms), ctypes.addressof(self._products),
                   self.norm.data_ptr(), self.eps, rotary.cos.data_ptr(), rotary.sin.data_ptr(),
-                  attn.k_pool.data_ptr(), attn.v_pool.data_ptr(), table.data_ptr(), head.stored.data_ptr(),
-                  int(head.stored.dtype == torch.bfloat16), _ptr(embed), int(embed is not None), ids.data_ptr(),
-                  count.data_ptr(), pos0.data_ptr(), steps, out.data_ptr(), x.data_ptr(), hidden.data_ptr(),
-                  logits.data_ptr(), self._work.data_ptr(), torch.get_num_threads())
+                  attn.k_pool.data_ptr(), attn.v_pool.data_ptr(), blocks.data_ptr(), ctypes.addressof(head_struct),
+                  ctypes.addressof(table_struct), ids.data_ptr(), count.data_ptr(), pos0.data_ptr(), steps,
+                  out.data_ptr(), x.data_ptr(), hidden.data_ptr(), logits.data_ptr(), self._work.data_ptr(),
+                  torch.get_num_threads())
         if done == -2:
-            raise MemoryError("the attention kernel could not allocate its score buffers (out of memory)")
+            raise MemoryError("the fused step's kernels could not allocate their buffers (out of memory)")
         if done < 0:
             return None
         self.draft_steps += done
         return out[:, :done].tolist()
 
+    def _table(self, head: ops.KernelProduct | None) -> ops.KernelProduct | None:
+        """The token table as llmd_draft2 reads its rows (as the model's ``embed`` looks them up), or None
+        where it cannot: a tied float head's own blocks, float32 rows, or an int8 / int8g table."""
+        embed = self.embed
+        if embed is None:
+            return head
+        if isinstance(embed, torch.Tensor):
+            ok = embed.dtype == torch.float32 and embed.is_contiguous()
+            return ops.KernelProduct(ops.KIND_ROWS, embed) if ok else None
+        form = embed.kernel_product()
+        return form if form is not None and form.kind in (ops.KIND_INT8, ops.KIND_INT8G) else None
+
 
 def head_of(model):
-    """The output head as a Linear (a tied head's prepared Linear, or lm_head), and the embedding
-    rows the draft loop reads: None for a tied head (rows from the head's own blocks), else the
-    float32 embedding weight."""
+    """The output head (a tied head's prepared Linear, or lm_head), and the token table the draft loop
+    reads rows of: None for a tied float head (rows from the head's own blocks), a quantized
+    embedding's table module (its ``kernel_product()``), else the embedding weight."""
     if model._tied_head is not None:
         return model._tied_head, None
-    return model.lm_head, model.embed_tokens.weight
+    table = getattr(model.embed_tokens, "table", None)      # a quantized embedding (formats.quantized)
+    return model.lm_head, table if table is not None else model.embed_tokens.weight
 
 
 def _shapes_fit(model) -> bool:

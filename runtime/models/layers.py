@@ -67,6 +67,13 @@ class Linear(nn.Module):
         w = self.weight if self.stored is None else self.stored
         return planned_product(x, w, self.packed, self.plan, self.bias)
 
+    def kernel_product(self) -> ops.KernelProduct | None:
+        """The weight as the fused step reads it: blocked float32 or bfloat16 values on llmd's kernel
+        (for as many rows as the plan sends there), else None."""
+        if self.plan.layout != "blocked" or self.stored is None:
+            return None
+        return ops.KernelProduct.blocks(self.stored, self.plan.split_max_rows)
+
     def permute_outputs(self, rows: torch.Tensor) -> None:
         """Reorder the output features (before ``prepare()``): output i becomes old output rows[i]."""
         with torch.no_grad():
