@@ -6,18 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import socket
-import subprocess
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from daemon_fixtures import REPO, daemon_settings, running_daemon
+from llmd.bench.llama_server import CACHE, LlamaServer, binary
 
-CACHE = Path(os.environ.get("LLMD_LLAMA_SERVER_DIR", REPO / ".cache" / "llama-server"))
 BINARY = CACHE / "bin" / "llama-server"
 MODEL = REPO / "models" / "code-target"
 pytestmark = [] if BINARY.exists() else [pytest.mark.slow]
@@ -27,44 +22,13 @@ CURSOR = (4, 11)                 # after "return "
 PROMPTS = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n", "import os\n\ndef list_files(path):\n"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def llama_server(tmp_path_factory):
     pytest.importorskip("gguf")
     from llmd.bench.to_gguf import convert
-    binary = BINARY
-    if not binary.exists():
-        out = subprocess.run(["bash", str(REPO / "bench" / "build_llama_server.sh")], capture_output=True, text=True,
-                             timeout=3600)
-        assert out.returncode == 0, out.stderr[-3000:]
-        binary = Path(out.stdout.strip().splitlines()[-1])
     gguf = convert(MODEL, tmp_path_factory.mktemp("gguf") / "code-target.gguf")
-    port = free_port()
-    proc = subprocess.Popen([str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-c", "512",
-                             "-t", "1", "-np", "1", "--no-warmup"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, proc.stdout.read()[-3000:]
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    break
-        except OSError:
-            pass
-        assert time.monotonic() < deadline, "llama-server did not become ready"
-        time.sleep(0.2)
-    try:
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(30)
+    with LlamaServer(ready_timeout_s=120) as server:
+        yield server.start(binary(build=True), gguf, threads=1, extra_args=["-c", "512", "-np", "1", "--no-warmup"])
 
 
 @pytest.fixture(scope="module")
