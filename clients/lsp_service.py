@@ -52,6 +52,7 @@ class LspConfig:
     timeout_s: float = 10.0
     prefill: bool = True            # prompt-only requests on open and on each edit
     target_ms: float = 150.0        # a cold document's first completion should fit in this
+    layout: str = "psm"             # the infill prompt's order: "psm" or "spm" (suffix first)
 
     def __post_init__(self):
         if self.max_tokens < 1 or self.max_lines < 1:
@@ -62,6 +63,8 @@ class LspConfig:
             raise ValueError(f"--target-ms must be > 0, got {self.target_ms}")
         if self.cache_size < 0:
             raise ValueError(f"--cache-size must be >= 0, got {self.cache_size}")
+        if self.layout not in ("psm", "spm"):
+            raise ValueError(f"--fim-layout must be psm or spm, got {self.layout!r}")
 
 
 def replace_key(uri: str) -> str:
@@ -269,7 +272,8 @@ class CompletionService:
         final = None
         try:
             stream = await self.client.infill(prompt.prefix, prompt.suffix, files=list(prompt.files) or None,
-                                              replace=key, max_tokens=1, priority=priority, prompt_only=True)
+                                              replace=key, max_tokens=1, priority=priority, prompt_only=True,
+                                              layout=self.config.layout)
             try:
                 async for _ in stream:
                     pass
@@ -295,7 +299,8 @@ class CompletionService:
     async def _infill(self, uri: str, prompt) -> tuple[str, object]:
         stream = await self.client.infill(prompt.prefix, prompt.suffix, files=list(prompt.files) or None,
                                           replace=replace_key(uri), max_tokens=self.config.max_tokens,
-                                          priority="interactive", temperature=self.config.temperature)
+                                          priority="interactive", temperature=self.config.temperature,
+                                          layout=self.config.layout)
         parts = []
         try:
             async for event in stream:

@@ -375,3 +375,36 @@ def test_prompt_only_infills_replace_each_other_and_leave_the_answer_unchanged(d
         real_ids = [t for e in real for t in getattr(e, "token_ids", [])]
         assert real_ids == alone_ids
         assert real.final.usage["cached_tokens"] == real.final.usage["prompt_tokens"] - 1
+
+
+def test_suffix_first_prompts_keep_all_but_the_typed_end_cached(daemon):
+    """After a keystroke at the cursor, a suffix-prefix-middle prompt shares everything up to the
+    cursor with the one before; a prefix-suffix-middle one computes its whole suffix again."""
+    prefix = "def area(r):\n    return "
+    suffix = "\n\n" + "".join(f"print(area({i}))\n" for i in range(40))
+
+    def computed_after_keystroke(layout: str) -> tuple[int, int]:
+        with Client(daemon.settings.socket) as c:
+            c.infill(prefix, suffix, max_tokens=1, prompt_only=True, layout=layout).text()
+            real = c.infill(prefix + "3", suffix, max_tokens=2, layout=layout)
+            real.text()
+            usage = real.final.usage
+            return usage["prompt_tokens"] - usage["cached_tokens"], usage["prompt_tokens"]
+
+    spm, total = computed_after_keystroke("spm")
+    psm, _ = computed_after_keystroke("psm")
+    assert spm <= 4 < total // 2 < psm
+
+
+def test_the_language_server_sends_the_configured_layout(daemon, tmp_path):
+    cursor = DOC.index("return ") + len("return ")
+    with Client(daemon.settings.socket) as c:
+        raw = c.infill(DOC[:cursor], DOC[cursor:], max_tokens=16, layout="spm").text()
+    expected = trim_suggestion(raw, "    return ", "", DOC[cursor:])
+
+    async def session():
+        async with LspProbe(lsp_args(daemon, tmp_path, "--fim-layout", "spm")) as lsp:
+            lsp.open(URI, DOC)
+            return await lsp.inline(URI, 3, 11)
+
+    assert asyncio.run(session()) == expected
