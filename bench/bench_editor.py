@@ -39,6 +39,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -240,6 +241,8 @@ def partial_reuse(model: str, threads: int, rounds: int = 7) -> None:
 
 
 def main() -> int:
+    # a plain kill should still stop the servers started here (their context managers' exits)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="model directory for a daemon started here (e.g. models/code-target)")
     p.add_argument("--socket", help="use the daemon already running at this socket instead")

@@ -6,11 +6,14 @@ The cases are functions of the held-out stdlib split (``training.corpus.split``:
 on them; test folders and generated tables left out), chosen deterministically: candidates are sorted
 by a hash of ``file:line``, at most ``--per-file`` per file. In each, one simple statement of the body
 (up to four lines, not the docstring; also chosen by hash) is removed, the cursor left after its
-first line's indentation (where an editor's auto-indent puts it). The prompt is the language server's (``build_fim``): the text before and after
-the cursor cut to ``--prefix-tokens`` / ``--suffix-tokens`` at line boundaries.
+first line's indentation (where an editor's auto-indent puts it). The prompt is the language
+server's (``build_fim``): the text before and after the cursor cut to ``--prefix-tokens`` /
+``--suffix-tokens`` at line boundaries.
 
-Each variant completes every case greedily (up to ``--max-tokens``), with the prefix cache emptied
-before each case, so nothing is reused between cases. The raw completion is trimmed as the editor
+Every variant completes each case greedily (up to ``--max-tokens``, stopping at a blank line), with
+the prefix cache emptied before each case, so nothing is reused between cases. With ``--gguf`` the
+same prompt token ids go to llama.cpp's server on that file instead (``/completion``, no prompt
+cache): the layouts' cost on the file's own weights, for when llmd's run does not fit the time. The raw completion is trimmed as the editor
 would show it (``trim_suggestion``), then scored:
 
 * exact match: the trimmed completion equals the removed statement, line by line, trailing
@@ -29,6 +32,7 @@ import argparse
 import ast
 import hashlib
 import json
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -41,6 +45,7 @@ from llmd.training.corpus import list_sources, read_source, split
 SKIP_PARTS = {"test", "tests", "idle_test", "encodings", "pydoc_data", "data"}
 SIMPLE = (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Return, ast.Expr, ast.Raise, ast.Assert, ast.Delete,
           ast.Import, ast.ImportFrom, ast.Pass, ast.Break, ast.Continue, ast.Global, ast.Nonlocal)
+STOP = ("\n\n",)     # a removed statement holds no blank line: what follows one is never shown as it
 VARIANTS = {"psm": ("psm", None), "spm": ("spm", None), "psm-s64": ("psm", 64), "spm-s64": ("spm", 64)}
 
 
@@ -132,46 +137,88 @@ def score(case: Case, raw: str) -> dict:
     return {"exact": exact, "parses": parses, "shown": shown}
 
 
-def prompts(llm, cases: list[Case], variant: str, budget: FimBudget) -> list[list[int]]:
+def prompts(tokenizer, cases: list[Case], variant: str, budget: FimBudget) -> list[list[int]]:
     layout, suffix_tokens = VARIANTS[variant]
     if suffix_tokens is not None:
         budget = FimBudget(budget.prefix_tokens, suffix_tokens, 0, budget.chars_per_token)
     out = []
     for c in cases:
         p = build_fim(c.text, c.start, (), budget)
-        out.append(llm.tokenizer.build_infill(p.prefix, p.suffix, (), layout))
+        out.append(tokenizer.build_infill(p.prefix, p.suffix, (), layout))
     return out
 
 
+class LlmdCompleter:
+    """llmd's engine in this process; the prefix cache is emptied before each prompt."""
+
+    def __init__(self, args):
+        from llmd import LLM, SamplingParams
+        self.llm = LLM(args.model, threads=args.threads, kv_memory=args.kv_memory)
+        self.tokenizer = self.llm.tokenizer
+        self.params = SamplingParams(max_tokens=args.max_tokens, stop=STOP)
+
+    def __call__(self, prompt: list[int]) -> str:
+        self.llm.engine.block_manager.reset_prefix_cache()
+        return self.llm.generate([prompt], self.params)[0].text
+
+    def close(self) -> None:
+        pass
+
+
+class LlamaCompleter:
+    """llama.cpp's server on --gguf, fed the same token ids on ``/completion``, greedy, no prompt cache
+    (the layouts' cost on the file's own weights, much faster on this machine than llmd's int4 run)."""
+
+    def __init__(self, args):
+        from llmd.bench.llama_server import LlamaServer, binary
+        from llmd.runtime.tokenizer import Tokenizer
+        self.tokenizer = Tokenizer.from_dir(args.model)
+        self.server = LlamaServer()
+        self.url = self.server.start(binary(), args.gguf, args.threads, ["-c", "8192", "-np", "1"])
+        self.max_tokens = args.max_tokens
+
+    def __call__(self, prompt: list[int]) -> str:
+        import urllib.request
+        body = {"prompt": prompt, "n_predict": self.max_tokens, "temperature": 0, "top_k": 1, "samplers": ["top_k"],
+                "cache_prompt": False, "stop": list(STOP)}
+        req = urllib.request.Request(self.url + "/completion", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=600) as r:
+            return json.loads(r.read())["content"]
+
+    def close(self) -> None:
+        self.server.stop()
+
+
 def run(args) -> dict:
-    from llmd import LLM, SamplingParams
     cases = select(args.limit, args.per_file)
     out = Path(args.out)
     done = {(r["id"], r["variant"]) for r in map(json.loads, out.read_text().splitlines())} if out.exists() else set()
-    llm = LLM(args.model, threads=args.threads, kv_memory=args.kv_memory)
+    complete = LlamaCompleter(args) if args.gguf else LlmdCompleter(args)
     budget = FimBudget(args.prefix_tokens, args.suffix_tokens, 0, args.chars_per_token)
-    params = SamplingParams(max_tokens=args.max_tokens)
     print(f"{len(cases)} cases from {len({c.id.split(':')[0] for c in cases})} files; variants {args.variants}",
           file=sys.stderr)
-    for variant in args.variants:
-        todo = [c for c in cases if (c.id, variant) not in done]
-        ids = prompts(llm, todo, variant, budget)
-        for i, (case, prompt) in enumerate(zip(todo, ids)):
-            llm.engine.block_manager.reset_prefix_cache()
-            t = time.perf_counter()
-            completion = llm.generate([prompt], params)[0]
-            row = {"id": case.id, "variant": variant, "prompt_tokens": len(prompt), "raw": completion.text,
-                   "ms": round(1000 * (time.perf_counter() - t), 1), **score(case, completion.text)}
-            with out.open("a") as f:
-                f.write(json.dumps(row) + "\n")
-            print(f"[{variant}] {i + 1}/{len(todo)} {case.id} exact={row['exact']} parses={row['parses']} "
-                  f"({row['ms']:.0f} ms)", file=sys.stderr)
+    try:
+        for i, case in enumerate(cases):          # case by case, every variant: a stopped run stays paired
+            for variant in [v for v in args.variants if (case.id, v) not in done]:
+                prompt = prompts(complete.tokenizer, [case], variant, budget)[0]
+                t = time.perf_counter()
+                raw = complete(prompt)
+                row = {"id": case.id, "variant": variant, "prompt_tokens": len(prompt), "raw": raw,
+                       "ms": round(1000 * (time.perf_counter() - t), 1), **score(case, raw)}
+                with out.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+                print(f"[{variant}] {i + 1}/{len(cases)} {case.id} exact={row['exact']} parses={row['parses']} "
+                      f"({row['ms']:.0f} ms)", file=sys.stderr)
+    finally:
+        complete.close()
     return summarize(out, cases, args.variants)
 
 
 def summarize(out: Path, cases: list[Case], variants: list[str]) -> dict:
-    wanted = {c.id for c in cases}
-    rows = [r for r in map(json.loads, out.read_text().splitlines()) if r["id"] in wanted]
+    rows = [r for r in map(json.loads, out.read_text().splitlines()) if r["id"] in {c.id for c in cases}]
+    paired = set.intersection(*({r["id"] for r in rows if r["variant"] == v} for v in variants))
+    rows = [r for r in rows if r["id"] in paired]          # only cases every variant completed
     table = {}
     for v in variants:
         mine = {r["id"]: r for r in rows if r["variant"] == v}
@@ -182,8 +229,13 @@ def summarize(out: Path, cases: list[Case], variants: list[str]) -> dict:
 
 
 def main() -> int:
+    # a plain kill should still stop the servers started here (their context managers' exits)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="engine directory, model directory or GGUF file")
+    p.add_argument("--model", required=True, help="engine directory, model directory or GGUF file (with "
+                   "--gguf: a directory with the model's tokenizer)")
+    p.add_argument("--gguf", help="complete with llama.cpp's server on this GGUF file instead of llmd (the same "
+                   "prompt token ids, built with --model's tokenizer)")
     p.add_argument("--limit", type=int, default=100, help="cases (default 100)")
     p.add_argument("--per-file", type=int, default=6, help="most cases from one file (default 6)")
     p.add_argument("--variants", default="psm,spm", help="comma-separated, the first is the reference "

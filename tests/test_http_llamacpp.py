@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from daemon_fixtures import REPO, daemon_settings, running_daemon
-from llmd.bench.llama_server import CACHE, LlamaServer, binary
+from llmd.bench.llama_server import CACHE, LlamaServer, LlamaServerError, binary
 
 BINARY = CACHE / "bin" / "llama-server"
 MODEL = REPO / "models" / "code-target"
@@ -87,3 +87,32 @@ def test_fill_in_the_middle_by_infill_and_by_fim_tokens_over_completions(llama_s
     by_infill = HttpBackend(llama_server, fim="auto")
     assert asyncio.run(fill(by_infill)) == expected and by_infill.fim == "infill"
     assert asyncio.run(fill(HttpBackend(llama_server, fim="completions"))) == expected
+
+
+def test_a_server_that_cannot_start_is_a_clear_error_and_leaves_nothing_running(tmp_path):
+    bad = tmp_path / "not-a-model.gguf"
+    bad.write_bytes(b"not a gguf file")
+    server = LlamaServer(ready_timeout_s=60)
+    with pytest.raises(LlamaServerError, match="exited"):
+        server.start(binary(build=True), bad, threads=1)
+    assert server.proc is None and server.url.startswith("http://127.0.0.1:")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_the_editor_benchmark_runs_the_same_keystrokes_against_llama_cpp(tmp_path):
+    import subprocess
+    import sys
+    from llmd.bench.to_gguf import convert
+    gguf = convert(MODEL, tmp_path / "code-target.gguf")
+    out = subprocess.run([sys.executable, str(REPO / "bench" / "bench_editor.py"), "--model", str(MODEL), "--gguf",
+                          str(gguf), "--against", "llamacpp-server", "--run", "spm:--fim-layout spm",
+                          "--keystrokes", "4", "--first-in-file", "1", "--warmup", "1", "--json"],
+                         capture_output=True, text=True, timeout=1800, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    runs = json.loads(out.stdout)
+    assert list(runs) == ["llamacpp-server", "llmd", "spm"]
+    for r in runs.values():
+        assert r["keystrokes"] == 4 and r["server"]["error"] == 0 and r["first_in_file"]["n"] == 1
+        assert r["model_served"]["n"] + r["cache_served"]["n"] == 4
+    assert runs["llamacpp-server"]["server"]["prefilled"] == 0 and runs["llmd"]["server"]["prefilled"] >= 1
