@@ -64,7 +64,7 @@ class LspConfig:
         if self.max_tokens < 1 or self.max_lines < 1:
             raise ValueError("max_tokens and max_lines must be >= 1")
         if self.debounce_ms < 0 or self.timeout_s <= 0:
-            raise ValueError("debounce_ms must be >= 0 and timeout_s > 0")
+            raise ValueError("--debounce-ms must be >= 0 and --timeout > 0")
         if not self.target_ms > 0:
             raise ValueError(f"--target-ms must be > 0, got {self.target_ms}")
         if self.cache_size < 0:
