@@ -249,6 +249,8 @@ def main() -> int:
     p.add_argument("--kv-memory", default="256MiB", help="KV cache size (default 256MiB)")
     p.add_argument("--out", required=True, help="results, JSON lines; kept rows are not run again")
     p.add_argument("--list", action="store_true", help="print the chosen cases and exit")
+    p.add_argument("--report", action="store_true", help="only print the table of what --out holds (the cases "
+                   "every variant completed)")
     args = p.parse_args()
     args.variants = args.variants.split(",")
     unknown = [v for v in args.variants if v not in VARIANTS]
@@ -258,7 +260,7 @@ def main() -> int:
         for c in select(args.limit, args.per_file):
             print(c.id, repr(c.middle))
         return 0
-    table = run(args)
+    table = summarize(Path(args.out), select(args.limit, args.per_file), args.variants) if args.report else run(args)
     ref = table[args.variants[0]]
     for v, row in table.items():
         gap = "" if v == args.variants[0] or not row["n"] else (
