@@ -171,8 +171,9 @@ class LlamaCompleter:
 
     def __init__(self, args):
         from llmd.bench.llama_server import LlamaServer, binary
+        from llmd.runtime.formats.gguf_import import resolve_model_path
         from llmd.runtime.tokenizer import Tokenizer
-        self.tokenizer = Tokenizer.from_dir(args.model)
+        self.tokenizer = Tokenizer.from_dir(resolve_model_path(args.model))
         self.server = LlamaServer()
         self.url = self.server.start(binary(), args.gguf, args.threads, ["-c", "8192", "-np", "1"])
         self.max_tokens = args.max_tokens
@@ -233,7 +234,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="engine directory, model directory or GGUF file (with "
-                   "--gguf: a directory with the model's tokenizer)")
+                   "--gguf: where the prompts' tokenizer comes from, e.g. the same GGUF file)")
     p.add_argument("--gguf", help="complete with llama.cpp's server on this GGUF file instead of llmd (the same "
                    "prompt token ids, built with --model's tokenizer)")
     p.add_argument("--limit", type=int, default=100, help="cases (default 100)")
