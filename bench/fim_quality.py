@@ -35,11 +35,17 @@ import json
 import signal
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from llmd import LLM, SamplingParams
+from llmd.bench.bench_editor import default_file
+from llmd.bench.llama_server import LlamaServer, binary
 from llmd.clients.lsp_prompt import FimBudget, build_fim
 from llmd.clients.lsp_trim import trim_suggestion
+from llmd.runtime.formats.gguf_import import resolve_model_path
+from llmd.runtime.tokenizer import Tokenizer
 from llmd.training.corpus import list_sources, read_source, split
 
 SKIP_PARTS = {"test", "tests", "idle_test", "encodings", "pydoc_data", "data"}
@@ -67,7 +73,6 @@ def stable_hash(s: str) -> int:
 
 def library_files() -> list:
     """Held-out library files, less the one the editor benchmark types through."""
-    from llmd.bench.bench_editor import default_file
     typed = default_file().resolve()
     held = split(list_sources())[1]
     return [f for f in held if not SKIP_PARTS.intersection(Path(f.rel).parts[:-1]) and f.path.resolve() != typed]
@@ -152,7 +157,6 @@ class LlmdCompleter:
     """llmd's engine in this process; the prefix cache is emptied before each prompt."""
 
     def __init__(self, args):
-        from llmd import LLM, SamplingParams
         self.llm = LLM(args.model, threads=args.threads, kv_memory=args.kv_memory)
         self.tokenizer = self.llm.tokenizer
         self.params = SamplingParams(max_tokens=args.max_tokens, stop=STOP)
@@ -170,16 +174,12 @@ class LlamaCompleter:
     (the layouts' cost on the file's own weights, much faster on this machine than llmd's int4 run)."""
 
     def __init__(self, args):
-        from llmd.bench.llama_server import LlamaServer, binary
-        from llmd.runtime.formats.gguf_import import resolve_model_path
-        from llmd.runtime.tokenizer import Tokenizer
         self.tokenizer = Tokenizer.from_dir(resolve_model_path(args.model))
         self.server = LlamaServer()
         self.url = self.server.start(binary(), args.gguf, args.threads, ["-c", "8192", "-np", "1"])
         self.max_tokens = args.max_tokens
 
     def __call__(self, prompt: list[int]) -> str:
-        import urllib.request
         body = {"prompt": prompt, "n_predict": self.max_tokens, "temperature": 0, "top_k": 1, "samplers": ["top_k"],
                 "cache_prompt": False, "stop": list(STOP)}
         req = urllib.request.Request(self.url + "/completion", json.dumps(body).encode(),

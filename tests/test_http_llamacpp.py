@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -101,8 +103,6 @@ def test_a_server_that_cannot_start_is_a_clear_error_and_leaves_nothing_running(
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_the_editor_benchmark_runs_the_same_keystrokes_against_llama_cpp(tmp_path):
-    import subprocess
-    import sys
     from llmd.bench.to_gguf import convert
     gguf = convert(MODEL, tmp_path / "code-target.gguf")
     out = subprocess.run([sys.executable, str(REPO / "bench" / "bench_editor.py"), "--model", str(MODEL), "--gguf",
