@@ -20,6 +20,15 @@ configured, and prints both with their ratios.
 
     .venv/bin/python bench/bench_editor.py --model /path/to/hf-dir --baseline --keystrokes 40
 
+--against llamacpp-server runs the same keystrokes, through the same language server, against
+llama.cpp's server on --gguf (``bench/build_llama_server.sh``'s binary, on 127.0.0.1 and a free port,
+``--cache-reuse 256``, one slot; the language server's HTTP backend asks its ``/infill`` with
+``cache_prompt``), started before and stopped after its run, and prints llama.cpp / llmd ratios.
+--run NAME:FLAGS adds a run against a fresh daemon with more language-server flags, e.g.
+``--run "spm:--fim-layout spm"``.
+
+    .venv/bin/python bench/bench_editor.py --model ENGINE_DIR --gguf FILE.gguf --against llamacpp-server
+
 Targets (the real coder): model-served p50 <= 150 ms, p95 <= 400 ms; keystrokes p50 <= 50 ms,
 p95 <= 250 ms; first completion in a file <= 500 ms.
 """
@@ -30,6 +39,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -40,6 +50,7 @@ from pathlib import Path
 from llmd import LLM
 from llmd.clients.client import Client, ClientError
 from llmd.clients.lsp_probe import LspProbe
+from llmd.bench.llama_server import LlamaServer, binary as llama_binary
 from llmd.clients.lsp_service import percentile
 from llmd.runtime.request import SamplingParams
 from llmd.training.corpus import list_sources, split
@@ -70,16 +81,29 @@ def start_daemon(model: str, socket: str, threads: int, extra: list[str]) -> sub
 
 @contextlib.contextmanager
 def daemon_socket(args):
-    """The socket to benchmark: --socket as given, or a daemon started here from --model (stopped after)."""
+    """The language server's flags for the daemon to benchmark: --socket as given, or a daemon started
+    here from --model (stopped after)."""
     with tempfile.TemporaryDirectory() as tmp:
         socket = args.socket or str(Path(tmp) / "llmd.sock")
         daemon = None if args.socket else start_daemon(args.model, socket, args.threads, args.serve_arg)
         try:
-            yield socket
+            yield ["--socket", socket]
         finally:
             if daemon is not None:
                 daemon.terminate()
                 daemon.wait(30)
+
+
+LLAMA_ARGS = ["--cache-reuse", "256", "-c", "8192", "-np", "1"]
+
+
+@contextlib.contextmanager
+def llama_backend(args):
+    """The language server's flags for a llama.cpp server started here on --gguf (127.0.0.1, a free
+    port; its own prompt cache: ``--cache-reuse 256``, and the client sends ``cache_prompt``)."""
+    with LlamaServer() as server:
+        url = server.start(llama_binary(), args.gguf, args.threads, [*LLAMA_ARGS, *args.llama_arg])
+        yield ["--backend", url]
 
 
 def default_file() -> Path:
@@ -108,11 +132,11 @@ def summary(values: list[float]) -> dict:
             "mean_ms": sum(values) / len(values) if values else None}
 
 
-async def run_editor(socket: str, path: Path, args, extra_lsp_args: list[str] = ()) -> dict:
+async def run_editor(where: list[str], path: Path, args, extra_lsp_args: list[str] = ()) -> dict:
     doc, keys = typing_session(path.read_text(encoding="utf-8", errors="ignore"), args.lines)
     keys = keys[:args.keystrokes]
     uri = path.resolve().as_uri()
-    lsp_args = ["--socket", socket, "--max-tokens", str(args.max_tokens), "--debounce-ms", str(args.debounce_ms),
+    lsp_args = [*where, "--max-tokens", str(args.max_tokens), "--debounce-ms", str(args.debounce_ms),
                 "--log-file", args.log_file or os.devnull, *args.lsp_arg, *extra_lsp_args]
     latencies, model, cached, answered = [], [], [], 0
     first = []
@@ -176,6 +200,16 @@ def ratio(base, new) -> str:
     return "-" if not base or not new else f"{base / new:.2f}x"
 
 
+def speedup(name: str, b: dict, n: dict) -> str:
+    """One line of ``b`` / ``n`` ratios (above 1: llmd is faster)."""
+    return (f"speed-up over {name} ({name} / llmd): keystroke p50 {ratio(b['p50_ms'], n['p50_ms'])}, p95 "
+            f"{ratio(b['p95_ms'], n['p95_ms'])}; model-served p50 "
+            f"{ratio(b['model_served']['p50_ms'], n['model_served']['p50_ms'])}, p95 "
+            f"{ratio(b['model_served']['p95_ms'], n['model_served']['p95_ms'])}; first-in-file p50 "
+            f"{ratio(b['first_in_file']['p50_ms'], n['first_in_file']['p50_ms'])}, p95 "
+            f"{ratio(b['first_in_file']['p95_ms'], n['first_in_file']['p95_ms'])}")
+
+
 def partial_reuse(model: str, threads: int, rounds: int = 7) -> None:
     """Partial-block reuse on its own, in one process: after a prompt-only request for a prompt of
     250-256 tokens (a partly filled last block), the same prompt again and the prompt extended by 3
@@ -207,6 +241,8 @@ def partial_reuse(model: str, threads: int, rounds: int = 7) -> None:
 
 
 def main() -> int:
+    # a plain kill should still stop the servers started here (their context managers' exits)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="model directory for a daemon started here (e.g. models/code-target)")
     p.add_argument("--socket", help="use the daemon already running at this socket instead")
@@ -230,6 +266,13 @@ def main() -> int:
                    "cold windows (--no-prefill --target-ms 1e9), each run against its own fresh daemon")
     p.add_argument("--partial-reuse", action="store_true", help="instead of typing: time partial-block reuse "
                    "on its own (in this process, with --model), copied blocks on and off side by side")
+    p.add_argument("--against", choices=["llamacpp-server"], help="also run the same keystrokes against "
+                   "llama.cpp's server (its /infill, on --gguf, started here) and report llama.cpp / llmd ratios")
+    p.add_argument("--gguf", help="the GGUF file llama.cpp serves (default: --model when it is a .gguf file)")
+    p.add_argument("--llama-arg", action="append", default=[], help="extra llama-server flag (repeatable), after "
+                   f"the defaults {' '.join(LLAMA_ARGS)}")
+    p.add_argument("--run", action="append", default=[], metavar="NAME:FLAGS", help="one more run (repeatable) "
+                   "against a fresh daemon, with these language-server flags, e.g. --run 'spm:--fim-layout spm'")
     p.add_argument("--log-file", help="the language server's log (default: none)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     args = p.parse_args()
@@ -242,25 +285,31 @@ def main() -> int:
         return 0
     if args.baseline and args.socket:
         p.error("--baseline starts a fresh daemon per run: give --model, not --socket")
+    if args.against:
+        args.gguf = args.gguf or (args.model if args.model and args.model.endswith(".gguf") else None)
+        if not args.gguf:
+            p.error("--against llamacpp-server needs the GGUF file it serves: give --gguf")
     path = Path(args.file) if args.file else default_file()
-    runs = [("baseline", ["--no-prefill", "--target-ms", "1e9"])] if args.baseline else []
-    runs.append(("llmd", []))
+    runs = [("baseline", daemon_socket, ["--no-prefill", "--target-ms", "1e9"])] if args.baseline else []
+    runs += [(args.against, llama_backend, [])] if args.against else []
+    runs.append(("llmd", daemon_socket, []))
+    for spec in args.run:
+        name, _, flags = spec.partition(":")
+        runs.append((name, daemon_socket, flags.split()))
     results = {}
-    for name, extra in runs:
-        with daemon_socket(args) as socket:
-            results[name] = asyncio.run(run_editor(socket, path, args, extra))
+    for name, backend, extra in runs:
+        with backend(args) as where:
+            results[name] = asyncio.run(run_editor(where, path, args, extra))
     if args.json:
         print(json.dumps(results, indent=2))
         return 0
     for name, r in results.items():
         report(name, r)
-    if args.baseline:
-        b, n = results["baseline"], results["llmd"]
-        print("speed-up over the baseline (baseline / llmd): keystroke p50 "
-              f"{ratio(b['p50_ms'], n['p50_ms'])}, p95 {ratio(b['p95_ms'], n['p95_ms'])}; model-served p50 "
-              f"{ratio(b['model_served']['p50_ms'], n['model_served']['p50_ms'])}, p95 "
-              f"{ratio(b['model_served']['p95_ms'], n['model_served']['p95_ms'])}; first-in-file p50 "
-              f"{ratio(b['first_in_file']['p50_ms'], n['first_in_file']['p50_ms'])}")
+    for name in [n for n in results if n != "llmd"]:
+        print(speedup(name, results[name], results["llmd"]))
+    if args.against:
+        for name in [n for n in results if n not in ("llmd", args.against)]:
+            print(speedup(args.against, results[args.against], results[name]).replace("llmd", name, 1))
     return 0
 
 

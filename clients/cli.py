@@ -88,6 +88,11 @@ def add_lsp_parser(subparsers) -> None:
       "(prompt-only requests that put it in the daemon's cache before the completion is asked for)")
     a("--target-ms", type=float, default=150.0, help="until a document's window is cached, cut its prompt to what "
       "the daemon computes in this many milliseconds, at its measured prompt rate (default 150)")
+    a("--timeout", type=float, default=10.0, help="seconds to wait for the server's next event before a "
+      "completion fails (default 10)")
+    a("--fim-layout", default="psm", choices=("psm", "spm"), help="order of the fill-in-the-middle prompt: psm "
+      "(prefix, suffix, middle; default) or spm (suffix first, so a keystroke at the cursor changes only the "
+      "prompt's end and the rest stays cached; the model must know the order: see docs/performance.md)")
     a("--log-file", help="write the log (each request's outcome and latency) here instead of standard error")
     a("--log-level", default="info", choices=("debug", "info", "warning", "error"),
       help="how much the language server logs to standard error (default info)")

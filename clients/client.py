@@ -353,10 +353,12 @@ class Client(_Base):
 
     def infill(self, prefix: str, suffix: str = "", *, files: Optional[list[tuple[str, str]]] = None,
                replace: Optional[str] = None, max_tokens: int = 64, priority: Optional[str] = None,
-               deadline: Optional[float] = None, request_id: Optional[str] = None, **sampling) -> Stream:
-        """Fill in the middle. A new infill with the same ``replace`` key cancels the previous one."""
+               deadline: Optional[float] = None, request_id: Optional[str] = None, layout: Optional[str] = None,
+               **sampling) -> Stream:
+        """Fill in the middle. A new infill with the same ``replace`` key cancels the previous one.
+        ``layout``: the prompt's order, "psm" (the default) or "spm" (suffix first, prefix last)."""
         return self._start(self._work("infill", request_id or self._next_id(), max_tokens, priority, deadline,
-                                      False, sampling, prefix=prefix, suffix=suffix, replace=replace,
+                                      False, sampling, prefix=prefix, suffix=suffix, replace=replace, layout=layout,
                                       files=[{"path": p, "text": t} for p, t in files] if files else None))
 
     def chat(self, messages: list[dict], *, max_tokens: int = 256, priority: Optional[str] = None,
@@ -550,9 +552,11 @@ class AsyncClient(_Base):
 
     async def infill(self, prefix: str, suffix: str = "", *, files: Optional[list[tuple[str, str]]] = None,
                      replace: Optional[str] = None, max_tokens: int = 64, priority: Optional[str] = None,
-                     deadline: Optional[float] = None, request_id: Optional[str] = None, **sampling) -> AsyncStream:
+                     deadline: Optional[float] = None, request_id: Optional[str] = None,
+                     layout: Optional[str] = None, **sampling) -> AsyncStream:
         return await self._start(self._work("infill", request_id or self._next_id(), max_tokens, priority,
                                             deadline, False, sampling, prefix=prefix, suffix=suffix, replace=replace,
+                                            layout=layout,
                                             files=[{"path": p, "text": t} for p, t in files] if files else None))
 
     async def chat(self, messages: list[dict], *, max_tokens: int = 256, priority: Optional[str] = None,

@@ -17,6 +17,12 @@ with the whole window did), its prompt is cut to what the daemon computes within
 the prompt rate measured from the daemon's own answers (``PromptRate``); the window then grows to
 the configured one.
 
+Suffix first (``layout="spm"``): the prompt starts with the text after the cursor, so what is cached
+serves one cursor spot (one suffix) rather than the whole document. A document is warm at a spot:
+opening it warms nothing (the cursor is unknown), and a completion at a cold spot is cut to
+``target_ms`` while a prompt-only request of the whole window at that spot runs at batch priority
+under the warm-up key; once it answers, that spot gets the whole window.
+
 State: ``_latest`` (the newest request number per document) is written only by ``complete``;
 the cache and the stats are written only here too. All of it lives on the server's event loop.
 """
@@ -52,16 +58,19 @@ class LspConfig:
     timeout_s: float = 10.0
     prefill: bool = True            # prompt-only requests on open and on each edit
     target_ms: float = 150.0        # a cold document's first completion should fit in this
+    layout: str = "psm"             # the infill prompt's order: "psm" or "spm" (suffix first)
 
     def __post_init__(self):
         if self.max_tokens < 1 or self.max_lines < 1:
             raise ValueError("max_tokens and max_lines must be >= 1")
         if self.debounce_ms < 0 or self.timeout_s <= 0:
-            raise ValueError("debounce_ms must be >= 0 and timeout_s > 0")
+            raise ValueError("--debounce-ms must be >= 0 and --timeout > 0")
         if not self.target_ms > 0:
             raise ValueError(f"--target-ms must be > 0, got {self.target_ms}")
         if self.cache_size < 0:
             raise ValueError(f"--cache-size must be >= 0, got {self.cache_size}")
+        if self.layout not in ("psm", "spm"):
+            raise ValueError(f"--fim-layout must be psm or spm, got {self.layout!r}")
 
 
 def replace_key(uri: str) -> str:
@@ -147,7 +156,7 @@ class CompletionService:
         self._context_length: Optional[int] = None     # the model's, asked once
         self._chars_per_token: Optional[float] = None  # measured from answers; None: the configured one
         self.rate = PromptRate()
-        self._warm: set[str] = set()                   # documents whose whole window is believed cached
+        self._warm: dict[str, Optional[str]] = {}      # document -> spot whose whole window is believed cached
         self._tasks: set[asyncio.Task] = set()
 
     async def complete(self, uri: str, text: str, offset: int, others: Sequence[tuple[str, str]] = ()) -> Optional[str]:
@@ -194,12 +203,15 @@ class CompletionService:
         """Build the prompt within the model's context and ask; a prompt the daemon finds too long
         (the ratio was optimistic) is retried once with half the characters per token."""
         for _ in range(2):
-            budget, whole = await self.budget(uri)
+            spot = await self.spot(text, offset)
+            budget, whole = await self.budget(uri, spot)
+            if not whole and self.config.layout == "spm" and self.config.prefill:
+                self._spawn(self._warm_spot(uri, text, offset, others, spot))
             prompt = build_fim(text, offset, others, budget)
             raw, final = await self._infill(uri, prompt)
             self._observe(prompt, final)
             if whole and isinstance(final, Done) and final.finish_reason != "cancelled":
-                self._warm.add(uri)
+                self._warm[uri] = spot
             if not self._too_long(final, budget):
                 break
         return raw, final
@@ -211,10 +223,18 @@ class CompletionService:
             self._context_length = int(models[0].get("context_length") or 0) or None if models else None
         return fit_budget(self.config.budget, self._context_length, self.config.max_tokens + 8, self._chars_per_token)
 
-    async def budget(self, uri: str) -> tuple[FimBudget, bool]:
-        """The budget for a prompt in ``uri`` now, and whether it is the whole configured window."""
+    async def spot(self, text: str, offset: int) -> Optional[str]:
+        """What a cached window must share with a prompt at ``offset`` to serve it: nothing under psm
+        (the window from the file's head serves every cursor), the suffix under spm."""
+        if self.config.layout == "psm":
+            return None
         full = await self.full_budget()
-        if uri in self._warm:
+        return head_at_line(text[offset:], full.chars(full.suffix_tokens))
+
+    async def budget(self, uri: str, spot: Optional[str] = None) -> tuple[FimBudget, bool]:
+        """The budget for a prompt in ``uri`` at ``spot`` now, and whether it is the whole configured window."""
+        full = await self.full_budget()
+        if uri in self._warm and self._warm[uri] == spot:
             return full, True
         cut = speed_budget(full, self.rate.tokens_per_s, self.config.target_ms)
         return cut, cut == full
@@ -235,8 +255,9 @@ class CompletionService:
 
     # ---- prefill while typing ------------------------------------------------------------
     def opened(self, uri: str, text: str, others: Sequence[tuple[str, str]] = ()) -> None:
-        """A document was opened: warm its whole window at batch priority (in the background)."""
-        if self.config.prefill:
+        """A document was opened: warm its whole window at batch priority (in the background; under
+        spm nothing, as the cursor is not known yet)."""
+        if self.config.prefill and self.config.layout == "psm":
             self._spawn(self._warm_up(uri, text, others))
 
     def edited(self, uri: str, text: str, offset: int, others: Sequence[tuple[str, str]] = ()) -> None:
@@ -258,10 +279,17 @@ class CompletionService:
         prompt = build_fim(text, offset, others, budget)
         final = await self._prefill(prompt, budget, warm_key(uri), "batch")
         if isinstance(final, Done) and final.finish_reason != "cancelled":
-            self._warm.add(uri)
+            self._warm[uri] = None
+
+    async def _warm_spot(self, uri, text, offset, others, spot) -> None:
+        """spm: compute the whole window at a cold cursor spot, at batch priority."""
+        budget = await self.full_budget()
+        final = await self._prefill(build_fim(text, offset, others, budget), budget, warm_key(uri), "batch")
+        if isinstance(final, Done) and final.finish_reason != "cancelled":
+            self._warm[uri] = spot
 
     async def _prefill_edit(self, uri, text, offset, others) -> None:
-        budget, _ = await self.budget(uri)
+        budget, _ = await self.budget(uri, await self.spot(text, offset))
         await self._prefill(build_fim(text, offset, others, budget), budget, replace_key(uri), "interactive")
 
     async def _prefill(self, prompt, budget: FimBudget, key: str, priority: str):
@@ -269,7 +297,8 @@ class CompletionService:
         final = None
         try:
             stream = await self.client.infill(prompt.prefix, prompt.suffix, files=list(prompt.files) or None,
-                                              replace=key, max_tokens=1, priority=priority, prompt_only=True)
+                                              replace=key, max_tokens=1, priority=priority, prompt_only=True,
+                                              layout=self.config.layout)
             try:
                 async for _ in stream:
                     pass
@@ -295,7 +324,8 @@ class CompletionService:
     async def _infill(self, uri: str, prompt) -> tuple[str, object]:
         stream = await self.client.infill(prompt.prefix, prompt.suffix, files=list(prompt.files) or None,
                                           replace=replace_key(uri), max_tokens=self.config.max_tokens,
-                                          priority="interactive", temperature=self.config.temperature)
+                                          priority="interactive", temperature=self.config.temperature,
+                                          layout=self.config.layout)
         parts = []
         try:
             async for event in stream:
@@ -312,7 +342,7 @@ class CompletionService:
 
     def forget(self, uri: str) -> None:
         self._latest.pop(uri, None)
-        self._warm.discard(uri)
+        self._warm.pop(uri, None)
         self.cache.forget(uri)
 
     async def aclose(self) -> None:

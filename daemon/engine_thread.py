@@ -34,6 +34,7 @@ class Submit:
     prefix: str = ""               # infill
     suffix: str = ""
     files: tuple = ()              # infill: ((path, text), ...)
+    layout: str = "psm"            # infill: "psm" | "spm"
     messages: tuple = ()           # chat: ({"role", "content"}, ...)
     cache_salt: Optional[str] = None
 
@@ -242,5 +243,5 @@ class EngineThread(threading.Thread):
         if s.kind == "chat":
             return tok.encode_chat([dict(m) for m in s.messages])
         if s.kind == "infill":
-            return tok.build_infill(s.prefix, s.suffix, list(s.files))
+            return tok.build_infill(s.prefix, s.suffix, list(s.files), s.layout)
         return s.prompt

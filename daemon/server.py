@@ -282,7 +282,7 @@ class Server:
         if isinstance(req, protocol.Generate):
             return Submit(prompt=req.prompt if req.prompt is not None else list(req.token_ids), **common)
         if isinstance(req, protocol.Infill):
-            return Submit(prefix=req.prefix, suffix=req.suffix,
+            return Submit(prefix=req.prefix, suffix=req.suffix, layout=req.layout,
                           files=tuple((f.path, f.text) for f in req.files), **common)
         return Submit(messages=tuple({"role": m.role, "content": m.content} for m in req.messages), **common)
 

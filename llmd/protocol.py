@@ -134,6 +134,7 @@ class Infill(_Work):
     files: Annotated[list[File], Field(max_length=MAX_FILES)] = []
     replace: Optional[Id] = None
     priority: Priority = "interactive"
+    layout: Literal["psm", "spm"] = "psm"     # prefix-suffix-middle, or suffix-prefix-middle
 
 
 class ChatMessage(_Message):

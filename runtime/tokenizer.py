@@ -23,6 +23,7 @@ from .errors import InvalidRequest, ModelLoadError
 if TYPE_CHECKING:
     from .models.config import ModelConfig
 
+FIM_LAYOUTS = ("psm", "spm")    # fill-in-the-middle orders: prefix-suffix-middle, suffix-prefix-middle
 MAX_PATH_CHARS = 4096
 TEXT_SLACK = 4          # margin over the longest token, for normalizers that drop characters
 
@@ -307,10 +308,16 @@ class Tokenizer:
         close_run()
         return ids
 
-    def build_infill(self, prefix: str, suffix: str, extra_files: Iterable[tuple[str, str]] = ()) -> list[int]:
-        """A fill-in-the-middle prompt in prefix-suffix-middle order::
+    def build_infill(self, prefix: str, suffix: str, extra_files: Iterable[tuple[str, str]] = (),
+                     layout: str = "psm") -> list[int]:
+        """A fill-in-the-middle prompt, in prefix-suffix-middle order (``psm``)::
 
             [BOS] (<file_sep> path \\n content \\n)* <fim_prefix> prefix <fim_suffix> suffix <fim_middle>
+
+        or suffix-prefix-middle (``spm``), where the text the user types at the cursor comes last, so
+        a prompt after a keystroke shares all but its last few tokens with the one before::
+
+            [BOS] (<file_sep> path \\n content \\n)* <fim_suffix> suffix <fim_prefix> prefix <fim_middle>
 
         User texts are encoded as text; control tokens are inserted by id. A newline is added after a
         file's content only when it does not end with one.
@@ -332,8 +339,10 @@ class Tokenizer:
                 raise InvalidRequest(f"file path must be one line of at most {MAX_PATH_CHARS} characters")
             body = content if content.endswith("\n") or not content else content + "\n"
             ids += [fim["file_sep"]] + self._plain(f"{path}\n{body}")
-        ids += [fim["prefix"]] + self._plain(prefix) + [fim["suffix"]] + self._plain(suffix) + [fim["middle"]]
-        return ids
+        pre, suf = [fim["prefix"]] + self._plain(prefix), [fim["suffix"]] + self._plain(suffix)
+        if layout not in FIM_LAYOUTS:
+            raise InvalidRequest(f"infill layout must be one of {', '.join(FIM_LAYOUTS)}, got {layout!r}")
+        return ids + (pre + suf if layout == "psm" else suf + pre) + [fim["middle"]]
 
     def _plain(self, text: str) -> list[int]:
         return self.encode(text, add_special_tokens=False, allow_special=False)

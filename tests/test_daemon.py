@@ -209,6 +209,16 @@ def test_chat_infill_and_sentences(daemon, offline):
     assert ids == offline_greedy(offline, [prompt], max_tokens=4)[tuple(prompt)][0]
 
 
+def test_infill_in_suffix_prefix_middle_order(daemon, offline):
+    with client(daemon) as c:
+        _, spm, _ = collect(c.infill("def add(a, b):\n    return ", "\n\nprint(add(1, 2))\n", max_tokens=6,
+                                     layout="spm"))
+        bad = list(c.infill("x", "y", max_tokens=2, layout="msp"))
+        assert isinstance(bad[-1], Error) and bad[-1].code == "invalid_request" and "layout" in bad[-1].message
+    prompt = offline.tokenizer.build_infill("def add(a, b):\n    return ", "\n\nprint(add(1, 2))\n", layout="spm")
+    assert spm == offline_greedy(offline, [prompt], max_tokens=6)[tuple(prompt)][0]
+
+
 def test_health_models_hello_and_stats(daemon):
     with client(daemon) as c:
         assert list(c.generate("x", max_tokens=2, ignore_eos=True))[-1].finish_reason == "length"
@@ -350,10 +360,10 @@ def test_busy_and_a_failure_inside_the_engine_fails_alone(tiny_model_dir, tmp_pa
     def inject(engine):
         real = engine.tokenizer.build_infill
 
-        def faulty(prefix, suffix, extra_files=()):
+        def faulty(prefix, suffix, extra_files=(), layout="psm"):
             if prefix == "boom":
                 raise RuntimeError("injected fault")
-            return real(prefix, suffix, extra_files)
+            return real(prefix, suffix, extra_files, layout)
         engine.tokenizer.build_infill = faulty
 
     settings = daemon_settings(tiny_model_dir, tmp_path, max_queue=3)

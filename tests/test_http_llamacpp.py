@@ -6,18 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import socket
 import subprocess
-import time
-import urllib.request
+import sys
 from pathlib import Path
 
 import pytest
 
 from daemon_fixtures import REPO, daemon_settings, running_daemon
+from llmd.bench.llama_server import CACHE, LlamaServer, LlamaServerError, binary
 
-CACHE = Path(os.environ.get("LLMD_LLAMA_SERVER_DIR", REPO / ".cache" / "llama-server"))
 BINARY = CACHE / "bin" / "llama-server"
 MODEL = REPO / "models" / "code-target"
 pytestmark = [] if BINARY.exists() else [pytest.mark.slow]
@@ -27,44 +24,13 @@ CURSOR = (4, 11)                 # after "return "
 PROMPTS = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n", "import os\n\ndef list_files(path):\n"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def llama_server(tmp_path_factory):
     pytest.importorskip("gguf")
     from llmd.bench.to_gguf import convert
-    binary = BINARY
-    if not binary.exists():
-        out = subprocess.run(["bash", str(REPO / "bench" / "build_llama_server.sh")], capture_output=True, text=True,
-                             timeout=3600)
-        assert out.returncode == 0, out.stderr[-3000:]
-        binary = Path(out.stdout.strip().splitlines()[-1])
     gguf = convert(MODEL, tmp_path_factory.mktemp("gguf") / "code-target.gguf")
-    port = free_port()
-    proc = subprocess.Popen([str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-c", "512",
-                             "-t", "1", "-np", "1", "--no-warmup"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, proc.stdout.read()[-3000:]
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    break
-        except OSError:
-            pass
-        assert time.monotonic() < deadline, "llama-server did not become ready"
-        time.sleep(0.2)
-    try:
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(30)
+    with LlamaServer(ready_timeout_s=120) as server:
+        yield server.start(binary(build=True), gguf, threads=1, extra_args=["-c", "512", "-np", "1", "--no-warmup"])
 
 
 @pytest.fixture(scope="module")
@@ -123,3 +89,30 @@ def test_fill_in_the_middle_by_infill_and_by_fim_tokens_over_completions(llama_s
     by_infill = HttpBackend(llama_server, fim="auto")
     assert asyncio.run(fill(by_infill)) == expected and by_infill.fim == "infill"
     assert asyncio.run(fill(HttpBackend(llama_server, fim="completions"))) == expected
+
+
+def test_a_server_that_cannot_start_is_a_clear_error_and_leaves_nothing_running(tmp_path):
+    bad = tmp_path / "not-a-model.gguf"
+    bad.write_bytes(b"not a gguf file")
+    server = LlamaServer(ready_timeout_s=60)
+    with pytest.raises(LlamaServerError, match="exited"):
+        server.start(binary(build=True), bad, threads=1)
+    assert server.proc is None and server.url.startswith("http://127.0.0.1:")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_the_editor_benchmark_runs_the_same_keystrokes_against_llama_cpp(tmp_path):
+    from llmd.bench.to_gguf import convert
+    gguf = convert(MODEL, tmp_path / "code-target.gguf")
+    out = subprocess.run([sys.executable, str(REPO / "bench" / "bench_editor.py"), "--model", str(MODEL), "--gguf",
+                          str(gguf), "--against", "llamacpp-server", "--run", "spm:--fim-layout spm",
+                          "--keystrokes", "4", "--first-in-file", "1", "--warmup", "1", "--json"],
+                         capture_output=True, text=True, timeout=1800, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    runs = json.loads(out.stdout)
+    assert list(runs) == ["llamacpp-server", "llmd", "spm"]
+    for r in runs.values():
+        assert r["keystrokes"] == 4 and r["server"]["error"] == 0 and r["first_in_file"]["n"] == 1
+        assert r["model_served"]["n"] + r["cache_served"]["n"] == 4
+    assert runs["llamacpp-server"]["server"]["prefilled"] == 0 and runs["llmd"]["server"]["prefilled"] >= 1

@@ -360,6 +360,36 @@ def test_a_cold_document_window_grows_once_its_warm_up_is_cached():
     asyncio.run(go())
 
 
+def test_suffix_first_windows_grow_per_cursor_spot():
+    async def go():
+        client = RecordingClient()
+        budget = FimBudget(prefix_tokens=1000, suffix_tokens=20, context_tokens=0, chars_per_token=1.0)
+        service = CompletionService(LspConfig(budget=budget, debounce_ms=0, target_ms=100, layout="spm"), client)
+        text = "".join(f"line {i:04d}\n" for i in range(400))
+        service.rate.tokens_per_s = 1000.0
+        service.opened("file:///a.py", text)
+        await asyncio.sleep(0)
+        assert client.calls == []                                     # the cursor is not known yet
+        await service.complete("file:///a.py", text, 3000)
+        await asyncio.sleep(0)
+        cold, warm = client.calls[0], client.calls[1]
+        assert cold["layout"] == "spm" and "prompt_only" not in cold and len(cold["prefix"]) <= 80
+        assert warm["prompt_only"] and warm["priority"] == "batch" and warm["replace"] == warm_key("file:///a.py")
+        assert warm["layout"] == "spm" and 600 <= len(warm["prefix"]) <= 1000 and warm["suffix"] == cold["suffix"]
+        client.warm.set()
+        for _ in range(3):
+            await asyncio.sleep(0)
+        service.cache.forget("file:///a.py")
+        typed = text[:3000] + "x" + text[3000:]                      # one keystroke at the same spot
+        await service.complete("file:///a.py", typed, 3001)
+        assert 600 <= len(client.calls[-1]["prefix"]) <= 1001 and client.calls[-1]["suffix"] == cold["suffix"]
+        await service.complete("file:///a.py", typed, 1001)           # another spot: cold again
+        await asyncio.sleep(0)
+        assert len(client.calls[-2]["prefix"]) <= 80 and client.calls[-1]["prompt_only"]
+        await service.aclose()
+    asyncio.run(go())
+
+
 def test_prompt_only_infills_replace_each_other_and_leave_the_answer_unchanged(daemon):
     prefix, suffix = "def area(r):\n    return ", "\n\nprint(area(2))\n"
     with Client(daemon.settings.socket) as c:
@@ -375,3 +405,36 @@ def test_prompt_only_infills_replace_each_other_and_leave_the_answer_unchanged(d
         real_ids = [t for e in real for t in getattr(e, "token_ids", [])]
         assert real_ids == alone_ids
         assert real.final.usage["cached_tokens"] == real.final.usage["prompt_tokens"] - 1
+
+
+def test_suffix_first_prompts_keep_all_but_the_typed_end_cached(daemon):
+    """After a keystroke at the cursor, a suffix-prefix-middle prompt shares everything up to the
+    cursor with the one before; a prefix-suffix-middle one computes its whole suffix again."""
+    prefix = "def area(r):\n    return "
+    suffix = "\n\n" + "".join(f"print(area({i}))\n" for i in range(40))
+
+    def computed_after_keystroke(layout: str) -> tuple[int, int]:
+        with Client(daemon.settings.socket) as c:
+            c.infill(prefix, suffix, max_tokens=1, prompt_only=True, layout=layout).text()
+            real = c.infill(prefix + "3", suffix, max_tokens=2, layout=layout)
+            real.text()
+            usage = real.final.usage
+            return usage["prompt_tokens"] - usage["cached_tokens"], usage["prompt_tokens"]
+
+    spm, total = computed_after_keystroke("spm")
+    psm, _ = computed_after_keystroke("psm")
+    assert spm <= 4 < total // 2 < psm
+
+
+def test_the_language_server_sends_the_configured_layout(daemon, tmp_path):
+    cursor = DOC.index("return ") + len("return ")
+    with Client(daemon.settings.socket) as c:
+        raw = c.infill(DOC[:cursor], DOC[cursor:], max_tokens=16, layout="spm").text()
+    expected = trim_suggestion(raw, "    return ", "", DOC[cursor:])
+
+    async def session():
+        async with LspProbe(lsp_args(daemon, tmp_path, "--fim-layout", "spm")) as lsp:
+            lsp.open(URI, DOC)
+            return await lsp.inline(URI, 3, 11)
+
+    assert asyncio.run(session()) == expected

@@ -249,6 +249,16 @@ def test_build_infill(tok):
         "<|fim_prefix|>def f(<|fim_middle|><|fim_suffix|>):\n<|fim_middle|>")
 
 
+def test_build_infill_suffix_first(tok):
+    ids = tok.build_infill("def f(", "):\n", [("a.py", "x = 1")], layout="spm")
+    assert tok.decode(ids, skip_special_tokens=False) == (
+        "<|file_sep|>a.py\nx = 1\n<|fim_suffix|>):\n<|fim_prefix|>def f(<|fim_middle|>")
+    typed = tok.build_infill("def f(a", "):\n", [("a.py", "x = 1")], layout="spm")
+    assert typed[:len(ids) - 2] == ids[:-2]          # a keystroke at the cursor changes only the end
+    with pytest.raises(InvalidRequest, match="layout"):
+        tok.build_infill("a", "b", layout="pms")
+
+
 def test_build_infill_without_fim_tokens(tmp_path):
     t = Tokenizer.from_dir(write_model_dir(tmp_path, hf=build_hf_tokenizer(["<|endoftext|>"])))
     assert t.fim_prefix_id is None and t.file_sep_id is None
