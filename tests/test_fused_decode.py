@@ -82,6 +82,7 @@ def test_fused_step_is_bit_identical_to_the_python_forward(model_factory, arch, 
 QUANT = {   # hidden 192 = 128 + 64 (SmolLM2's 576 is 4 x 128 + 64): the kernels' half lines
     "int8": (QuantSpec("int8"), {"hidden": 192, "intermediate": 320}, ops.KIND_INT8),
     "int4-g64": (QuantSpec("int4", group_size=64), {"hidden": 192, "intermediate": 320}, ops.KIND_INT4),
+    "int4-g32": (QuantSpec("int4", group_size=32), {"hidden": 192, "intermediate": 320}, ops.KIND_INT4),
     "int4-g128-qkv-bias": (QuantSpec("int4", group_size=128), {"architecture": "Qwen2ForCausalLM", "hidden": 256,
                                                                 "heads": 8, "kv_heads": 2, "intermediate": 384},
                            ops.KIND_INT4),
@@ -155,8 +156,8 @@ def test_parts_without_a_kernel_form_keep_the_python_forward(model_factory):
     assert FusedDecode.build(bf16) is None
     w8a8 = loaded(model_factory, "fused-w8a8", quant=QuantSpec("w8a8"))
     assert w8a8.fused_decode is None                                  # no fused kind for w8a8
-    int4_g32 = loaded(model_factory, "fused-int4-g32", quant=QuantSpec("int4", group_size=32))
-    assert int4_g32.fused_decode is None                              # a group the int4 kernel does not take
+    int4_g32 = loaded(model_factory, "fused-int4-g32-288", quant=QuantSpec("int4", group_size=32), intermediate=288)
+    assert int4_g32.fused_decode is None                              # 288 columns: not whole lines of 64
     model = loaded(model_factory, "fused-copy")
     force_fused(model)
     assert copy.deepcopy(model).fused_decode is None                  # a copy has its own weights

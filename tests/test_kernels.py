@@ -42,7 +42,8 @@ def test_int8_kernel_matches_weight_only_reference(m, n, k):
 
 
 @pytest.mark.parametrize("m", [1, 4, 7, 16, 70])      # 70: a chunk of 64 prompt rows, then a tile of 4 and of 2
-@pytest.mark.parametrize("group,k", [(64, 1024), (128, 1024), (256, 1024), (64, 576), (64, 192)])   # 576, 192: a half line
+@pytest.mark.parametrize("group,k", [(64, 1024), (128, 1024), (256, 1024), (64, 576), (64, 192),   # 576, 192: a half line
+                                     (32, 1024), (32, 576), (32, 192)])         # 32: two groups per 64 columns
 @pytest.mark.parametrize("symmetric", [False, True])
 def test_int4_kernel_matches_reference(m, group, k, symmetric):
     n = 200
@@ -78,6 +79,7 @@ QUANT_LAYERS = {
     "int8": lambda k: Int8Linear(k, 192, bias=True),
     "int4-g64": lambda k: Int4Linear(k, 192, bias=True, group_size=64),
     "int4-g128": lambda k: Int4Linear(k, 192, bias=True, group_size=128),
+    "int4-g32": lambda k: Int4Linear(k, 192, bias=True, group_size=32),
     "int8g": lambda k: Int8GroupLinear(k, 192, group_size=64),
     "w8a8": lambda k: W8A8Linear(k, 192, bias=True),
 }
@@ -123,9 +125,13 @@ def test_prompt_rows_get_the_numbers_each_row_gets_alone(make):
     assert (together.double() - ref).abs().max() < 0.05 * ref.abs().max()
 
 
-def test_int4_kernel_declines_group_32():
+def test_int4_kernel_takes_group_32_and_declines_widths_off_its_lines():
     q, s, z = quantize_int4(weight(64, 256, 0), 32)
+    assert ops.int4_pack(q, s, z, 32) is not None
+    q, s, z = quantize_int4(weight(64, 288, 0), 32)          # 288 = 4 x 64 + 32: not a whole half line
     assert ops.int4_pack(q, s, z, 32) is None
+    q, s, z = quantize_int4(weight(64, 256, 0), 16)
+    assert ops.int4_pack(q, s, z, 16) is None
 
 
 @pytest.mark.parametrize("m", [1, 3])

@@ -18,9 +18,11 @@ FAST = dict(eval_windows=1, eval_tokens=16, accept_loss=True, scale_search=False
 
 
 def exported(source: Path, out: Path, quant: str) -> Path:
+    """quant: int8, int4 (groups of 64) or int4-g32 (groups of 32, as SmolLM2's export and GGUF blocks)."""
     if not (out / "manifest.json").is_file():
-        group = {"group_size": 64} if quant == "int4" else {}       # a group the int4 kernel takes
-        export_engine(ExportOptions(str(source), str(out), quant=quant, **group, **FAST))
+        method, _, group = quant.partition("-g")
+        group = {"group_size": int(group or 64)} if method == "int4" else {}
+        export_engine(ExportOptions(str(source), str(out), quant=method, **group, **FAST))
     return out
 
 
@@ -35,7 +37,7 @@ def alone_and_together(engine: Path, prompts: list[list[int]], tokens: int) -> t
     return alone, together, fused.steps if fused is not None else 0
 
 
-@pytest.mark.parametrize("quant", ["int8", "int4"])
+@pytest.mark.parametrize("quant", ["int8", "int4", "int4-g32"])
 def test_quantized_greedy_output_is_the_same_alone_and_in_a_batch_of_eight(quant, tiny_model_dir, tmp_path_factory):
     engine = exported(tiny_model_dir, tmp_path_factory.mktemp(f"batch-{quant}") / "engine", quant)
     rng = random.Random(8)

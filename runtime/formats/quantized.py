@@ -18,15 +18,16 @@ kernel and the _int_mm form give the same numbers; int4 runs one kernel, whose p
 order whatever M is. A request's greedy tokens are the same alone and in a batch.
 
 The llmd kernels (llmd.runtime.kernels, AVX-512 VNNI) stream the weights at memory speed; where
-they cannot run (other CPUs, no compiler, a graph being compiled, int4 group size 32, widths not
+they cannot run (other CPUs, no compiler, a graph being compiled, int4 groups under 32, widths not
 a multiple of 64) torch's packed kernels take their place for M <= small_m (more rows as above):
 _weight_int8pack_mm and _weight_int4pack_mm_for_cpu with x rounded to bfloat16, which are
 compute-bound here.
 
 Method ``mixed`` gives each module its own form (``QuantSpec.modules``: float, int8, int8g/G or
 int4/G, G down to 16 for int8g and 32 for int4): what `llmd import --keep-blocks` writes, keeping a
-GGUF file's blocks (llmd.runtime.formats.gguf_blocks). llmd's kernels take int8g and int4 groups of
-64 columns and more; smaller groups run through torch's forms (bf16 weights, or torch's int4 kernel).
+GGUF file's blocks (llmd.runtime.formats.gguf_blocks). llmd's kernels take int8g groups of 64 columns
+and more and int4 groups of 32 and more (GGUF's Q4 blocks); smaller groups run through torch's forms
+(bf16 weights, or torch's int4 kernel).
 
 Formulas (q is the stored integer, G the group size):
     int8:  w = q * s[n]                              q in [-127, 127]

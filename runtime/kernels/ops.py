@@ -117,10 +117,10 @@ def int8g_matvec(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, b
 def int4_pack(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int):
     """uint8 [N, K] nibbles with [N, K/G] scales and zeros -> the kernel's form (packed weights
     uint8 [N, K/2], scales, offsets z - 8 s; see quant.c), or None where the kernel does not run
-    (not built, G not 64, 128 or 256, or not dividing K)."""
+    (not built, G not 32, 64, 128 or 256, or K not a multiple of G and of 64)."""
     so = lib()
     n, k = q.shape
-    if so is None or group_size not in (64, 128, 256) or k % group_size:
+    if so is None or group_size not in (32, 64, 128, 256) or k % group_size or k % 64:
         return None
     q = q.to(torch.uint8).contiguous()
     packed = torch.empty(n, k // 2, dtype=torch.uint8)

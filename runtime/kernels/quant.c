@@ -11,7 +11,7 @@
  *          q in [0,15], x as 8-bit integers per block of 128; weights in the layout of llmd_int4_pack
  *   w8a8:  y[m,n] = sx[m] s[n] sum_k w[n,k] xq[m,k]            xq = round(x / sx), sx = max|x| / 127
  * The entry points (llmd_*_x) take 1..8192 rows and K a multiple of 64 (int8, int8g, w8a8: below
- * 65536; int4: of its group size G) and return 0, -1 for a CPU or shape they do not take (the
+ * 65536; int4: of 64 and of its group size G) and return 0, -1 for a CPU or shape they do not take (the
  * caller then uses torch's kernels), -2 out of memory.
  *
  * Batch invariance: every row of x is quantized on its own (its own scales) and each output value
@@ -166,7 +166,9 @@ static TARGET void int8g_rows(const uint8_t *xh, const uint8_t *xl, const uint64
  * half-line h (64 columns, inside weight group g):
  *   sum_k ((q - 8) s + z) x = s sx[b] sum_k q xq + (z - 8 s) X[h],   X[h] = sx[b] sum_{k in h} xq
  * and the last term summed over a group is (z - 8 s) X[g].
- * G is 64, 128 or 256 (a half line: 64). */
+ * G is 32, 64, 128 or 256 (a half line: 64, or 32). With G = 32 each 64 columns hold two groups:
+ * vpdpbusd sums 4 columns into a lane, so lanes 0-7 hold the first group's and lanes 8-15 the
+ * second's, and one vector of two scales (one per half) scales both. */
 
 TARGET void llmd_int4_pack(const uint8_t *q, int N, int K, uint8_t *out) {
     for (int n = 0; n < N; n++)
@@ -179,7 +181,7 @@ TARGET void llmd_int4_pack(const uint8_t *q, int N, int K, uint8_t *out) {
 }
 
 /* x float32 [M,K] -> xq int8 [M,K], block scales sx [M, ceil(K/128)], and the sums X of sx xq over
- * each weight group [M, K/G]. */
+ * each weight group [M, K/G] (integer sums per 32 columns, exact; G = 32 scales each alone). */
 static TARGET void x8_blocks(const float *x, int M, int K, int G, int8_t *xq, float *sx, float *xs) {
     const int nb = (K + 127) / 128;
     memset(xs, 0, sizeof(float) * (size_t)M * (K / G));
@@ -190,30 +192,49 @@ static TARGET void x8_blocks(const float *x, int M, int K, int G, int8_t *xq, fl
             const float scale = sx[(size_t)m * nb + c / 128] = row_scale(r, width, 127.f);
             const __m512 inv = _mm512_set1_ps(1.f / scale);
             for (int h = 0; h < width / 64; h++) {
-                __m512i sum = _mm512_setzero_si512();
+                __m512i sum[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
                 for (int k = 64 * h; k < 64 * h + 64; k += 16) {
                     __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(r + k), inv));
                     q = _mm512_max_epi32(_mm512_min_epi32(q, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
-                    sum = _mm512_add_epi32(sum, q);
+                    sum[(k - 64 * h) / 32] = _mm512_add_epi32(sum[(k - 64 * h) / 32], q);
                     _mm_storeu_si128((__m128i *)(xq + (size_t)m * K + c + k), _mm512_cvtepi32_epi8(q));
                 }
-                xs[(size_t)m * (K / G) + (c + 64 * h) / G] += scale * (float)_mm512_reduce_add_epi32(sum);
+                const int s0 = _mm512_reduce_add_epi32(sum[0]), s1 = _mm512_reduce_add_epi32(sum[1]);
+                float *to = xs + (size_t)m * (K / G) + (c + 64 * h) / G;
+                if (G == 32) {
+                    to[0] += scale * (float)s0;
+                    to[1] += scale * (float)s1;
+                } else {
+                    to[0] += scale * (float)(s0 + s1);
+                }
             }
         }
 }
 
-/* One line of 128 columns for MM rows of x into acc. With SPLIT the two halves lie in different
- * weight groups (G = 64) and are scaled apart; otherwise their sums are added first. Row m of x:
- * xq + m K, its block scales sx + m nb. */
+/* One line of 128 columns for MM rows of x into acc. With SPLIT 1 the two halves lie in different
+ * weight groups (G = 64) and are scaled apart; with SPLIT 2 (G = 32) each half is scaled by a
+ * vector of its two groups' scales (lanes 0-7, 8-15); otherwise their sums are added first. Row m
+ * of x: xq + m K, its block scales sx + m nb. */
+#define HALVES 0xFF00
 #define INT4_LINE(c, acc, SPLIT) do { \
     __m512i v = _mm512_loadu_si512((const void *)(w + (c) / 2)); \
     __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib); \
     const float s0 = s[(c) >> gshift], s1 = s[((c) + 64) >> gshift]; \
+    __m512 sv0 = _mm512_setzero_ps(), sv1 = _mm512_setzero_ps(); \
+    if (SPLIT == 2) { \
+        sv0 = _mm512_mask_blend_ps(HALVES, _mm512_set1_ps(s0), _mm512_set1_ps(s[((c) >> 5) + 1])); \
+        sv1 = _mm512_mask_blend_ps(HALVES, _mm512_set1_ps(s1), _mm512_set1_ps(s[((c) >> 5) + 3])); \
+    } \
     for (int m = 0; m < MM; m++) { \
         const int8_t *xr = xq + (size_t)m * K + (c); \
         const float bs = sx[(size_t)m * nb + (c) / 128]; \
         __m512i d0 = _mm512_dpbusd_epi32(zero, lo, _mm512_loadu_si512((const void *)xr)); \
-        if (SPLIT) { \
+        if (SPLIT == 2) { \
+            __m512i d1 = _mm512_dpbusd_epi32(zero, hi, _mm512_loadu_si512((const void *)(xr + 64))); \
+            const __m512 bv = _mm512_set1_ps(bs); \
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), _mm512_mul_ps(sv0, bv), acc[m]); \
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), _mm512_mul_ps(sv1, bv), acc[m]); \
+        } else if (SPLIT) { \
             __m512i d1 = _mm512_dpbusd_epi32(zero, hi, _mm512_loadu_si512((const void *)(xr + 64))); \
             acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), _mm512_set1_ps(s0 * bs), acc[m]); \
             acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), _mm512_set1_ps(s1 * bs), acc[m]); \
@@ -223,8 +244,9 @@ static TARGET void x8_blocks(const float *x, int M, int K, int G, int8_t *xq, fl
         } \
     } } while (0)
 
-/* The half line of the last 64 columns (one group: G = 64), in the low half of each vector. */
-#define INT4_HALF_LINE(c, acc) do { \
+/* The half line of the last 64 columns (one group, or with G = 32 two: the low nibbles' and the
+ * high nibbles'), in the low half of each vector. */
+#define INT4_HALF_LINE(c, acc, SPLIT) do { \
     const __mmask64 half = 0xFFFFFFFFull; \
     __m512i v = _mm512_maskz_loadu_epi8(half, (const void *)(w + (c) / 2)); \
     __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib); \
@@ -233,8 +255,14 @@ static TARGET void x8_blocks(const float *x, int M, int K, int G, int8_t *xq, fl
         const int8_t *xr = xq + (size_t)m * K + (c); \
         const float bs = sx[(size_t)m * nb + (c) / 128]; \
         __m512i d = _mm512_dpbusd_epi32(zero, lo, _mm512_maskz_loadu_epi8(half, (const void *)xr)); \
-        d = _mm512_dpbusd_epi32(d, hi, _mm512_maskz_loadu_epi8(half, (const void *)(xr + 32))); \
-        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(s0 * bs), acc[m]); \
+        if (SPLIT == 2) { \
+            const __m512i d1 = _mm512_dpbusd_epi32(zero, hi, _mm512_maskz_loadu_epi8(half, (const void *)(xr + 32))); \
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(s0 * bs), acc[m]); \
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), _mm512_set1_ps(s[((c) >> 5) + 1] * bs), acc[m]); \
+        } else { \
+            d = _mm512_dpbusd_epi32(d, hi, _mm512_maskz_loadu_epi8(half, (const void *)(xr + 32))); \
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(s0 * bs), acc[m]); \
+        } \
     } } while (0)
 
 #define INT4_LINES(SPLIT) do { \
@@ -244,7 +272,7 @@ static TARGET void x8_blocks(const float *x, int M, int K, int G, int8_t *xq, fl
         INT4_LINE(c + 128, a1, SPLIT); \
     } \
     if (c + 128 <= K) { INT4_LINE(c, a0, SPLIT); c += 128; } \
-    if (c < K) INT4_HALF_LINE(c, a1); } while (0)
+    if (c < K) INT4_HALF_LINE(c, a1, SPLIT); } while (0)
 
 static inline TARGET __attribute__((always_inline))
 void int4_row(const int8_t *xq, const float *sx, const float *xs, const int MM, int K, int gshift,
@@ -253,7 +281,7 @@ void int4_row(const int8_t *xq, const float *sx, const float *xs, const int MM, 
     const int nb = (K + 127) / 128, groups = K >> gshift;
     __m512 a0[TILE_ROWS], a1[TILE_ROWS];
     for (int m = 0; m < TILE_ROWS; m++) a0[m] = a1[m] = _mm512_setzero_ps();
-    if (gshift == 6) INT4_LINES(1); else INT4_LINES(0);
+    if (gshift == 5) INT4_LINES(2); else if (gshift == 6) INT4_LINES(1); else INT4_LINES(0);
     for (int m = 0; m < MM; m++) {
         for (int i = 0; i < groups; i += 16) {     /* the offsets, in the same vector as the rest */
             __mmask16 k = groups - i >= 16 ? 0xFFFF : (__mmask16)((1u << (groups - i)) - 1);
@@ -386,9 +414,10 @@ TARGET int llmd_int8g_x(const float *x, int M, int K, int G, const int8_t *w, co
 
 TARGET int llmd_int4_x(const float *x, int M, int K, int G, const uint8_t *w, const float *s, const float *off,
                        const float *bias, float *y, int N, int nt) {
-    int gshift = 6;
+    int gshift = 5;
     while (gshift < 9 && (1 << gshift) != G) gshift++;
-    if (!llmd_cpu_ok() || M < 1 || M > MANY_MAX_ROWS || K < 64 || gshift == 9 || K % G) return -1;  /* G: 64, 128, 256 */
+    if (!llmd_cpu_ok() || M < 1 || M > MANY_MAX_ROWS || K < 64 || gshift == 9 || K % G || K % 64)
+        return -1;  /* G: 32, 64, 128, 256 */
     const int nb = (K + 127) / 128;
     float *sx = scratch_for((size_t)M * nb * 4 + (size_t)M * (K / G) * 4 + (size_t)M * K + 64);
     if (!sx) return -2;
