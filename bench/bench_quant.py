@@ -12,7 +12,7 @@ variant gains more than a compute-bound one when the neighbours leave bandwidth 
 
 With --model (a model directory or a GGUF file, such as the ones `make models-real` fetches), the
 variants are built from those weights instead, each int4 group the largest that divides the model's
-widths; with --llamacpp and a GGUF file, llama.cpp runs that file as it is.
+widths (int4-g32 keeps groups of 32: GGUF's Q4 blocks, and SmolLM2's int4 export); with --llamacpp and a GGUF file, llama.cpp runs that file as it is.
 
 With --engine DIR (an llmd engine directory, such as `llmd import FILE.gguf --keep-blocks` writes), the
 variant "engine" runs it as the engine loads it, beside the others (float32 from --model: that file's
@@ -48,7 +48,8 @@ from llmd.runtime.models.random_model import hf_config, init_weights, write_rand
 VARIANTS = {"float32": QuantSpec("none"), "bf16": QuantSpec("none"), "int8": QuantSpec("int8"), "int4": QuantSpec("int4", group_size=128),
             "w8a8": QuantSpec("w8a8"), "int8-int8head": QuantSpec("int8", head="int8"),
             # every matrix at 4 bits, the head too: what llama.cpp's Q4_0 file here holds
-            "int4-int4head": QuantSpec("int4", group_size=128, head="int4")}
+            "int4-int4head": QuantSpec("int4", group_size=128, head="int4"),
+            "int4-g32": QuantSpec("int4", group_size=32)}
 BF16_VALUES = {"bf16"}      # float32 weights rounded to bfloat16 values: served from bfloat16 blocks (half the bytes)
 
 
@@ -59,7 +60,10 @@ def build(shape: str, spec: QuantSpec, seed: int, model_dir: str | None = None,
         init_weights(model, seed)
     else:
         model = load_model(model_dir, "float32")
-        spec = replace(spec, group_size=auto_group_size([model.config])) if "int4" in (spec.method, spec.head) else spec
+        cfg = model.config
+        if "int4" in (spec.method, spec.head) and any(w % spec.group_size
+                                                      for w in (cfg.hidden_size, cfg.q_size, cfg.intermediate_size)):
+            spec = replace(spec, group_size=auto_group_size([cfg]))
     if bf16_values:
         with torch.no_grad():
             for p in model.parameters():
@@ -198,6 +202,8 @@ def main() -> None:
               ("int4 / bf16 decode", "int4", "bf16", "decode_tps", 1.8),
               ("bf16 / float32 decode", "bf16", "float32", "decode_tps", None),
               ("int4 / int8 decode", "int4", "int8", "decode_tps", 1.3),
+              ("int4-g32 / bf16 decode", "int4-g32", "bf16", "decode_tps", 1.8),
+              ("int4-g32 / int4 decode", "int4-g32", "int4", "decode_tps", None),
               ("int4 (int4 head) / int8 decode", "int4-int4head", "int8", "decode_tps", 1.3),
               ("w8a8 / int8 prompt", "w8a8", "int8", "prefill_tps", 1.5),
               ("int8 / llama.cpp Q8_0 decode", "int8", "llama.cpp q8_0", "decode_tps", 0.8),
