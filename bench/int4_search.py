@@ -1,12 +1,13 @@
 """int4 plain rounding against the activation-aware scale search, without writing engines.
 
-    python -m llmd.bench.int4_search MODEL_DIR GROUP:plain|awq:asym|sym[,...] [WINDOWS]
+    python -m llmd.bench.int4_search MODEL GROUP:plain|awq:asym|sym[,...] [WINDOWS]
 
 The float model is rounded in memory for each configuration (``quantize_model`` after, for ``awq``,
 ``apply_awq`` calibrated on the same calibration text the export uses) and measured as the export's
 gate measures: WINDOWS (default 16) windows of 128 tokens of llmd's evaluation text, perplexity change
 and top-1 agreement against the float model.
 """
+import argparse
 import copy
 import sys
 import time
@@ -15,14 +16,23 @@ import torch
 
 from llmd.export import quality
 from llmd.export.awq import apply_awq
+from llmd.runtime.formats.gguf_import import resolve_model_path
 from llmd.runtime.formats.quantized import QuantSpec, quantize_model
 from llmd.runtime.models.loader import load_model
 from llmd.runtime.tokenizer import Tokenizer
 
 
 def main(argv: list[str]) -> int:
-    model_dir, configs = argv[0], argv[1].split(",")
-    windows = int(argv[2]) if len(argv) > 2 else 16
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("model", help="float model directory (Hugging Face layout) or GGUF file (its float32 import)")
+    p.add_argument("configs", help="comma-separated GROUP:plain|awq:asym|sym, e.g. 32:plain:asym,32:awq:asym")
+    p.add_argument("windows", nargs="?", type=int, default=16, help="windows of 128 tokens measured (default 16)")
+    a = p.parse_args(argv)
+    model_dir, configs, windows = resolve_model_path(a.model), a.configs.split(","), a.windows
+    for c in configs:
+        parts = c.split(":")
+        if len(parts) != 3 or not parts[0].isdigit() or parts[1] not in ("plain", "awq") or parts[2] not in ("asym", "sym"):
+            p.error(f"bad configuration {c!r}: expected GROUP:plain|awq:asym|sym")
     tok = Tokenizer.from_dir(model_dir)
     model = load_model(model_dir, "float32")
     model.requires_grad_(False)
