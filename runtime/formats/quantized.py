@@ -599,18 +599,27 @@ def _quantize_head(model: nn.Module, spec: QuantSpec, from_weights: bool) -> Non
             head = Int8GroupLinear(cfg.hidden_size, cfg.vocab_size, False, spec.small_m, group)
         else:
             head = make_quant_linear(replace(spec, method=spec.head), cfg.hidden_size, cfg.vocab_size, False)
-        if model.lm_head is not None:
-            model.lm_head = _swap(model.lm_head, head, from_weights)
-        else:   # tied: one quantized table serves as head and embedding
-            if from_weights:
-                head.load_weight(model.embed_tokens.weight.detach())
-            model.lm_head = head
-            model.embed_tokens = QuantEmbedding(head, owns_table=False)
+        _install_head(model, head, from_weights)
     if spec.embed == "int8" and model.lm_head is not None and not isinstance(model.embed_tokens, QuantEmbedding):
-        table = Int8Linear(cfg.hidden_size, cfg.vocab_size, False, spec.small_m)
-        if from_weights:
-            table.load_weight(model.embed_tokens.weight.detach())
-        model.embed_tokens = QuantEmbedding(table, owns_table=True)
+        _install_embedding(model, Int8Linear(cfg.hidden_size, cfg.vocab_size, False, spec.small_m), from_weights)
+
+
+def _install_head(model: nn.Module, head: QuantLinear, from_weights: bool) -> None:
+    """``head`` as the output head; a tied model's one quantized table then serves as its embedding too."""
+    if model.lm_head is not None:
+        model.lm_head = _swap(model.lm_head, head, from_weights)
+        return
+    if from_weights:
+        head.load_weight(model.embed_tokens.weight.detach())
+    model.lm_head = head
+    model.embed_tokens = QuantEmbedding(head, owns_table=False)
+
+
+def _install_embedding(model: nn.Module, table: QuantLinear, from_weights: bool) -> None:
+    """``table`` as an untied model's embedding (its own quantized table)."""
+    if from_weights:
+        table.load_weight(model.embed_tokens.weight.detach())
+    model.embed_tokens = QuantEmbedding(table, owns_table=True)
 
 
 def make_module_form(spec: QuantSpec, name: str, in_features: int, out_features: int,
@@ -644,19 +653,11 @@ def _quantize_mixed(model: nn.Module, spec: QuantSpec, from_weights: bool) -> nn
     cfg = model.config
     head = make_module_form(spec, "lm_head", cfg.hidden_size, cfg.vocab_size, False)
     if head is not None:
-        if model.lm_head is not None:
-            model.lm_head = _swap(model.lm_head, head, from_weights)
-        else:       # tied: one quantized table serves as head and embedding
-            if from_weights:
-                head.load_weight(model.embed_tokens.weight.detach())
-            model.lm_head = head
-            model.embed_tokens = QuantEmbedding(head, owns_table=False)
+        _install_head(model, head, from_weights)
     if model.lm_head is not None and not isinstance(model.embed_tokens, QuantEmbedding):
         table = make_module_form(spec, "embed_tokens", cfg.hidden_size, cfg.vocab_size, False)
         if table is not None:
-            if from_weights:
-                table.load_weight(model.embed_tokens.weight.detach())
-            model.embed_tokens = QuantEmbedding(table, owns_table=True)
+            _install_embedding(model, table, from_weights)
     return model
 
 
