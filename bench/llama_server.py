@@ -11,7 +11,6 @@ or ``with LlamaServer() as server: url = server.start(...)``. The binary is the 
 """
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import tempfile
@@ -20,8 +19,9 @@ import urllib.request
 from pathlib import Path
 from typing import Optional, Sequence
 
+from llmd.export.llamacpp import BUILD_DIR as CACHE
+
 REPO = Path(__file__).resolve().parents[1]
-CACHE = Path(os.environ.get("LLMD_LLAMA_SERVER_DIR", REPO / ".cache" / "llama-server"))
 
 
 class LlamaServerError(RuntimeError):

@@ -6,12 +6,11 @@ quantized again to the format compared; ``--allow-requantize``, since a shipped 
 quantized) and llmd's ``llama-windows`` (``bench/llama_windows.cpp``: token windows teacher-forced
 through llama.cpp's library, returning each position's next-token NLL and top-1 id).
 ``bench/build_llama_server.sh`` builds both from the source vendored in llama-cpp-python's source
-distribution. They are looked for in ``$LLMD_LLAMA_CPP`` (a folder), then in a source checkout's
-``.cache/llama-server/bin``, then on PATH. Nothing here listens on a socket.
+distribution. They are looked for in ``$LLMD_LLAMA_CPP`` (a folder), then in that script's ``bin``
+folder (``$LLMD_LLAMA_SERVER_DIR``, else a source checkout's ``.cache/llama-server``), then on PATH. Nothing here listens on a socket.
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import subprocess
@@ -22,6 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from llmd.runtime.formats.gguf_import import cache_root, file_sha256
+
 from .quality import Predictions
 
 # llmd's quantized formats -> the llama.cpp types of the same width compared with them
@@ -30,7 +31,10 @@ PROGRAMS = ("llama-quantize", "llama-windows")
 QUANTIZE_TIMEOUT_S = 1800
 WINDOWS_TIMEOUT_S = 1800
 BUILD_HINT = "bench/build_llama_server.sh builds llama.cpp's tools from source"
-CHECKOUT_BIN = Path(__file__).resolve().parents[1] / ".cache" / "llama-server" / "bin"   # a source checkout's build
+# where bench/build_llama_server.sh builds (its own LLMD_LLAMA_SERVER_DIR, else a source checkout's .cache)
+BUILD_DIR = Path(os.environ.get("LLMD_LLAMA_SERVER_DIR")
+                 or Path(__file__).resolve().parents[1] / ".cache" / "llama-server")
+CHECKOUT_BIN = BUILD_DIR / "bin"
 
 
 class LlamaCppError(RuntimeError):
@@ -58,17 +62,8 @@ def find_tools() -> Tools | None:
 
 
 def cache_dir() -> Path:
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "llmd" / "llamacpp"
-
-
-def file_key(path: Path) -> str:
-    """A short content hash of a GGUF, naming its quantized copies in the cache."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()[:16]
+    """Beside the GGUF imports: ``$XDG_CACHE_HOME/llmd/llamacpp``."""
+    return cache_root().parent / "llamacpp"
 
 
 def quantize(tools: Tools, gguf: Path, ftype: str, cache: Path | None = None, threads: int | None = None) -> Path:
@@ -76,7 +71,7 @@ def quantize(tools: Tools, gguf: Path, ftype: str, cache: Path | None = None, th
     hash: made once."""
     cache = cache or cache_dir()
     cache.mkdir(parents=True, exist_ok=True)
-    out = cache / f"{file_key(gguf)}.{ftype}.gguf"
+    out = cache / f"{file_sha256(gguf, progress=False)[:16]}.{ftype}.gguf"     # named by the source's content
     if out.exists():
         return out
     part = out.with_name(f"{out.name}.{os.getpid()}.partial")     # two exports at once each write their own
