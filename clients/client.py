@@ -354,11 +354,14 @@ class Client(_Base):
     def infill(self, prefix: str, suffix: str = "", *, files: Optional[list[tuple[str, str]]] = None,
                replace: Optional[str] = None, max_tokens: int = 64, priority: Optional[str] = None,
                deadline: Optional[float] = None, request_id: Optional[str] = None, layout: Optional[str] = None,
-               **sampling) -> Stream:
+               shift_reuse: Optional[bool] = None, **sampling) -> Stream:
         """Fill in the middle. A new infill with the same ``replace`` key cancels the previous one.
-        ``layout``: the prompt's order, "psm" (the default) or "spm" (suffix first, prefix last)."""
+        ``layout``: the prompt's order, "psm" (the default) or "spm" (suffix first, prefix last).
+        ``shift_reuse``: let the daemon move keys and values computed for this ``replace`` key's earlier
+        infills to their new positions after an edit (approximate; fewer tokens computed)."""
         return self._start(self._work("infill", request_id or self._next_id(), max_tokens, priority, deadline,
                                       False, sampling, prefix=prefix, suffix=suffix, replace=replace, layout=layout,
+                                      shift_reuse=shift_reuse,
                                       files=[{"path": p, "text": t} for p, t in files] if files else None))
 
     def chat(self, messages: list[dict], *, max_tokens: int = 256, priority: Optional[str] = None,
@@ -553,10 +556,11 @@ class AsyncClient(_Base):
     async def infill(self, prefix: str, suffix: str = "", *, files: Optional[list[tuple[str, str]]] = None,
                      replace: Optional[str] = None, max_tokens: int = 64, priority: Optional[str] = None,
                      deadline: Optional[float] = None, request_id: Optional[str] = None,
-                     layout: Optional[str] = None, **sampling) -> AsyncStream:
+                     layout: Optional[str] = None, shift_reuse: Optional[bool] = None,
+                     **sampling) -> AsyncStream:
         return await self._start(self._work("infill", request_id or self._next_id(), max_tokens, priority,
                                             deadline, False, sampling, prefix=prefix, suffix=suffix, replace=replace,
-                                            layout=layout,
+                                            layout=layout, shift_reuse=shift_reuse,
                                             files=[{"path": p, "text": t} for p, t in files] if files else None))
 
     async def chat(self, messages: list[dict], *, max_tokens: int = 256, priority: Optional[str] = None,

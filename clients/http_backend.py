@@ -294,9 +294,10 @@ class HttpBackend:
     async def infill(self, prefix: str, suffix: str = "", *, files: Optional[list[tuple[str, str]]] = None,
                      replace: Optional[str] = None, max_tokens: int = 64, priority: Optional[str] = None,
                      deadline: Optional[float] = None, request_id: Optional[str] = None,
-                     layout: Optional[str] = None, **sampling) -> HttpStream:
+                     layout: Optional[str] = None, shift_reuse: Optional[bool] = None, **sampling) -> HttpStream:
         """``layout`` is not sent: on llama.cpp's ``/infill`` the server's ``--spm-infill`` decides the
-        order, and over ``/v1/completions`` the FIM template does."""
+        order, and over ``/v1/completions`` the FIM template does. ``shift_reuse`` is llmd's own: an
+        HTTP server reuses its cache as it is configured to."""
         await self.models()
         if replace is not None and replace in self._replacing:
             await self._replacing.pop(replace).aclose()

@@ -17,6 +17,11 @@ with the whole window did), its prompt is cut to what the daemon computes within
 the prompt rate measured from the daemon's own answers (``PromptRate``); the window then grows to
 the configured one.
 
+Shifted reuse (``shift_reuse``): every infill asks the daemon to take the keys and values its earlier
+infills of the document computed (the suffix, after a keystroke in the prefix) at their new positions
+instead of computing them again. Approximate: those keys and values were computed before the edit;
+the daemon bounds how many changed tokens they may have missed (``shift_max_stale``).
+
 Suffix first (``layout="spm"``): the prompt starts with the text after the cursor, so what is cached
 serves one cursor spot (one suffix) rather than the whole document. A document is warm at a spot:
 opening it warms nothing (the cursor is unknown), and a completion at a cold spot is cut to
@@ -59,6 +64,7 @@ class LspConfig:
     prefill: bool = True            # prompt-only requests on open and on each edit
     target_ms: float = 150.0        # a cold document's first completion should fit in this
     layout: str = "psm"             # the infill prompt's order: "psm" or "spm" (suffix first)
+    shift_reuse: bool = True        # the daemon may move a document's keys and values after an edit
 
     def __post_init__(self):
         if self.max_tokens < 1 or self.max_lines < 1:
@@ -298,7 +304,7 @@ class CompletionService:
         try:
             stream = await self.client.infill(prompt.prefix, prompt.suffix, files=list(prompt.files) or None,
                                               replace=key, max_tokens=1, priority=priority, prompt_only=True,
-                                              layout=self.config.layout)
+                                              layout=self.config.layout, shift_reuse=self._shift(key))
             try:
                 async for _ in stream:
                     pass
@@ -325,7 +331,7 @@ class CompletionService:
         stream = await self.client.infill(prompt.prefix, prompt.suffix, files=list(prompt.files) or None,
                                           replace=replace_key(uri), max_tokens=self.config.max_tokens,
                                           priority="interactive", temperature=self.config.temperature,
-                                          layout=self.config.layout)
+                                          layout=self.config.layout, shift_reuse=self._shift(replace_key(uri)))
         parts = []
         try:
             async for event in stream:
@@ -334,6 +340,11 @@ class CompletionService:
         finally:
             await stream.aclose()
         return "".join(parts), stream.final
+
+    def _shift(self, key: str) -> Optional[bool]:
+        """Ask for shifted reuse on a document's edits and completions (a warm-up computes its whole
+        window exactly: it is what later requests reuse)."""
+        return True if self.config.shift_reuse and not key.startswith("lsp-warm:") else None
 
     def backend_status(self) -> dict:
         """Where completions come from and how each protocol feature is served there."""

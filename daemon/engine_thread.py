@@ -37,6 +37,7 @@ class Submit:
     layout: str = "psm"            # infill: "psm" | "spm"
     messages: tuple = ()           # chat: ({"role", "content"}, ...)
     cache_salt: Optional[str] = None
+    reuse_key: Optional[str] = None  # shifted reuse among the requests under this key (infill)
 
 
 @dataclass(frozen=True)
@@ -230,7 +231,8 @@ class EngineThread(threading.Thread):
     def _add(self, s: Submit, out: list) -> None:
         try:
             prompt = self._prompt(s)
-            self.engine.add_request(s.engine_id, prompt, s.params, priority=s.priority, cache_salt=s.cache_salt)
+            self.engine.add_request(s.engine_id, prompt, s.params, priority=s.priority, cache_salt=s.cache_salt,
+                                    reuse_key=s.reuse_key)
         except Exception as e:
             code = getattr(e, "code", None)
             if not isinstance(code, str) or isinstance(e, (AttributeError, TypeError, KeyError)):

@@ -254,7 +254,7 @@ class Server:
             raise protocol.ProtocolError(protocol.DRAINING, f"the daemon is {self.state}; not accepting work", req.id)
         if self.flights.by_client(ident, req.id) is not None:
             raise protocol.ProtocolError(protocol.DUPLICATE_ID, f"request {req.id!r} is already in flight", req.id)
-        submit = self._submission(req)          # a bad request is refused before it replaces anything
+        submit = self._submission(req, ident)   # a bad request is refused before it replaces anything
         replace_key = getattr(req, "replace", None)
         old = self.flights.by_replace(ident, replace_key) if replace_key is not None else None
         in_flight = len(self.flights) - (old is not None)
@@ -270,7 +270,7 @@ class Server:
         self.flights.add(f)
         self.engine.submit(submit)
 
-    def _submission(self, req) -> Submit:
+    def _submission(self, req, ident: bytes = b"") -> Submit:
         try:
             p = req.params.model_dump()
             params = SamplingParams(**{**p, "stop": tuple(p["stop"]), "stop_token_ids": tuple(p["stop_token_ids"])})
@@ -282,7 +282,9 @@ class Server:
         if isinstance(req, protocol.Generate):
             return Submit(prompt=req.prompt if req.prompt is not None else list(req.token_ids), **common)
         if isinstance(req, protocol.Infill):
-            return Submit(prefix=req.prefix, suffix=req.suffix, layout=req.layout,
+            # a document's reuse key is its client's replace key: one client's text never meets another's
+            reuse = f"{ident.hex()}:{req.replace}" if req.shift_reuse and req.replace is not None else None
+            return Submit(prefix=req.prefix, suffix=req.suffix, layout=req.layout, reuse_key=reuse,
                           files=tuple((f.path, f.text) for f in req.files), **common)
         return Submit(messages=tuple({"role": m.role, "content": m.content} for m in req.messages), **common)
 
@@ -492,7 +494,7 @@ def _ms(seconds) -> Optional[float]:
 def _usage_timings(m: Optional[dict]) -> tuple[dict, dict, dict]:
     m = m or {}
     usage = {"prompt_tokens": m.get("prompt_tokens"), "completion_tokens": m.get("output_tokens"),
-             "cached_tokens": m.get("cached_tokens")}
+             "cached_tokens": m.get("cached_tokens"), "shifted_tokens": m.get("shifted_tokens")}
     ttft, queued = m.get("ttft_s"), m.get("queued_s")
     timings = {"queued_ms": _ms(queued), "prompt_ms": _ms(ttft - (queued or 0.0)) if ttft is not None else None,
                "decode_ms": _ms(m.get("decode_s")), "total_ms": _ms(m.get("e2e_s"))}

@@ -135,6 +135,9 @@ class Infill(_Work):
     replace: Optional[Id] = None
     priority: Priority = "interactive"
     layout: Literal["psm", "spm"] = "psm"     # prefix-suffix-middle, or suffix-prefix-middle
+    # take this document's keys and values computed by its earlier infills (same ``replace`` key) at
+    # their new positions after an edit before them: approximate, see the daemon's shift_max_stale
+    shift_reuse: bool = False
 
 
 class ChatMessage(_Message):
@@ -255,7 +258,7 @@ class Done:
 
     id: str
     finish_reason: str
-    usage: dict            # prompt_tokens, completion_tokens, cached_tokens
+    usage: dict            # prompt_tokens, completion_tokens, cached_tokens, shifted_tokens
     timings: dict          # queued_ms, prompt_ms, decode_ms, total_ms
     speculative: dict = field(default_factory=dict)   # proposed, accepted, acceptance
     type: str = field(default="done", init=False)

@@ -18,6 +18,18 @@ request gets a fresh block, and the engine copies those slots' keys and values i
 step runs (``take_copies``). So a prompt that extends a finished or prefilled one, or repeats one,
 computes only its new tokens, and no block is ever written by two requests.
 
+Shifted reuse (opt-in per request, by ``reuse_key``; approximate): when a request lets its blocks go,
+the tokens it computed and its block table are remembered under its reuse key, with each block's epoch
+(how often it was handed out). A later request with the same key whose tokens past its prefix hit
+contain a run of at least ``SHIFT_MIN_RUN`` of the remembered tokens at another position (the text
+after an edit, e.g. the suffix of a fill-in-the-middle prompt after a keystroke in the prefix) takes
+that run's keys and values instead of computing them: the engine copies them to the new positions,
+the keys rotated by the position change (``take_shifts``). The run's keys and values were computed
+under the old text before it, so everything from the run on is approximate: the request counts the
+tokens its run missed (``stale``, inserted plus removed tokens, added up over chained reuses), a run
+is not taken when that count would exceed ``max_stale``, and a request's blocks from its first
+approximate position on are never keyed into the prefix cache, so no exact request reads them.
+
 The block manager is the only writer of reference counts, keys, the free list and request.block_ids.
 """
 from __future__ import annotations
@@ -32,11 +44,12 @@ from .request import Request
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "key", "parent_key", "tokens", "anchor")
+    __slots__ = ("block_id", "ref_count", "key", "parent_key", "tokens", "anchor", "epoch")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
+        self.epoch = 0                           # times handed out: a remembered table checks it
         self.key: Optional[int] = None           # a full block's key
         self.parent_key: Optional[int] = None
         self.tokens: Optional[tuple] = None      # a full block's tokens, or a partial block's computed ones
@@ -47,12 +60,46 @@ class Block:
 
 
 @dataclass(frozen=True)
+class Shift:
+    """A run of remembered keys and values a request takes at other positions: ``length`` tokens
+    from ``src_start`` of a remembered table to ``start`` of the request."""
+
+    start: int
+    length: int
+    src_start: int
+    src_blocks: tuple[int, ...]         # the remembered table (the run's blocks are held until copied)
+    stale: int                          # tokens of changed text the run's keys and values did not see
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+@dataclass(frozen=True)
 class PrefixHit:
     """What the prefix cache holds for the start of a request (a narrow view for the scheduler)."""
 
     block_ids: tuple[int, ...]
     num_tokens: int
     copy_from: Optional[int] = None     # a block whose first (num_tokens - full blocks) slots are copied
+    shift: Optional[Shift] = None       # a run further on taken from a remembered table (approximate)
+
+
+@dataclass(frozen=True)
+class Remembered:
+    """A finished request's computed tokens and block table, under its reuse key."""
+
+    tokens: tuple[int, ...]
+    block_ids: tuple[int, ...]
+    epochs: tuple[int, ...]
+    stale_from: Optional[int]           # first position whose keys and values are approximate
+    stale: int
+
+
+SHIFT_MIN_RUN = 8           # shorter runs are computed: copying them saves little
+SHIFT_KEYS = 64             # reuse keys remembered (least recently used dropped)
+SHIFT_PER_KEY = 2           # tables per key: the last request, and the one before (a replaced
+                            # request may have computed less than the one it replaced)
 
 
 ROOT_KEY = 0
@@ -83,6 +130,12 @@ class BlockManager:
         self.cached: dict[int, int] = {}          # key -> block id
         self.followers: dict[int, list[int]] = {}  # anchor -> cached blocks (full or partial) after that parent
         self._copies: list[tuple[int, int, int]] = []  # (source, destination, slots) for the engine to copy
+        self.max_stale = 0                        # shifted reuse: most missed tokens a run may carry (0: off)
+        self.remembered: OrderedDict[str, list[Remembered]] = OrderedDict()
+        self._shifts: list[tuple[list[int], list[int], int]] = []   # (source slots, destination slots, delta)
+        self._held: list[int] = []                # source blocks held until their shift is copied
+        self.shift_requests = 0
+        self.shift_tokens = 0
         self.prompt_tokens_queried = 0
         self.prompt_tokens_hit = 0
         self.evictions = 0
@@ -118,9 +171,62 @@ class BlockManager:
             parent = block.key
         start = len(ids) * bs
         block_id, m = self._best_follower(request, parent, start, min(bs - 1, request.num_tokens - 1 - start))
-        if m:
-            return PrefixHit(tuple(ids), start + m, copy_from=block_id)
-        return PrefixHit(tuple(ids), start)
+        copy_from = block_id if m else None
+        shift = self._find_shift(request, start + m)
+        return PrefixHit(tuple(ids), start + m, copy_from=copy_from, shift=shift)
+
+    def _find_shift(self, request: Request, hit: int) -> Optional[Shift]:
+        """The longest run of a table remembered under the request's reuse key that the request's
+        tokens past ``hit`` (its last one aside) repeat at the first position they repeat any, within
+        the staleness limit."""
+        key = getattr(request, "reuse_key", None)
+        if key is None or self.max_stale <= 0 or key not in self.remembered:
+            return None
+        self.remembered.move_to_end(key)
+        new = request.token_ids
+        last = request.num_tokens - 1            # the last token is always computed
+        best: Optional[Shift] = None
+        for rec in self.remembered[key]:
+            old = rec.tokens
+            valid = self._valid_tokens(rec)
+            if valid < SHIFT_MIN_RUN:
+                continue
+            common = 0                           # tokens both share from the start
+            for a, b in zip(old, new):
+                if a != b:
+                    break
+                common += 1
+            index: dict[tuple, list[int]] = {}
+            for j in range(min(common, hit), valid - SHIFT_MIN_RUN + 1):
+                index.setdefault(tuple(old[j:j + 4]), []).append(j)
+            for k in range(hit, last - SHIFT_MIN_RUN + 1):
+                run, src = 0, -1
+                for j in index.get(tuple(new[k:k + 4]), ()):
+                    n = 0
+                    while k + n < last and j + n < valid and old[j + n] == new[k + n]:
+                        n += 1
+                    if n > run:
+                        run, src = n, j
+                if run < SHIFT_MIN_RUN:
+                    continue
+                if src == k and k <= common:
+                    stale = 0                    # the same tokens after the same text: exact
+                else:
+                    stale = max(0, k - common) + max(0, src - common)
+                if rec.stale_from is not None and src + run > rec.stale_from:
+                    stale += rec.stale
+                if stale <= self.max_stale and (best is None or run > best.length):
+                    best = Shift(k, run, src, rec.block_ids, stale)
+                break
+        return best
+
+    def _valid_tokens(self, rec: Remembered) -> int:
+        """How many of a remembered table's tokens still have their keys and values (its blocks not
+        handed out since)."""
+        for i, (b, epoch) in enumerate(zip(rec.block_ids, rec.epochs)):
+            if self.blocks[b].epoch != epoch:
+                return min(len(rec.tokens), i * self.block_size)
+        return len(rec.tokens)
 
     def _best_follower(self, request: Request, parent: int, start: int, limit: int) -> tuple[int, int]:
         """The cached block after ``parent`` sharing the most leading tokens (at most ``limit``) with
@@ -144,8 +250,15 @@ class BlockManager:
 
     def can_allocate(self, hit: PrefixHit, num_tokens: int) -> bool:
         """Could a new request hold `num_tokens` slots, reusing `hit`?"""
-        reused_free = sum(1 for b in hit.block_ids if self.blocks[b].ref_count == 0)
+        taken = set(hit.block_ids) | set(self._shift_sources(hit.shift))
+        reused_free = sum(1 for b in taken if self.blocks[b].ref_count == 0)
         return self.blocks_needed(num_tokens) - len(hit.block_ids) <= len(self.free) - reused_free
+
+    def _shift_sources(self, shift: Optional[Shift]) -> list[int]:
+        if shift is None:
+            return []
+        bs = self.block_size
+        return list(dict.fromkeys(shift.src_blocks[p // bs] for p in range(shift.src_start, shift.src_start + shift.length)))
 
     def can_append(self, request: Request, num_tokens: int) -> bool:
         """Could the request grow to `num_tokens` slots?"""
@@ -160,10 +273,38 @@ class BlockManager:
         if count_hit:
             self.prompt_tokens_queried += request.num_prompt_tokens
             self.prompt_tokens_hit += min(hit.num_tokens, request.num_prompt_tokens)
-        self.append(request, num_tokens)
+        shift = hit.shift
+        held = self._shift_sources(shift)
+        for b in held:                  # held before any block is handed out: no destination is a source
+            self._take(self.blocks[b])
+        self._held.extend(held)
+        self.append(request, max(num_tokens, shift.end if shift else 0))
         if hit.copy_from is not None:
             slots = hit.num_tokens - len(hit.block_ids) * self.block_size
             self._copies.append((hit.copy_from, request.block_ids[len(hit.block_ids)], slots))
+        request.stale_from, request.stale = None, 0
+        if shift is not None:
+            bs = self.block_size
+            src = [shift.src_blocks[p // bs] * bs + p % bs for p in range(shift.src_start, shift.src_start + shift.length)]
+            dst = [request.block_ids[p // bs] * bs + p % bs for p in range(shift.start, shift.end)]
+            self._shifts.append((src, dst, shift.start - shift.src_start))
+            if shift.stale:
+                request.stale_from, request.stale = shift.start, shift.stale
+            self.shift_requests += 1
+            self.shift_tokens += shift.length
+
+    def take_shifts(self) -> list[tuple[list[int], list[int], int]]:
+        """The (source slots, destination slots, position change) runs allocations asked for since the
+        last call, for the engine to copy (keys rotated) after ``take_copies``' copies; then call
+        ``release_held``."""
+        shifts, self._shifts = self._shifts, []
+        return shifts
+
+    def release_held(self) -> None:
+        """Let the shifted runs' source blocks go (their runs are copied)."""
+        for b in self._held:
+            self._release(self.blocks[b])
+        self._held = []
 
     def take_copies(self) -> list[tuple[int, int, int]]:
         """The (source block, destination block, slots) copies allocations asked for since the last
@@ -185,14 +326,33 @@ class BlockManager:
                 block.forget()
                 self.evictions += 1
             block.ref_count = 1
+            block.epoch += 1
             request.block_ids.append(block_id)
 
     def free_request(self, request: Request) -> None:
-        """Release every block of the request, tail first, remembering a partly computed tail block."""
+        """Release every block of the request, tail first, remembering a partly computed tail block
+        (and, with a reuse key, the table: its blocks then wait at the kept end of the free list)."""
         self._remember_tail(request)
+        keep = self._remember_table(request)
         for block_id in reversed(request.block_ids):
-            self._release(self.blocks[block_id])
+            self._release(self.blocks[block_id], keep)
         request.block_ids = []
+
+    def _remember_table(self, request: Request) -> bool:
+        key = getattr(request, "reuse_key", None)
+        if key is None or self.max_stale <= 0:
+            return False
+        n = min(request.num_computed_tokens, request.num_tokens)
+        if n < SHIFT_MIN_RUN:
+            return False
+        ids = tuple(request.block_ids[:self.blocks_needed(n)])
+        rec = Remembered(tuple(request.token_ids[:n]), ids, tuple(self.blocks[b].epoch for b in ids),
+                         request.stale_from, request.stale)
+        tables = self.remembered.pop(key, [])
+        self.remembered[key] = ([rec] + tables)[:SHIFT_PER_KEY]
+        while len(self.remembered) > SHIFT_KEYS:
+            self.remembered.popitem(last=False)
+        return True
 
     def trim(self, request: Request, num_tokens: int) -> None:
         """Drop blocks past the first `num_tokens` slots (rolled-back speculative positions)."""
@@ -205,7 +365,8 @@ class BlockManager:
         if not self.enable_prefix_cache:
             return
         bs = self.block_size
-        full = min(num_tokens // bs, len(request.block_ids))
+        exact = num_tokens if request.stale_from is None else min(num_tokens, request.stale_from)
+        full = min(exact // bs, len(request.block_ids))
         # blocks are keyed in table order (or came keyed from the cache), so when the last full block
         # has its key every earlier one has too: most steps of a decode end here
         if full == 0 or self.blocks[request.block_ids[full - 1]].key is not None:
@@ -229,6 +390,7 @@ class BlockManager:
                 self.blocks[block_id].forget()
         self.cached.clear()
         self.followers.clear()
+        self.remembered.clear()
 
     # ---- internals -----------------------------------------------------------------------
     def _remember_tail(self, request: Request) -> None:
@@ -238,6 +400,8 @@ class BlockManager:
             return
         bs = self.block_size
         n = min(request.num_computed_tokens, request.num_tokens)
+        if request.stale_from is not None:
+            n = min(n, request.stale_from)
         index = n // bs
         if n % bs == 0 or index >= len(request.block_ids):
             return
@@ -269,12 +433,12 @@ class BlockManager:
             del self.free[block.block_id]
         block.ref_count += 1
 
-    def _release(self, block: Block) -> None:
+    def _release(self, block: Block, keep: bool = False) -> None:
         block.ref_count -= 1
         assert block.ref_count >= 0
         if block.ref_count == 0:
             self.free[block.block_id] = None
-            if block.key is None and block.anchor is None:
+            if block.key is None and block.anchor is None and not keep:
                 self.free.move_to_end(block.block_id, last=False)
 
     def stats(self) -> dict:
@@ -289,4 +453,6 @@ class BlockManager:
             "prefix_tokens_hit": self.prompt_tokens_hit,
             "prefix_tokens_queried": self.prompt_tokens_queried,
             "prefix_evictions": self.evictions,
+            "shift_requests": self.shift_requests,
+            "shift_tokens": self.shift_tokens,
         }

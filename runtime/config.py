@@ -72,6 +72,11 @@ class EngineConfig:
         help="KV cache storage: the model dtype (auto, exact), bfloat16 (half a float32 model's bytes: faster with "
              "many streams, twice the tokens per budget) or int8 with a scale per block and head (approximate: a "
              "block's scale grows with what is written to it, so greedy text may vary with batching and speculation)")
+    shift_max_stale: int = setting(
+        32, unit="tokens",
+        help="shifted reuse, for requests that ask for it (the language server's completions): keys and values "
+             "of an earlier request's text taken at new positions after an edit before them, when they missed at "
+             "most this many changed tokens (approximate: the text after an edit was computed before it); 0: off")
     attention: str = setting("fast", choices=("fast", "reference"),
                              help="attention code: llmd's fast paths, or the plain reference one")
     threads: Optional[int] = setting(None, unit="threads", help="CPU threads for the engine; unset: torch's choice")
@@ -113,6 +118,7 @@ class EngineConfig:
         check(self.num_speculative_tokens is None or 0 <= self.num_speculative_tokens <= 16,
               "num_speculative_tokens must be in [0, 16]")
         check(1 <= self.ngram_n <= 16, "ngram_n must be in [1, 16]")
+        check(0 <= self.shift_max_stale <= 1 << 16, f"shift_max_stale must be in [0, 65536], got {self.shift_max_stale}")
         check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be positive")
         check(self.threads is None or 1 <= self.threads <= 4096, f"threads must be in [1, 4096], got {self.threads}")
         check(0 <= self.seed < 1 << 63, f"seed must be in [0, 2^63), got {self.seed}")

@@ -84,6 +84,8 @@ class Engine:
             k = NGRAM_K if lookup else DRAFT_K
         self.num_speculative_tokens = k         # the depth in force (the config's None resolved)
         self.runner = self._make_runner(loaded, loaded.model, k if (lookup or loaded.draft is not None) else 0)
+        if config.prefix_cache and getattr(self.runner, "can_shift", False):
+            self.block_manager.max_stale = config.shift_max_stale      # shifted reuse: off where keys cannot move
         self.eos_token_ids = tuple(sorted(set(self.tokenizer.eos_token_ids) | set(loaded.config.eos_token_ids)))
         self.proposer: Optional[Proposer] = None
         self.spec: Optional[SpecController] = None
@@ -117,7 +119,10 @@ class Engine:
 
     # ---- requests in -----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    priority: Priority | str = Priority.NORMAL, cache_salt: Optional[str] = None) -> None:
+                    priority: Priority | str = Priority.NORMAL, cache_salt: Optional[str] = None,
+                    reuse_key: Optional[str] = None) -> None:
+        """``reuse_key``: allow shifted reuse (approximate; see llmd.runtime.block_manager) of the keys
+        and values of earlier requests under the same key, and remember this one's for later ones."""
         if not isinstance(request_id, str) or not 0 < len(request_id) <= MAX_REQUEST_ID_LEN:
             raise InvalidRequest(f"request_id must be a string of 1 to {MAX_REQUEST_ID_LEN} characters")
         if request_id in self.scheduler.requests:
@@ -127,11 +132,14 @@ class Engine:
         if self.scheduler.num_waiting >= self.config.max_waiting:
             raise CapacityError(f"the queue is full ({self.config.max_waiting} waiting); retry later")
         priority = Priority.parse(priority)
+        if reuse_key is not None and not (isinstance(reuse_key, str) and 0 < len(reuse_key) <= MAX_REQUEST_ID_LEN):
+            raise InvalidRequest(f"reuse_key must be a string of 1 to {MAX_REQUEST_ID_LEN} characters")
         ids = self._prompt_ids(prompt)
         if self.block_manager.blocks_needed(len(ids) + 1) > self.block_manager.num_blocks:
             raise CapacityError(f"the prompt needs {len(ids) + 1} KV slots but the pool has "
                                 f"{self.block_manager.num_blocks * self.config.block_size}; raise kv_memory")
-        req = Request(request_id, ids, params, priority, cache_salt, self.eos_token_ids)
+        req = Request(request_id, ids, params, priority, cache_salt, self.eos_token_ids,
+                      reuse_key=None if reuse_key is None else f"{cache_salt}\0{reuse_key}")
         gen = None if params.greedy else make_generator(params.seed if params.seed is not None else next(self._seeds))
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens, params.stop)
         self._live[request_id] = _Live(detok, gen)
@@ -179,6 +187,9 @@ class Engine:
                 self.proposer.reset(req)
         for src, dst, n in self.block_manager.take_copies():      # partly cached blocks, before any write
             self.runner.copy_slots(src, dst, n)
+        for src, dst, delta in self.block_manager.take_shifts():  # runs taken at other positions
+            self.runner.copy_shifted(src, dst, delta)
+        self.block_manager.release_held()
         if sched.empty:
             return outputs
         try:

@@ -41,9 +41,10 @@ class LLM:
 
     def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 priority: Priority | str = Priority.NORMAL) -> list[Completion]:
+                 priority: Priority | str = Priority.NORMAL, reuse_key: str | None = None) -> list[Completion]:
         """Run all prompts through continuous batching; results in prompt order. Any number of prompts:
-        they enter the engine's queue as it has room (its bound is the daemon's admission control)."""
+        they enter the engine's queue as it has room (its bound is the daemon's admission control).
+        ``reuse_key`` allows shifted reuse among requests under that key (approximate; Engine.add_request)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = params or SamplingParams()
@@ -59,7 +60,7 @@ class LLM:
                 while len(order) < len(prompts) and self.engine.scheduler.num_waiting < self.engine.config.max_waiting:
                     prompt, p = next(unsent)
                     rid = f"llm-{next(self._ids)}"
-                    self.engine.add_request(rid, prompt, p, priority)
+                    self.engine.add_request(rid, prompt, p, priority, reuse_key=reuse_key)
                     done[rid] = Completion(rid)
                     order.append(rid)
                 for out in self.engine.step():

@@ -36,6 +36,21 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: str, kv_dtype: 
     return 2 * cfg.num_layers * block_size * cfg.kv_size * pool_dtype(dtype, kv_dtype).itemsize
 
 
+def rotate_keys(k: torch.Tensor, delta: int, inv_freq: torch.Tensor, adjacent: bool) -> torch.Tensor:
+    """Keys [..., D] rotated by ``delta`` positions: each pair's angle grows by ``delta * inv_freq``.
+    Pairs are adjacent dimensions (2i, 2i + 1) in the prepared layout, else the two halves (i, i + D/2)."""
+    angle = delta * inv_freq.double().to(k.device)
+    cos, sin = angle.cos().float(), angle.sin().float()
+    x = k.float()
+    d = x.shape[-1]
+    if adjacent:
+        pairs = x.unflatten(-1, (d // 2, 2))
+        a, b = pairs[..., 0], pairs[..., 1]
+        return torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2)
+    a, b = x[..., :d // 2], x[..., d // 2:]
+    return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
+
+
 @dataclass
 class Feed:
     """One request's part of a forward: feed ``token_ids`` at positions start.., sample the last
@@ -93,6 +108,23 @@ class ModelRunner:
             scales = (torch.zeros(scale_shape, device=cls.device), torch.zeros(scale_shape, device=cls.device))
         self.attn = cls.attention(self.k_pool, self.v_pool, block_size, scales, reference=reference_attention)
         self.execution = cls(model, self.attn, backend) if backend is not None else cls(model, self.attn)
+        # keys can be moved to other positions where llmd's own model code wrote them in a float pool
+        self.can_shift = backend is None and kv_dtype != "int8"
+
+    @torch.inference_mode()
+    def copy_shifted(self, src: list[int], dst: list[int], delta: int) -> None:
+        """Copy the keys and values of pool slots ``src`` to slots ``dst``, each key rotated from its
+        position ``p`` to ``p + delta`` (rotary angles add), in the layout the model writes them in."""
+        if not self.can_shift:
+            raise RuntimeError("this runner cannot move keys to other positions")
+        s = torch.tensor(src, device=self.k_pool.device)
+        d = torch.tensor(dst, device=self.k_pool.device)
+        v = self.v_pool[:, s]
+        k = self.k_pool[:, s]
+        if delta:
+            k = rotate_keys(k, delta, self.model.rotary.inv_freq, self.model.rotary_pairs_adjacent)
+        self.k_pool[:, d] = k.to(self.k_pool.dtype)
+        self.v_pool[:, d] = v
 
     @torch.inference_mode()
     def copy_slots(self, src: int, dst: int, n: int) -> None:

@@ -126,7 +126,8 @@ class RequestMetrics:
     first_scheduled_s: Optional[float] = None
     first_token_s: Optional[float] = None
     finished_s: Optional[float] = None
-    cached_tokens: int = 0           # prompt tokens served from the prefix cache
+    cached_tokens: int = 0           # prompt tokens served from the prefix cache (shifted ones included)
+    shifted_tokens: int = 0          # of which taken from another position (approximate)
     preemptions: int = 0
     spec_proposed: int = 0
     spec_accepted: int = 0
@@ -140,6 +141,7 @@ class RequestMetrics:
             "prompt_tokens": num_prompt,
             "output_tokens": num_output,
             "cached_tokens": self.cached_tokens,
+            "shifted_tokens": self.shifted_tokens,
             "queued_s": (self.first_scheduled_s - self.arrival_s) if self.first_scheduled_s else None,
             "ttft_s": ttft,
             "decode_s": decode,
@@ -158,7 +160,7 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  priority: Priority = Priority.NORMAL, cache_salt: Optional[str] = None,
-                 eos_token_ids: tuple[int, ...] = ()):
+                 eos_token_ids: tuple[int, ...] = (), reuse_key: Optional[str] = None):
         self.request_id = request_id
         self.params = params
         self.priority = priority
@@ -178,6 +180,12 @@ class Request:
         self.arrival_seq = 0                  # FIFO order within a priority class, set by the scheduler
         self.output_logprobs: list = []
         self.spec_k: int = 0                  # current speculative depth, written by the proposer policy
+        # shifted reuse (BlockManager): the key its tables are remembered and looked up under, the
+        # first position whose keys and values are approximate, and how many changed tokens they missed
+        self.reuse_key = reuse_key
+        self.stale_from: Optional[int] = None
+        self.stale = 0
+        self.hole: Optional[tuple[int, int]] = None   # positions whose keys and values are being copied in
 
     @property
     def num_tokens(self) -> int:

@@ -140,6 +140,8 @@ class Scheduler:
     def _wanted(self, req: Request, budget: int) -> tuple[int, int]:
         """Tokens to feed this step and how many of them are speculative: a decoding request asks
         for ``spec_k`` proposal slots (filled by the proposer after scheduling), cut by the budget."""
+        if req.hole is not None:                 # compute up to the copied run, then past it
+            return min(req.hole[0] - req.num_computed_tokens, budget), 0
         base = req.num_tokens - req.num_computed_tokens
         want = req.spec_k if base == 1 else 0
         n = min(base + want, budget)
@@ -164,8 +166,12 @@ class Scheduler:
                     out.finished_out_of_memory.append(req)
                     continue
                 hit = self.bm.lookup_prefix(req)
-                n = min(req.num_tokens - hit.num_tokens, budget)
-                if not self.bm.can_allocate(hit, hit.num_tokens + n):
+                shift = hit.shift
+                start = shift.end if shift is not None and shift.start <= hit.num_tokens else hit.num_tokens
+                stop = shift.start if shift is not None and start < shift.start else req.num_tokens
+                n = min(stop - start, budget)
+                slots = max(start + n, shift.end if shift is not None else 0)
+                if not self.bm.can_allocate(hit, slots):
                     victim = self._lowest_running_below(priority, out)
                     if victim is None:
                         return budget
@@ -173,11 +179,15 @@ class Scheduler:
                     continue
                 queue.popleft()
                 first = req.metrics.first_scheduled_s is None
-                self.bm.allocate(req, hit, hit.num_tokens + n, count_hit=first)
+                self.bm.allocate(req, hit, slots, count_hit=first)
+                shifted = shift.length if shift is not None else 0
                 if first:
                     req.metrics.first_scheduled_s = time.monotonic()
-                    req.metrics.cached_tokens = hit.num_tokens
-                req.num_computed_tokens = req.num_cached_tokens = hit.num_tokens
+                    req.metrics.cached_tokens = hit.num_tokens + shifted
+                    req.metrics.shifted_tokens = shifted
+                req.num_computed_tokens = start
+                req.num_cached_tokens = hit.num_tokens + shifted
+                req.hole = (shift.start, shift.end) if shift is not None and start < shift.start else None
                 req.status = Status.RUNNING
                 self.running.append(req)
                 out.scheduled.append(ScheduledRequest(req, n, 0))
@@ -194,6 +204,7 @@ class Scheduler:
         self.running.remove(req)
         self.bm.free_request(req)
         req.num_computed_tokens = 0
+        req.hole = None
         req.spec_token_ids = []
         req.status = Status.WAITING
         req.metrics.preemptions += 1
@@ -207,4 +218,6 @@ class Scheduler:
         full blocks of verified tokens for the prefix cache."""
         req = sched.request
         req.num_computed_tokens += sched.num_new_tokens - num_rejected
+        if req.hole is not None and req.num_computed_tokens == req.hole[0]:
+            req.num_computed_tokens, req.hole = req.hole[1], None     # the copied run counts as computed
         self.bm.cache_full_blocks(req, min(req.num_computed_tokens, req.num_tokens))

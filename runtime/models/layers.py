@@ -260,6 +260,7 @@ class Rotary(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling):
         super().__init__()
         inv = rope_inv_freq(head_dim, theta, scaling)
+        self.inv_freq = inv          # float32 [D/2], a plain attribute: no dtype cast rounds it
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv)
         self.register_buffer("cos", freqs.cos(), persistent=False)   # [P, D/2]
         self.register_buffer("sin", freqs.sin(), persistent=False)

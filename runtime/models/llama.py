@@ -182,6 +182,11 @@ class LlamaForCausalLM(nn.Module):
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         return self.compute_logits(self._layers(x, self.rope(positions, x.dtype), causal_attention, TORCH_OPS))
 
+    @property
+    def rotary_pairs_adjacent(self) -> bool:
+        """Do the keys written to the KV pool pair adjacent dimensions (prepared weights)?"""
+        return self._interleaved
+
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
         """The rotary form of these positions for the weights' layout, in plain torch."""
         if self._interleaved:           # prepared weights rotate adjacent pairs
