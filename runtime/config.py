@@ -61,6 +61,11 @@ class EngineConfig:
                               choices=(1, 2, 4, 8, 16, 32, 64, 128))
     max_batch_tokens: int = setting(512, unit="tokens",
                                     help="token budget of one engine step, shared by decodes and prompt chunks")
+    batch_prompt_chunk: int = setting(
+        64, unit="tokens",
+        help="most prompt tokens a batch-priority request computes in one step (an editor's warm-up, batch jobs): "
+             "a request arriving meanwhile waits for the step in flight, so background prefill keeps steps short; "
+             "0: up to max_batch_tokens")
     max_num_seqs: int = setting(64, unit="requests", help="requests running at once, at most")
     max_model_len: Optional[int] = setting(None, unit="tokens",
                                            help="longest prompt plus output; unset: the model's context window")
@@ -113,6 +118,7 @@ class EngineConfig:
             check(choices is None or value in choices,
                   f"{f.name} must be one of {', '.join(map(str, choices or ()))}, got {value!r}")
         check(1 <= self.max_batch_tokens <= 1 << 16, f"max_batch_tokens must be in [1, 65536], got {self.max_batch_tokens}")
+        check(0 <= self.batch_prompt_chunk <= 1 << 16, f"batch_prompt_chunk must be in [0, 65536], got {self.batch_prompt_chunk}")
         check(1 <= self.max_num_seqs <= 4096, f"max_num_seqs must be in [1, 4096], got {self.max_num_seqs}")
         check(1 <= self.max_waiting <= 1 << 20, f"max_waiting must be in [1, 1048576], got {self.max_waiting}")
         check(self.num_speculative_tokens is None or 0 <= self.num_speculative_tokens <= 16,

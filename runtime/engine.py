@@ -71,7 +71,8 @@ class Engine:
                                  loaded.config.max_position_embeddings)
         self.tokenizer.limit_tokens = self.max_model_len     # a text that cannot fit is refused untokenized
         self.block_manager = BlockManager(loaded.num_blocks, config.block_size, config.prefix_cache)
-        self.scheduler = Scheduler(self.block_manager, config.max_batch_tokens, config.max_num_seqs)
+        self.scheduler = Scheduler(self.block_manager, config.max_batch_tokens, config.max_num_seqs,
+                                   config.batch_prompt_chunk)
         self.kv_dtype = loaded.kv_dtype
         if loaded.backend is not None and loaded.kv_dtype != "auto":
             raise EngineDirError(f"the {loaded.backend.name} backend keeps keys and values in the model's dtype; "

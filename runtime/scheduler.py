@@ -6,7 +6,10 @@ every decoding stream keeps one token of the budget (up to half of it) whatever 
 prompt, however important, never stalls a running stream; waiting requests then take what budget is
 left, a prompt possibly split into chunks across steps. A waiting request more important than some running one is
 admitted first, before the running requests take the budget, preempting less important running ones
-when it needs their blocks or their sequence slot. When the pool runs out, the least important running
+when it needs their blocks or their sequence slot. While a request computes part of its prompt, the
+prompts of less important ones wait (their decodes go on): an interactive prompt's step is not
+lengthened by a batch prefill's chunk, and a batch request's prompt chunks are cut to
+``batch_prompt_chunk`` tokens, so a request arriving during a background prefill's step waits little. When the pool runs out, the least important running
 request (lowest priority, latest arrival) is preempted: its blocks are freed and it is recomputed later
 from its tokens, which gives the same output.
 
@@ -57,9 +60,11 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_batch_tokens: int, max_num_seqs: int):
+    def __init__(self, block_manager: BlockManager, max_batch_tokens: int, max_num_seqs: int,
+                 batch_prompt_chunk: int = 0):
         self.bm = block_manager
         self.max_batch_tokens = max_batch_tokens
+        self.batch_prompt_chunk = batch_prompt_chunk     # most prompt tokens of a batch request per step (0: any)
         self.max_num_seqs = max_num_seqs
         self.waiting: dict[Priority, deque[Request]] = {p: deque() for p in Priority}
         self.running: list[Request] = []
@@ -114,6 +119,8 @@ class Scheduler:
                 reserve -= 1          # its own token comes out of the reserve
             if budget - reserve <= 0:
                 continue              # a prompt chunk waits: the rest of the budget is the decodes'
+            if not _decoding(req) and self._prompt_ahead(out, req.priority):
+                continue              # a more important prompt computes alone (decodes aside)
             n, spec = self._wanted(req, budget - reserve)
             while not self.bm.can_append(req, req.num_computed_tokens + n):
                 if spec:                  # proposal slots are optional: dropped before anyone is preempted
@@ -141,15 +148,30 @@ class Scheduler:
         """Tokens to feed this step and how many of them are speculative: a decoding request asks
         for ``spec_k`` proposal slots (filled by the proposer after scheduling), cut by the budget."""
         if req.hole is not None:                 # compute up to the copied run, then past it
-            return min(req.hole[0] - req.num_computed_tokens, budget), 0
+            return self._chunk(req, min(req.hole[0] - req.num_computed_tokens, budget)), 0
         base = req.num_tokens - req.num_computed_tokens
+        if base > 1:
+            return self._chunk(req, min(base, budget)), 0
         want = req.spec_k if base == 1 else 0
         n = min(base + want, budget)
         return n, max(0, n - base)
 
+    def _chunk(self, req: Request, n: int) -> int:
+        """A prompt chunk of ``n`` tokens, cut for a batch request: a step in flight is what a request
+        arriving meanwhile waits for, so background prefill keeps steps short."""
+        if req.priority is Priority.BATCH and self.batch_prompt_chunk and n > 1:
+            return min(n, self.batch_prompt_chunk)
+        return n
+
+    def _prompt_ahead(self, out: SchedulerOutput, priority: Priority) -> bool:
+        """Does a more important request compute part of its prompt in this step?"""
+        return any(s.request.priority < priority and not _decoding(s.request) for s in out.scheduled)
+
     def _admit(self, out: SchedulerOutput, budget: int, more_important_than: Priority | None = None) -> int:
         for priority in Priority:
             if more_important_than is not None and priority >= more_important_than:
+                return budget
+            if self._prompt_ahead(out, priority):
                 return budget
             queue = self.waiting[priority]
             while queue and budget > 0:
@@ -169,7 +191,7 @@ class Scheduler:
                 shift = hit.shift
                 start = shift.end if shift is not None and shift.start <= hit.num_tokens else hit.num_tokens
                 stop = shift.start if shift is not None and start < shift.start else req.num_tokens
-                n = min(stop - start, budget)
+                n = self._chunk(req, min(stop - start, budget))
                 slots = max(start + n, shift.end if shift is not None else 0)
                 if not self.bm.can_allocate(hit, slots):
                     victim = self._lowest_running_below(priority, out)

@@ -168,6 +168,42 @@ def test_an_interactive_request_arriving_later_preempts_running_batch_work_at_on
     assert [outs["b1"], outs["b2"]] == alone and len(outs["i"]) == 4
 
 
+def test_a_batch_prompt_waits_while_an_interactive_prompt_computes(tiny_model_dir):
+    """A batch prefill in progress does not share steps with an interactive prompt (it would lengthen
+    them); it goes on once the interactive request decodes, and its output is unchanged."""
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    alone = LLM(str(tiny_model_dir), kv_memory="8MiB", draft="none").generate([[5] * 90], params)[0].token_ids
+    e = LLM(str(tiny_model_dir), kv_memory="8MiB", max_batch_tokens=32, draft="none").engine
+    e.add_request("b", [5] * 90, params, priority="batch")
+    outs: dict[str, list[int]] = {}
+
+    def step():
+        for o in e.step():
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+    step()
+    assert e.scheduler.requests["b"].num_computed_tokens == 32
+    e.add_request("i", [7] * 70, SamplingParams(max_tokens=3, ignore_eos=True), priority="interactive")
+    while "i" not in outs:
+        step()
+        assert e.scheduler.requests["b"].num_computed_tokens == 32       # its prompt waited
+    while e.has_unfinished():
+        step()
+    assert outs["b"] == alone and len(outs["i"]) == 3
+
+
+def test_batch_prompts_are_computed_in_short_chunks(tiny_model_dir):
+    e = LLM(str(tiny_model_dir), kv_memory="8MiB", draft="none", batch_prompt_chunk=24).engine
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    e.add_request("b", [5] * 100, params, priority="batch")
+    e.add_request("n", [6] * 100, params, priority="normal")
+    e.step()                     # the normal prompt in one step; the batch one waits for it
+    assert e.scheduler.requests["n"].num_computed_tokens == 100
+    assert e.scheduler.requests["b"].num_computed_tokens == 0
+    e.step()
+    e.step()
+    assert e.scheduler.requests["b"].num_computed_tokens == 48
+
+
 def test_int8_kv_cache_stays_close(tiny_model_dir, ps, alone):
     got, st = run(tiny_model_dir, ps, kv_dtype="int8")
     assert st["kv_dtype"] == "int8"
