@@ -89,7 +89,8 @@ def warm_key(uri: str) -> str:
     return "lsp-warm:" + hashlib.sha256(uri.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
-MIN_PREFIX_TOKENS = 64
+MIN_PREFIX_TOKENS = 32
+MIN_SUFFIX_TOKENS = 8
 
 
 class PromptRate:
@@ -111,14 +112,16 @@ class PromptRate:
 
 def speed_budget(budget: FimBudget, tokens_per_s: Optional[float], target_ms: float) -> FimBudget:
     """``budget`` cut so its whole prompt is computed within ``target_ms`` at ``tokens_per_s``: the
-    other files' context goes first, then the prefix (never below ``MIN_PREFIX_TOKENS``); unknown
-    speed leaves it as it is."""
+    suffix keeps at most a quarter of the room (never below ``MIN_SUFFIX_TOKENS``), the other files'
+    context goes first, then the prefix (never below ``MIN_PREFIX_TOKENS``); unknown speed leaves it
+    as it is."""
     if tokens_per_s is None:
         return budget
-    room = int(tokens_per_s * target_ms / 1000) - budget.suffix_tokens
-    prefix = max(MIN_PREFIX_TOKENS, min(budget.prefix_tokens, room))
-    context = max(0, min(budget.context_tokens, room - prefix))
-    return FimBudget(prefix, budget.suffix_tokens, context, budget.chars_per_token)
+    room = int(tokens_per_s * target_ms / 1000)
+    suffix = min(budget.suffix_tokens, max(MIN_SUFFIX_TOKENS, room // 4))
+    prefix = max(MIN_PREFIX_TOKENS, min(budget.prefix_tokens, room - suffix))
+    context = max(0, min(budget.context_tokens, room - suffix - prefix))
+    return FimBudget(prefix, suffix, context, budget.chars_per_token)
 
 
 def percentile(values: Sequence[float], q: float) -> Optional[float]:

@@ -318,7 +318,8 @@ def test_speed_budget_cuts_context_first_then_prefix():
     assert speed_budget(full, None, 150) == full
     assert speed_budget(full, 4000, 150) == FimBudget(536, 64, 0)          # 600 tokens of room
     assert speed_budget(full, 20000, 150) == FimBudget(1024, 64, 512)      # room for all of it
-    assert speed_budget(full, 10, 150).prefix_tokens == 64                  # never below the floor
+    assert speed_budget(full, 1000, 150) == FimBudget(113, 37, 0)         # the suffix keeps a quarter
+    assert speed_budget(full, 10, 150) == FimBudget(32, 8, 0)              # never below the floors
 
 
 def test_prompt_rate_comes_from_the_daemons_timings():
