@@ -23,7 +23,13 @@ would show it (``trim_suggestion``), then scored:
 Variants (``--variants``, the first is the reference the others are compared with):
 ``psm`` (prefix, suffix, middle: the whole prompt as the model was trained), ``spm`` (suffix first:
 what a keystroke changes comes last, so the rest stays cached), and ``psm-s64`` / ``spm-s64`` (the
-suffix cut to 64 tokens). Results go to ``--out`` (JSON lines, one per case and variant) as they come,
+suffix cut to 64 tokens). ``psm-shift`` (llmd only) is what shifted reuse costs: the case's
+document as it was before its last keystroke (the character before the cursor) is computed first,
+then the case's prompt takes the keys and values after the edit at their new positions;
+``psm-shift-line``: the same from before the line above the cursor and the cursor line's indentation
+were typed (within the engine's staleness bound, ``--shift-max-stale``; past it the engine computes
+the text again, as the daemon would). Variants of one case share its
+exact prefix cache (never approximate blocks); the shifted variant runs first. Results go to ``--out`` (JSON lines, one per case and variant) as they come,
 and a rerun with the same ``--out`` skips what is there, so a long run can be stopped and resumed.
 """
 from __future__ import annotations
@@ -44,6 +50,7 @@ from llmd.bench.bench_editor import default_file
 from llmd.bench.llama_server import LlamaServer, binary
 from llmd.clients.lsp_prompt import FimBudget, build_fim
 from llmd.clients.lsp_trim import trim_suggestion
+from llmd.runtime.config import EngineConfig
 from llmd.runtime.formats.gguf_import import resolve_model_path
 from llmd.runtime.tokenizer import Tokenizer
 from llmd.training.corpus import list_sources, read_source, split
@@ -52,7 +59,8 @@ SKIP_PARTS = {"test", "tests", "idle_test", "encodings", "pydoc_data", "data"}
 SIMPLE = (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Return, ast.Expr, ast.Raise, ast.Assert, ast.Delete,
           ast.Import, ast.ImportFrom, ast.Pass, ast.Break, ast.Continue, ast.Global, ast.Nonlocal)
 STOP = ("\n\n",)     # a removed statement holds no blank line: what follows one is never shown as it
-VARIANTS = {"psm": ("psm", None), "spm": ("spm", None), "psm-s64": ("psm", 64), "spm-s64": ("spm", 64)}
+VARIANTS = {"psm": ("psm", None), "spm": ("spm", None), "psm-s64": ("psm", 64), "spm-s64": ("spm", 64),
+            "psm-shift": ("psm", None), "psm-shift-line": ("psm", None)}
 
 
 @dataclass(frozen=True)
@@ -65,6 +73,11 @@ class Case:
     @property
     def middle(self) -> str:
         return self.text[self.start:self.end]
+
+    @property
+    def document(self) -> str:
+        """The file as the editor holds it: the statement removed, the cursor at ``start``."""
+        return self.text[:self.start] + self.text[self.end:]
 
 
 def stable_hash(s: str) -> int:
@@ -142,28 +155,54 @@ def score(case: Case, raw: str) -> dict:
     return {"exact": exact, "parses": parses, "shown": shown}
 
 
+def typed_before(case: Case, variant: str) -> tuple[str, int]:
+    """The case's document before its last keystroke (``psm-shift``: the character before the cursor)
+    or before the line above the cursor and the cursor line's indentation were typed
+    (``psm-shift-line``), and the cursor there."""
+    doc = case.document
+    if variant == "psm-shift":
+        back = case.start - 1
+    else:
+        line = doc.rfind("\n", 0, case.start)                  # end of the line above the cursor
+        back = doc.rfind("\n", 0, max(0, line)) + 1            # its start
+    back = max(0, back)
+    return doc[:back] + doc[case.start:], back
+
+
 def prompts(tokenizer, cases: list[Case], variant: str, budget: FimBudget) -> list[list[int]]:
     layout, suffix_tokens = VARIANTS[variant]
     if suffix_tokens is not None:
         budget = FimBudget(budget.prefix_tokens, suffix_tokens, 0, budget.chars_per_token)
     out = []
     for c in cases:
-        p = build_fim(c.text, c.start, (), budget)
+        p = build_fim(c.document, c.start, (), budget)
         out.append(tokenizer.build_infill(p.prefix, p.suffix, (), layout))
     return out
 
 
 class LlmdCompleter:
-    """llmd's engine in this process; the prefix cache is emptied before each prompt."""
+    """llmd's engine in this process; the prefix cache is emptied before each case."""
 
     def __init__(self, args):
-        self.llm = LLM(args.model, threads=args.threads, kv_memory=args.kv_memory)
+        self.llm = LLM(args.model, threads=args.threads, kv_memory=args.kv_memory,
+                       shift_max_stale=args.shift_max_stale)
         self.tokenizer = self.llm.tokenizer
         self.params = SamplingParams(max_tokens=args.max_tokens, stop=STOP)
+        self.last: dict = {}
 
-    def __call__(self, prompt: list[int]) -> str:
+    def new_case(self) -> None:
         self.llm.engine.block_manager.reset_prefix_cache()
-        return self.llm.generate([prompt], self.params)[0].text
+
+    def __call__(self, prompt: list[int], before: list[int] | None = None) -> str:
+        """``before``: a prompt computed first under the same reuse key (shifted reuse)."""
+        key = None
+        if before is not None:
+            key = f"case{id(prompt)}"
+            self.llm.generate([before], SamplingParams(max_tokens=1, prompt_only=True), reuse_key=key)
+        out = self.llm.generate([prompt], self.params, reuse_key=key)[0]
+        self.last = {"shifted_tokens": out.metrics.get("shifted_tokens", 0),
+                     "computed_tokens": out.metrics["prompt_tokens"] - out.metrics["cached_tokens"]}
+        return out.text
 
     def close(self) -> None:
         pass
@@ -179,7 +218,14 @@ class LlamaCompleter:
         self.url = self.server.start(binary(), args.gguf, args.threads, ["-c", "8192", "-np", "1"])
         self.max_tokens = args.max_tokens
 
-    def __call__(self, prompt: list[int]) -> str:
+    last: dict = {}
+
+    def new_case(self) -> None:
+        pass
+
+    def __call__(self, prompt: list[int], before: list[int] | None = None) -> str:
+        if before is not None:
+            raise ValueError("shifted reuse is llmd's: run psm-shift without --gguf")
         body = {"prompt": prompt, "n_predict": self.max_tokens, "temperature": 0, "top_k": 1, "samplers": ["top_k"],
                 "cache_prompt": False, "stop": list(STOP)}
         req = urllib.request.Request(self.url + "/completion", json.dumps(body).encode(),
@@ -201,12 +247,21 @@ def run(args) -> dict:
           file=sys.stderr)
     try:
         for i, case in enumerate(cases):          # case by case, every variant: a stopped run stays paired
-            for variant in [v for v in args.variants if (case.id, v) not in done]:
+            complete.new_case()
+            # shifted variants first: the exact ones after them may take the prefix their first prompt
+            # computed exactly, while a shifted one after an exact one would find its whole prompt cached
+            todo = sorted((v for v in args.variants if (case.id, v) not in done), key=lambda v: not v.startswith("psm-shift"))
+            for variant in todo:
                 prompt = prompts(complete.tokenizer, [case], variant, budget)[0]
+                before = None
+                if variant.startswith("psm-shift"):
+                    text, cursor = typed_before(case, variant)
+                    p = build_fim(text, cursor, (), budget)
+                    before = complete.tokenizer.build_infill(p.prefix, p.suffix, (), "psm")
                 t = time.perf_counter()
-                raw = complete(prompt)
+                raw = complete(prompt, before)
                 row = {"id": case.id, "variant": variant, "prompt_tokens": len(prompt), "raw": raw,
-                       "ms": round(1000 * (time.perf_counter() - t), 1), **score(case, raw)}
+                       "ms": round(1000 * (time.perf_counter() - t), 1), **complete.last, **score(case, raw)}
                 with out.open("a") as f:
                     f.write(json.dumps(row) + "\n")
                 print(f"[{variant}] {i + 1}/{len(cases)} {case.id} exact={row['exact']} parses={row['parses']} "
@@ -225,7 +280,10 @@ def summarize(out: Path, cases: list[Case], variants: list[str]) -> dict:
         mine = {r["id"]: r for r in rows if r["variant"] == v}
         n = len(mine)
         table[v] = {"n": n, "exact_pct": 100 * sum(r["exact"] for r in mine.values()) / n if n else None,
-                    "parses_pct": 100 * sum(r["parses"] for r in mine.values()) / n if n else None}
+                    "parses_pct": 100 * sum(r["parses"] for r in mine.values()) / n if n else None,
+                    "shifted": sum(1 for r in mine.values() if r.get("shifted_tokens")),
+                    "same_text": sum(1 for i, r in mine.items() if rows and r["raw"] == next(
+                        x["raw"] for x in rows if x["id"] == i and x["variant"] == variants[0]))}
     return table
 
 
@@ -247,6 +305,8 @@ def main() -> int:
     p.add_argument("--chars-per-token", type=float, default=3.0, help="budget characters per token (default 3)")
     p.add_argument("--max-tokens", type=int, default=48, help="most tokens per completion (default 48)")
     p.add_argument("--threads", type=int, default=2, help="engine threads (default 2)")
+    p.add_argument("--shift-max-stale", type=int, default=EngineConfig.shift_max_stale,
+                   help=f"llmd's staleness bound for the psm-shift variants (default {EngineConfig.shift_max_stale})")
     p.add_argument("--kv-memory", default="256MiB", help="KV cache size (default 256MiB)")
     p.add_argument("--out", required=True, help="results, JSON lines; kept rows are not run again")
     p.add_argument("--list", action="store_true", help="print the chosen cases and exit")
@@ -267,7 +327,8 @@ def main() -> int:
         gap = "" if v == args.variants[0] or not row["n"] else (
             f"  (exact {row['exact_pct'] - ref['exact_pct']:+.1f} points, parses "
             f"{row['parses_pct'] - ref['parses_pct']:+.1f} points against {args.variants[0]})")
-        print(f"{v}: n {row['n']}, exact match {row['exact_pct']:.1f} %, parses {row['parses_pct']:.1f} %{gap}")
+        print(f"{v}: n {row['n']}, exact match {row['exact_pct']:.1f} %, parses {row['parses_pct']:.1f} %{gap}; "
+              f"shifted {row['shifted']}, same completion as {args.variants[0]} {row['same_text']}")
     return 0
 
 
