@@ -23,7 +23,8 @@ would show it (``trim_suggestion``), then scored:
 Variants (``--variants``, the first is the reference the others are compared with):
 ``psm`` (prefix, suffix, middle: the whole prompt as the model was trained), ``spm`` (suffix first:
 what a keystroke changes comes last, so the rest stays cached), and ``psm-s64`` / ``spm-s64`` (the
-suffix cut to 64 tokens). ``psm-shift`` (llmd only) is what shifted reuse costs: the case's
+suffix cut to 64 tokens), ``psm-line`` (the language server's default: the prefix ends at the start
+of the cursor's line and the line up to the cursor, here its indentation, starts the middle). ``psm-shift`` (llmd only) is what shifted reuse costs: the case's
 document as it was before its last keystroke (the character before the cursor) is computed first,
 then the case's prompt takes the keys and values after the edit at their new positions;
 ``psm-shift-line``: the same from before the line above the cursor and the cursor line's indentation
@@ -59,8 +60,9 @@ SKIP_PARTS = {"test", "tests", "idle_test", "encodings", "pydoc_data", "data"}
 SIMPLE = (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Return, ast.Expr, ast.Raise, ast.Assert, ast.Delete,
           ast.Import, ast.ImportFrom, ast.Pass, ast.Break, ast.Continue, ast.Global, ast.Nonlocal)
 STOP = ("\n\n",)     # a removed statement holds no blank line: what follows one is never shown as it
-VARIANTS = {"psm": ("psm", None), "spm": ("spm", None), "psm-s64": ("psm", 64), "spm-s64": ("spm", 64),
-            "psm-shift": ("psm", None), "psm-shift-line": ("psm", None)}
+VARIANTS = {"psm": ("psm", None, "cursor"), "spm": ("spm", None, "cursor"), "psm-s64": ("psm", 64, "cursor"),
+            "spm-s64": ("spm", 64, "cursor"), "psm-line": ("psm", None, "line"),
+            "psm-shift": ("psm", None, "cursor"), "psm-shift-line": ("psm", None, "cursor")}
 
 
 @dataclass(frozen=True)
@@ -170,13 +172,13 @@ def typed_before(case: Case, variant: str) -> tuple[str, int]:
 
 
 def prompts(tokenizer, cases: list[Case], variant: str, budget: FimBudget) -> list[list[int]]:
-    layout, suffix_tokens = VARIANTS[variant]
+    layout, suffix_tokens, split = VARIANTS[variant]
     if suffix_tokens is not None:
         budget = FimBudget(budget.prefix_tokens, suffix_tokens, 0, budget.chars_per_token)
     out = []
     for c in cases:
-        p = build_fim(c.document, c.start, (), budget)
-        out.append(tokenizer.build_infill(p.prefix, p.suffix, (), layout))
+        p = build_fim(c.document, c.start, (), budget, split)
+        out.append(tokenizer.build_infill(p.prefix, p.suffix, (), layout, p.middle))
     return out
 
 

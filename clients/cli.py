@@ -86,9 +86,12 @@ def add_lsp_parser(subparsers) -> None:
     a("--cache-size", type=int, default=64, help="recent suggestions kept for reuse (default 64)")
     a("--no-prefill", action="store_true", help="do not send a document's prompt ahead on open and on each edit "
       "(prompt-only requests that put it in the daemon's cache before the completion is asked for)")
-    a("--no-shift-reuse", action="store_true", help="compute the text after an edit again instead of letting the "
-      "daemon move its keys and values to their new positions (shifted reuse is approximate: they were computed "
-      "before the edit; the daemon bounds how much text they may have missed with --shift-max-stale)")
+    a("--shift-reuse", action="store_true", help="let the daemon move the keys and values of the text after an "
+      "edit to their new positions instead of computing them again (approximate: they were computed before the "
+      "edit, and fill-in-the-middle models read the gap from them; costly in completions, see docs/performance.md)")
+    a("--fim-split", default="line", choices=("line", "cursor"), help="where the prompt's prefix ends: at the "
+      "start of the cursor's line, the line up to the cursor going after the middle token (default: a keystroke "
+      "computes only the line's new tokens), or at the cursor")
     a("--target-ms", type=float, default=150.0, help="until a document's window is cached, cut its prompt to what "
       "the daemon computes in this many milliseconds, at its measured prompt rate (default 150)")
     a("--timeout", type=float, default=10.0, help="seconds to wait for the server's next event before a "

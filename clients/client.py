@@ -354,14 +354,15 @@ class Client(_Base):
     def infill(self, prefix: str, suffix: str = "", *, files: Optional[list[tuple[str, str]]] = None,
                replace: Optional[str] = None, max_tokens: int = 64, priority: Optional[str] = None,
                deadline: Optional[float] = None, request_id: Optional[str] = None, layout: Optional[str] = None,
-               shift_reuse: Optional[bool] = None, **sampling) -> Stream:
+               shift_reuse: Optional[bool] = None, middle: Optional[str] = None, **sampling) -> Stream:
         """Fill in the middle. A new infill with the same ``replace`` key cancels the previous one.
+        ``middle``: the start of the middle, already written (the model continues it).
         ``layout``: the prompt's order, "psm" (the default) or "spm" (suffix first, prefix last).
         ``shift_reuse``: let the daemon move keys and values computed for this ``replace`` key's earlier
         infills to their new positions after an edit (approximate; fewer tokens computed)."""
         return self._start(self._work("infill", request_id or self._next_id(), max_tokens, priority, deadline,
                                       False, sampling, prefix=prefix, suffix=suffix, replace=replace, layout=layout,
-                                      shift_reuse=shift_reuse,
+                                      shift_reuse=shift_reuse, middle=middle or None,
                                       files=[{"path": p, "text": t} for p, t in files] if files else None))
 
     def chat(self, messages: list[dict], *, max_tokens: int = 256, priority: Optional[str] = None,
@@ -557,10 +558,10 @@ class AsyncClient(_Base):
                      replace: Optional[str] = None, max_tokens: int = 64, priority: Optional[str] = None,
                      deadline: Optional[float] = None, request_id: Optional[str] = None,
                      layout: Optional[str] = None, shift_reuse: Optional[bool] = None,
-                     **sampling) -> AsyncStream:
+                     middle: Optional[str] = None, **sampling) -> AsyncStream:
         return await self._start(self._work("infill", request_id or self._next_id(), max_tokens, priority,
                                             deadline, False, sampling, prefix=prefix, suffix=suffix, replace=replace,
-                                            layout=layout, shift_reuse=shift_reuse,
+                                            layout=layout, shift_reuse=shift_reuse, middle=middle or None,
                                             files=[{"path": p, "text": t} for p, t in files] if files else None))
 
     async def chat(self, messages: list[dict], *, max_tokens: int = 256, priority: Optional[str] = None,

@@ -294,32 +294,35 @@ class HttpBackend:
     async def infill(self, prefix: str, suffix: str = "", *, files: Optional[list[tuple[str, str]]] = None,
                      replace: Optional[str] = None, max_tokens: int = 64, priority: Optional[str] = None,
                      deadline: Optional[float] = None, request_id: Optional[str] = None,
-                     layout: Optional[str] = None, shift_reuse: Optional[bool] = None, **sampling) -> HttpStream:
+                     layout: Optional[str] = None, shift_reuse: Optional[bool] = None,
+                     middle: Optional[str] = None, **sampling) -> HttpStream:
         """``layout`` is not sent: on llama.cpp's ``/infill`` the server's ``--spm-infill`` decides the
         order, and over ``/v1/completions`` the FIM template does. ``shift_reuse`` is llmd's own: an
-        HTTP server reuses its cache as it is configured to."""
+        HTTP server reuses its cache as it is configured to. ``middle`` goes after the middle token
+        (``/infill``'s ``prompt``; appended to the template's prompt)."""
         await self.models()
         if replace is not None and replace in self._replacing:
             await self._replacing.pop(replace).aclose()
         rid = request_id or self._next_id()
         stream = None
         if self.fim in ("auto", "infill"):
-            stream = await self._infill_native(prefix, suffix, files, max_tokens, rid, sampling)
+            stream = await self._infill_native(prefix, suffix, files, max_tokens, rid, sampling, middle or "")
             if stream is None and self.fim == "infill":
                 raise ClientError(f"{self.url} has no /infill endpoint")
         if stream is None:
             template = fim_template(self.model or "", self._fim_template)
             extra = "".join(FILE_TEMPLATE.format(path=p, text=t if t.endswith("\n") or not t else t + "\n")
                             for p, t in files or ())
-            prompt = template.format(prefix=prefix, suffix=suffix, files=extra)
+            prompt = template.format(prefix=prefix, suffix=suffix, files=extra) + (middle or "")
             stream = await self._start("/v1/completions", {"model": self.model, "prompt": prompt,
                                                            **self._sampling(max_tokens, sampling)}, rid, "openai")
         if replace is not None:
             self._replacing[replace] = stream
         return stream
 
-    async def _infill_native(self, prefix, suffix, files, max_tokens, rid, sampling) -> Optional[HttpStream]:
-        body = {"input_prefix": prefix, "input_suffix": suffix, "n_predict": max_tokens, "cache_prompt": True,
+    async def _infill_native(self, prefix, suffix, files, max_tokens, rid, sampling, middle="") -> Optional[HttpStream]:
+        body = {"input_prefix": prefix, "input_suffix": suffix, "prompt": middle, "n_predict": max_tokens,
+                "cache_prompt": True,
                 "input_extra": [{"filename": p, "text": t} for p, t in files or ()]}
         s = self._sampling(max_tokens, sampling)
         s.pop("max_tokens")

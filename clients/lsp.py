@@ -108,7 +108,8 @@ def config_from_args(args) -> LspConfig:
     return LspConfig(socket=backend, budget=budget, max_tokens=args.max_tokens, max_lines=args.max_lines,
                      debounce_ms=args.debounce_ms, cache_size=args.cache_size,
                      prefill=not args.no_prefill and not is_http(backend), target_ms=args.target_ms,
-                     layout=args.fim_layout, timeout_s=args.timeout, shift_reuse=not args.no_shift_reuse)
+                     layout=args.fim_layout, timeout_s=args.timeout, shift_reuse=args.shift_reuse,
+                     split=args.fim_split)
 
 
 def run_lsp(args) -> int:

@@ -42,6 +42,11 @@ class FimPrompt:
     prefix: str
     suffix: str
     files: tuple[tuple[str, str], ...]     # (path, text) of other open files
+    middle: str = ""                       # the start of the middle, already typed (after <fim_middle>)
+
+
+SPLITS = ("line", "cursor")
+MAX_MIDDLE_CHARS = 240     # a longer line before the cursor is split at the cursor
 
 
 def tail_at_line(text: str, limit: int) -> str:
@@ -91,14 +96,25 @@ def display_path(uri: str) -> str:
     return unquote(parsed.path) if parsed.scheme == "file" else uri
 
 
-def build_fim(text: str, offset: int, others: Sequence[tuple[str, str]], budget: FimBudget) -> FimPrompt:
+def build_fim(text: str, offset: int, others: Sequence[tuple[str, str]], budget: FimBudget,
+              split: str = "cursor") -> FimPrompt:
     """The prompt for a cursor at ``offset`` (a character index) in ``text``.
 
-    ``others`` are (path, text) of other open documents, most relevant first.
+    ``others`` are (path, text) of other open documents, most relevant first. ``split="line"``
+    ends the prefix at the start of the cursor's line and carries the line up to the cursor as the
+    start of the middle: while the user types on a line, the prompt stays the same up to the middle
+    token, so each keystroke computes only the line's new tokens, exactly.
     """
     if not 0 <= offset <= len(text):
         raise ValueError(f"cursor offset {offset} is outside the document (0..{len(text)})")
-    prefix = stable_tail(text[:offset], budget.chars(budget.prefix_tokens))
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
+    middle = ""
+    if split == "line":
+        start = text.rfind("\n", 0, offset) + 1
+        if offset - start <= MAX_MIDDLE_CHARS:
+            middle = text[start:offset]
+    prefix = stable_tail(text[:offset - len(middle)], budget.chars(budget.prefix_tokens))
     suffix = head_at_line(text[offset:], budget.chars(budget.suffix_tokens))
     files = []
     left = budget.chars(budget.context_tokens)
@@ -109,7 +125,7 @@ def build_fim(text: str, offset: int, others: Sequence[tuple[str, str]], budget:
         if piece.strip():
             files.append((path, piece))
             left -= len(piece) + len(path) + 2
-    return FimPrompt(prefix, suffix, tuple(files))
+    return FimPrompt(prefix, suffix, tuple(files), middle)
 
 
 def fit_budget(budget: FimBudget, context_length: Optional[int], reserve: int,

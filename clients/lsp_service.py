@@ -17,10 +17,17 @@ with the whole window did), its prompt is cut to what the daemon computes within
 the prompt rate measured from the daemon's own answers (``PromptRate``); the window then grows to
 the configured one.
 
-Shifted reuse (``shift_reuse``): every infill asks the daemon to take the keys and values its earlier
-infills of the document computed (the suffix, after a keystroke in the prefix) at their new positions
-instead of computing them again. Approximate: those keys and values were computed before the edit;
-the daemon bounds how many changed tokens they may have missed (``shift_max_stale``).
+Line split (``split="line"``, the default): the prompt's prefix ends at the start of the cursor's
+line and the line up to the cursor goes after the middle token, as the start of the middle that the
+model continues. While the user types on a line the prompt up to the middle token does not change,
+so a keystroke computes only the line's new tokens, exactly; a new line computes the suffix again.
+
+Shifted reuse (``shift_reuse``, off unless asked): every infill asks the daemon to take the keys and
+values its earlier infills of the document computed (the suffix, after a keystroke in the prefix) at
+their new positions instead of computing them again. Approximate: those keys and values were computed
+before the edit (the daemon bounds how many changed tokens they may have missed, ``shift_max_stale``),
+and fill-in-the-middle models read the gap from them: on the real coder it costs most completions
+(docs/performance.md).
 
 Suffix first (``layout="spm"``): the prompt starts with the text after the cursor, so what is cached
 serves one cursor spot (one suffix) rather than the whole document. A document is warm at a spot:
@@ -45,7 +52,7 @@ from .backend import async_client, features
 from .client import AsyncClient, ClientError
 from llmd.protocol import Done, Error, Token
 from .lsp_cache import CompletionCache
-from .lsp_prompt import FimBudget, build_fim, fit_budget, head_at_line
+from .lsp_prompt import SPLITS, FimBudget, build_fim, fit_budget, head_at_line
 from .lsp_trim import trim_suggestion
 
 log = logging.getLogger("llmd.lsp")
@@ -64,7 +71,8 @@ class LspConfig:
     prefill: bool = True            # prompt-only requests on open and on each edit
     target_ms: float = 150.0        # a cold document's first completion should fit in this
     layout: str = "psm"             # the infill prompt's order: "psm" or "spm" (suffix first)
-    shift_reuse: bool = True        # the daemon may move a document's keys and values after an edit
+    shift_reuse: bool = False       # the daemon may move a document's keys and values after an edit
+    split: str = "line"             # the prefix ends at the cursor's line start ("line") or the cursor
 
     def __post_init__(self):
         if self.max_tokens < 1 or self.max_lines < 1:
@@ -77,6 +85,8 @@ class LspConfig:
             raise ValueError(f"--cache-size must be >= 0, got {self.cache_size}")
         if self.layout not in ("psm", "spm"):
             raise ValueError(f"--fim-layout must be psm or spm, got {self.layout!r}")
+        if self.split not in SPLITS:
+            raise ValueError(f"--fim-split must be line or cursor, got {self.split!r}")
 
 
 def replace_key(uri: str) -> str:
@@ -216,7 +226,7 @@ class CompletionService:
             budget, whole = await self.budget(uri, spot)
             if not whole and self.config.layout == "spm" and self.config.prefill:
                 self._spawn(self._warm_spot(uri, text, offset, others, spot))
-            prompt = build_fim(text, offset, others, budget)
+            prompt = build_fim(text, offset, others, budget, self.config.split)
             raw, final = await self._infill(uri, prompt)
             self._observe(prompt, final)
             if whole and isinstance(final, Done) and final.finish_reason != "cancelled":
@@ -258,7 +268,7 @@ class CompletionService:
 
     def _observe(self, prompt, final) -> None:
         if isinstance(final, Done) and final.usage.get("prompt_tokens"):
-            chars = len(prompt.prefix) + len(prompt.suffix) + sum(len(p) + len(t) for p, t in prompt.files)
+            chars = len(prompt.prefix) + len(prompt.suffix) + len(prompt.middle) + sum(len(p) + len(t) for p, t in prompt.files)
             self._measure(chars / final.usage["prompt_tokens"])
             self.rate.observe(final.usage, final.timings)
 
@@ -285,7 +295,7 @@ class CompletionService:
         # the cursor is unknown: its prompt runs from the start of the file, which any cursor within
         # the window shares up to itself
         offset = len(head_at_line(text, budget.chars(budget.prefix_tokens)))
-        prompt = build_fim(text, offset, others, budget)
+        prompt = build_fim(text, offset, others, budget, self.config.split)
         final = await self._prefill(prompt, budget, warm_key(uri), "batch")
         if isinstance(final, Done) and final.finish_reason != "cancelled":
             self._warm[uri] = None
@@ -293,13 +303,15 @@ class CompletionService:
     async def _warm_spot(self, uri, text, offset, others, spot) -> None:
         """spm: compute the whole window at a cold cursor spot, at batch priority."""
         budget = await self.full_budget()
-        final = await self._prefill(build_fim(text, offset, others, budget), budget, warm_key(uri), "batch")
+        final = await self._prefill(build_fim(text, offset, others, budget, self.config.split), budget,
+                                    warm_key(uri), "batch")
         if isinstance(final, Done) and final.finish_reason != "cancelled":
             self._warm[uri] = spot
 
     async def _prefill_edit(self, uri, text, offset, others) -> None:
         budget, _ = await self.budget(uri, await self.spot(text, offset))
-        await self._prefill(build_fim(text, offset, others, budget), budget, replace_key(uri), "interactive")
+        await self._prefill(build_fim(text, offset, others, budget, self.config.split), budget, replace_key(uri),
+                            "interactive")
 
     async def _prefill(self, prompt, budget: FimBudget, key: str, priority: str):
         start = time.perf_counter()
@@ -307,7 +319,8 @@ class CompletionService:
         try:
             stream = await self.client.infill(prompt.prefix, prompt.suffix, files=list(prompt.files) or None,
                                               replace=key, max_tokens=1, priority=priority, prompt_only=True,
-                                              layout=self.config.layout, shift_reuse=self._shift(key))
+                                              layout=self.config.layout, shift_reuse=self._shift(key),
+                                              middle=prompt.middle or None)
             try:
                 async for _ in stream:
                     pass
@@ -334,7 +347,8 @@ class CompletionService:
         stream = await self.client.infill(prompt.prefix, prompt.suffix, files=list(prompt.files) or None,
                                           replace=replace_key(uri), max_tokens=self.config.max_tokens,
                                           priority="interactive", temperature=self.config.temperature,
-                                          layout=self.config.layout, shift_reuse=self._shift(replace_key(uri)))
+                                          layout=self.config.layout, shift_reuse=self._shift(replace_key(uri)),
+                                          middle=prompt.middle or None)
         parts = []
         try:
             async for event in stream:

@@ -33,6 +33,7 @@ class Submit:
     prompt: Any = None             # str or list[int] (generate)
     prefix: str = ""               # infill
     suffix: str = ""
+    middle: str = ""               # infill: the start of the middle, already written
     files: tuple = ()              # infill: ((path, text), ...)
     layout: str = "psm"            # infill: "psm" | "spm"
     messages: tuple = ()           # chat: ({"role", "content"}, ...)
@@ -245,5 +246,5 @@ class EngineThread(threading.Thread):
         if s.kind == "chat":
             return tok.encode_chat([dict(m) for m in s.messages])
         if s.kind == "infill":
-            return tok.build_infill(s.prefix, s.suffix, list(s.files), s.layout)
+            return tok.build_infill(s.prefix, s.suffix, list(s.files), s.layout, s.middle)
         return s.prompt

@@ -284,7 +284,7 @@ class Server:
         if isinstance(req, protocol.Infill):
             # a document's reuse key is its client's replace key: one client's text never meets another's
             reuse = f"{ident.hex()}:{req.replace}" if req.shift_reuse and req.replace is not None else None
-            return Submit(prefix=req.prefix, suffix=req.suffix, layout=req.layout, reuse_key=reuse,
+            return Submit(prefix=req.prefix, suffix=req.suffix, middle=req.middle, layout=req.layout, reuse_key=reuse,
                           files=tuple((f.path, f.text) for f in req.files), **common)
         return Submit(messages=tuple({"role": m.role, "content": m.content} for m in req.messages), **common)
 

@@ -131,6 +131,7 @@ class Infill(_Work):
     type: Literal["infill"]
     prefix: Text
     suffix: Text = ""
+    middle: Text = ""      # the start of the middle, already written: the model continues it
     files: Annotated[list[File], Field(max_length=MAX_FILES)] = []
     replace: Optional[Id] = None
     priority: Priority = "interactive"

@@ -309,7 +309,7 @@ class Tokenizer:
         return ids
 
     def build_infill(self, prefix: str, suffix: str, extra_files: Iterable[tuple[str, str]] = (),
-                     layout: str = "psm") -> list[int]:
+                     layout: str = "psm", middle: str = "") -> list[int]:
         """A fill-in-the-middle prompt, in prefix-suffix-middle order (``psm``)::
 
             [BOS] (<file_sep> path \\n content \\n)* <fim_prefix> prefix <fim_suffix> suffix <fim_middle>
@@ -318,6 +318,10 @@ class Tokenizer:
         a prompt after a keystroke shares all but its last few tokens with the one before::
 
             [BOS] (<file_sep> path \\n content \\n)* <fim_suffix> suffix <fim_prefix> prefix <fim_middle>
+
+        ``middle`` is the start of the middle, already written (the part of the cursor's line before
+        it): it follows ``<fim_middle>`` and the model continues it, so a prompt whose prefix ends at
+        the line's start stays the same up to there while the user types on that line.
 
         User texts are encoded as text; control tokens are inserted by id. A newline is added after a
         file's content only when it does not end with one.
@@ -328,8 +332,8 @@ class Tokenizer:
         files = list(extra_files)
         if files and fim["file_sep"] is None:
             raise InvalidRequest("this model has no <|file_sep|> token, so extra files cannot be given")
-        if not isinstance(prefix, str) or not isinstance(suffix, str):
-            raise InvalidRequest("infill prefix and suffix must be strings")
+        if not isinstance(prefix, str) or not isinstance(suffix, str) or not isinstance(middle, str):
+            raise InvalidRequest("infill prefix, suffix and middle must be strings")
         ids: list[int] = [self._bos] if self._add_bos else []
         for item in files:
             if not (isinstance(item, (tuple, list)) and len(item) == 2 and all(isinstance(s, str) for s in item)):
@@ -342,7 +346,7 @@ class Tokenizer:
         pre, suf = [fim["prefix"]] + self._plain(prefix), [fim["suffix"]] + self._plain(suffix)
         if layout not in FIM_LAYOUTS:
             raise InvalidRequest(f"infill layout must be one of {', '.join(FIM_LAYOUTS)}, got {layout!r}")
-        return ids + (pre + suf if layout == "psm" else suf + pre) + [fim["middle"]]
+        return ids + (pre + suf if layout == "psm" else suf + pre) + [fim["middle"]] + (self._plain(middle) if middle else [])
 
     def _plain(self, text: str) -> list[int]:
         return self.encode(text, add_special_tokens=False, allow_special=False)

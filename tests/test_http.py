@@ -160,8 +160,9 @@ def llama_vim_body(prefix: str, middle: str, suffix: str, n_predict: int, t_max_
 def test_llama_vim_infill_gets_a_completion(front, daemon):
     status, headers, reply = post(front + "/infill", llama_vim_body("def add(a, b):\n", "    ret", "\n", 16, 1000))
     assert status == 200, reply
-    expected, _ = zmq_text(daemon, "infill", "def add(a, b):\n    ret", "\n", files=[("util.py", "import os\n")],
-                           max_tokens=16)
+    # its prompt is the text after the middle token, as on llama.cpp's server
+    expected, _ = zmq_text(daemon, "infill", "def add(a, b):\n", "\n", files=[("util.py", "import os\n")],
+                           middle="    ret", max_tokens=16)
     assert reply["content"] == expected
     assert reply["timings"]["predicted_n"] > 0 and "tokens_cached" in reply
     # its context warm-up (n_predict 0) is answered at once

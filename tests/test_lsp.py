@@ -27,6 +27,18 @@ def test_prefix_and_suffix_are_cut_to_their_budgets_at_line_boundaries():
     assert whole.prefix + whole.suffix == text
 
 
+def test_a_line_split_carries_the_line_before_the_cursor_as_the_middle():
+    text = "def f(x):\n    y = x + 1\n    return y\n"
+    cursor = text.index("+ 1")
+    p = build_fim(text, cursor, [], FimBudget(), "line")
+    assert (p.prefix, p.middle, p.suffix) == ("def f(x):\n", "    y = x ", text[cursor:])
+    assert build_fim(text, cursor, [], FimBudget()).middle == ""                    # split at the cursor
+    long_line = "x = [" + "1, " * 200
+    assert build_fim(long_line, len(long_line), [], FimBudget(), "line").middle == ""   # too long to carry
+    with pytest.raises(ValueError, match="split"):
+        build_fim(text, 0, [], FimBudget(), "word")
+
+
 def test_other_files_share_one_budget_nearest_first():
     others = [("a.py", "a = 1\n" * 3), ("b.py", "b = 2\n" * 100), ("c.py", "c = 3\n")]
     p = build_fim("x = ", 4, others, FimBudget(context_tokens=30, chars_per_token=1.0))
@@ -139,7 +151,9 @@ def counting_args(server, tmp_path, *extra) -> list[str]:
 def test_inline_completion_is_the_daemons_infill_trimmed_to_fit(daemon, tmp_path):
     cursor = DOC.index("return ") + len("return ")
     with Client(daemon.settings.socket) as c:
-        raw = c.infill(DOC[:cursor], DOC[cursor:], max_tokens=16).text()
+        # the language server's prompt: the prefix up to the cursor's line, the line so far as the middle
+        line = DOC.rfind("\n", 0, cursor) + 1
+        raw = c.infill(DOC[:line], DOC[cursor:], middle=DOC[line:cursor], max_tokens=16).text()
     assert raw.strip(), "the model should propose something here for the test to mean anything"
     expected = trim_suggestion(raw, "    return ", "", DOC[cursor:])
 
@@ -430,7 +444,8 @@ def test_suffix_first_prompts_keep_all_but_the_typed_end_cached(daemon):
 def test_the_language_server_sends_the_configured_layout(daemon, tmp_path):
     cursor = DOC.index("return ") + len("return ")
     with Client(daemon.settings.socket) as c:
-        raw = c.infill(DOC[:cursor], DOC[cursor:], max_tokens=16, layout="spm").text()
+        line = DOC.rfind("\n", 0, cursor) + 1
+        raw = c.infill(DOC[:line], DOC[cursor:], middle=DOC[line:cursor], max_tokens=16, layout="spm").text()
     expected = trim_suggestion(raw, "    return ", "", DOC[cursor:])
 
     async def session():
@@ -439,3 +454,16 @@ def test_the_language_server_sends_the_configured_layout(daemon, tmp_path):
             return await lsp.inline(URI, 3, 11)
 
     assert asyncio.run(session()) == expected
+
+
+def test_a_keystroke_on_a_line_computes_only_the_lines_new_tokens(daemon):
+    """With the line split, the prompt up to the middle token stays the same while the user types on
+    a line: the next completion computes the line's new tokens only."""
+    prefix = "def area(r):\n"
+    suffix = "\n\n" + "".join(f"print(area({i}))\n" for i in range(40))
+    with Client(daemon.settings.socket) as c:
+        c.infill(prefix, suffix, middle="    ret", max_tokens=1, prompt_only=True).text()
+        real = c.infill(prefix, suffix, middle="    retu", max_tokens=8, ignore_eos=True)
+        assert real.text()
+        usage = real.final.usage
+        assert usage["prompt_tokens"] - usage["cached_tokens"] <= 3 < usage["prompt_tokens"] // 10

@@ -259,6 +259,15 @@ def test_build_infill_suffix_first(tok):
         tok.build_infill("a", "b", layout="pms")
 
 
+def test_build_infill_with_the_middle_started(tok):
+    ids = tok.build_infill("def f(", "):\n", middle="a, <|fim_suffix|>")
+    assert tok.decode(ids, skip_special_tokens=False) == (
+        "<|fim_prefix|>def f(<|fim_suffix|>):\n<|fim_middle|>a, <|fim_suffix|>")
+    assert ids[-len(tok.encode("a, <|fim_suffix|>")):] == tok.encode("a, <|fim_suffix|>")   # text, not a token
+    with pytest.raises(InvalidRequest, match="strings"):
+        tok.build_infill("a", "b", middle=3)
+
+
 def test_build_infill_without_fim_tokens(tmp_path):
     t = Tokenizer.from_dir(write_model_dir(tmp_path, hf=build_hf_tokenizer(["<|endoftext|>"])))
     assert t.fim_prefix_id is None and t.file_sep_id is None
