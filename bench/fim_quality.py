@@ -49,7 +49,7 @@ from pathlib import Path
 from llmd import LLM, SamplingParams
 from llmd.bench.bench_editor import default_file
 from llmd.bench.llama_server import LlamaServer, binary
-from llmd.clients.lsp_prompt import FimBudget, build_fim
+from llmd.clients.lsp_prompt import FimBudget, FimPrompt, build_fim
 from llmd.clients.lsp_trim import trim_suggestion
 from llmd.runtime.config import EngineConfig
 from llmd.runtime.formats.gguf_import import resolve_model_path
@@ -171,14 +171,16 @@ def typed_before(case: Case, variant: str) -> tuple[str, int]:
     return doc[:back] + doc[case.start:], back
 
 
-def prompts(tokenizer, cases: list[Case], variant: str, budget: FimBudget) -> list[list[int]]:
+def prompts(tokenizer, cases: list[Case], variant: str, budget: FimBudget) -> list[tuple[list[int], FimPrompt]]:
+    """Each case's prompt token ids, and the language server's prompt they come from (whose
+    ``completion`` turns the model's text into the text after the cursor)."""
     layout, suffix_tokens, split = VARIANTS[variant]
     if suffix_tokens is not None:
         budget = FimBudget(budget.prefix_tokens, suffix_tokens, 0, budget.chars_per_token)
     out = []
     for c in cases:
         p = build_fim(c.document, c.start, (), budget, split)
-        out.append(tokenizer.build_infill(p.prefix, p.suffix, (), layout, p.middle))
+        out.append((tokenizer.build_infill(p.prefix, p.suffix, (), layout, p.middle), p))
     return out
 
 
@@ -254,14 +256,14 @@ def run(args) -> dict:
             # computed exactly, while a shifted one after an exact one would find its whole prompt cached
             todo = sorted((v for v in args.variants if (case.id, v) not in done), key=lambda v: not v.startswith("psm-shift"))
             for variant in todo:
-                prompt = prompts(complete.tokenizer, [case], variant, budget)[0]
+                prompt, fim = prompts(complete.tokenizer, [case], variant, budget)[0]
                 before = None
                 if variant.startswith("psm-shift"):
                     text, cursor = typed_before(case, variant)
                     p = build_fim(text, cursor, (), budget)
                     before = complete.tokenizer.build_infill(p.prefix, p.suffix, (), "psm")
                 t = time.perf_counter()
-                raw = complete(prompt, before)
+                raw = fim.completion(complete(prompt, before))
                 row = {"id": case.id, "variant": variant, "prompt_tokens": len(prompt), "raw": raw,
                        "ms": round(1000 * (time.perf_counter() - t), 1), **complete.last, **score(case, raw)}
                 with out.open("a") as f:

@@ -43,6 +43,14 @@ class FimPrompt:
     suffix: str
     files: tuple[tuple[str, str], ...]     # (path, text) of other open files
     middle: str = ""                       # the start of the middle, already typed (after <fim_middle>)
+    held: str = ""                         # typed whitespace after it, left for the model to write
+
+    def completion(self, raw: str) -> str:
+        """The model's text as it continues the document at the cursor: the held whitespace, which
+        the model writes first, taken off (or, when it wrote other whitespace, all of it)."""
+        if raw.startswith(self.held):
+            return raw[len(self.held):]
+        return raw.lstrip(" \t") if self.held else raw
 
 
 SPLITS = ("line", "cursor")
@@ -97,13 +105,17 @@ def display_path(uri: str) -> str:
 
 
 def build_fim(text: str, offset: int, others: Sequence[tuple[str, str]], budget: FimBudget,
-              split: str = "cursor") -> FimPrompt:
+              split: str = "cursor", anchor: Optional[int] = None) -> FimPrompt:
     """The prompt for a cursor at ``offset`` (a character index) in ``text``.
 
     ``others`` are (path, text) of other open documents, most relevant first. ``split="line"``
     ends the prefix at the start of the cursor's line and carries the line up to the cursor as the
     start of the middle: while the user types on a line, the prompt stays the same up to the middle
-    token, so each keystroke computes only the line's new tokens, exactly.
+    token, so each keystroke computes only the line's new tokens, exactly. The middle's trailing
+    spaces and tabs are held back (``held``): a model reads text ending in a whitespace token as
+    followed by a word without its leading space, so it writes them itself (``completion``).
+    ``anchor``: under the line split, an earlier line start to end the prefix at instead (the middle
+    then carries the lines since), when it is within ``MAX_MIDDLE_CHARS`` of the cursor.
     """
     if not 0 <= offset <= len(text):
         raise ValueError(f"cursor offset {offset} is outside the document (0..{len(text)})")
@@ -112,9 +124,13 @@ def build_fim(text: str, offset: int, others: Sequence[tuple[str, str]], budget:
     middle = ""
     if split == "line":
         start = text.rfind("\n", 0, offset) + 1
+        if anchor is not None and 0 <= anchor <= start and offset - anchor <= MAX_MIDDLE_CHARS:
+            start = anchor
         if offset - start <= MAX_MIDDLE_CHARS:
             middle = text[start:offset]
     prefix = stable_tail(text[:offset - len(middle)], budget.chars(budget.prefix_tokens))
+    kept = middle.rstrip(" \t")
+    held, middle = middle[len(kept):], kept
     suffix = head_at_line(text[offset:], budget.chars(budget.suffix_tokens))
     files = []
     left = budget.chars(budget.context_tokens)
@@ -125,7 +141,7 @@ def build_fim(text: str, offset: int, others: Sequence[tuple[str, str]], budget:
         if piece.strip():
             files.append((path, piece))
             left -= len(piece) + len(path) + 2
-    return FimPrompt(prefix, suffix, tuple(files), middle)
+    return FimPrompt(prefix, suffix, tuple(files), middle, held)
 
 
 def fit_budget(budget: FimBudget, context_length: Optional[int], reserve: int,

@@ -20,7 +20,10 @@ the configured one.
 Line split (``split="line"``, the default): the prompt's prefix ends at the start of the cursor's
 line and the line up to the cursor goes after the middle token, as the start of the middle that the
 model continues. While the user types on a line the prompt up to the middle token does not change,
-so a keystroke computes only the line's new tokens, exactly; a new line computes the suffix again.
+so a keystroke computes only the line's new tokens, exactly. After a new line the prefix still ends at
+the document's anchor (the middle carries the lines since, up to ``MAX_MIDDLE_CHARS``) while the new
+line's own prompt is computed at batch priority under ``anchor_key``; once it answers, the new line
+start is the anchor.
 
 Shifted reuse (``shift_reuse``, off unless asked): every infill asks the daemon to take the keys and
 values its earlier infills of the document computed (the suffix, after a keystroke in the prefix) at
@@ -52,7 +55,7 @@ from .backend import async_client, features
 from .client import AsyncClient, ClientError
 from llmd.protocol import Done, Error, Token
 from .lsp_cache import CompletionCache
-from .lsp_prompt import SPLITS, FimBudget, build_fim, fit_budget, head_at_line
+from .lsp_prompt import MAX_MIDDLE_CHARS, SPLITS, FimBudget, build_fim, fit_budget, head_at_line
 from .lsp_trim import trim_suggestion
 
 log = logging.getLogger("llmd.lsp")
@@ -92,6 +95,15 @@ class LspConfig:
 def replace_key(uri: str) -> str:
     """The daemon-side ``replace`` key of a document: one infill in flight per document."""
     return "lsp:" + hashlib.sha256(uri.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+def anchor_key(uri: str) -> str:
+    """The ``replace`` key of a document's prompt for a new line (line split), in the background."""
+    return "lsp-line:" + hashlib.sha256(uri.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+def _digest(text: str) -> str:
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
 
 
 def warm_key(uri: str) -> str:
@@ -176,6 +188,8 @@ class CompletionService:
         self._chars_per_token: Optional[float] = None  # measured from answers; None: the configured one
         self.rate = PromptRate()
         self._warm: dict[str, Optional[str]] = {}      # document -> spot whose whole window is believed cached
+        self._anchors: dict[str, tuple[int, str]] = {}  # document -> (line start the prefix ends at, digest before it)
+        self._refreshing: dict[str, int] = {}          # document -> line start whose prompt is being computed
         self._tasks: set[asyncio.Task] = set()
 
     async def complete(self, uri: str, text: str, offset: int, others: Sequence[tuple[str, str]] = ()) -> Optional[str]:
@@ -226,8 +240,9 @@ class CompletionService:
             budget, whole = await self.budget(uri, spot)
             if not whole and self.config.layout == "spm" and self.config.prefill:
                 self._spawn(self._warm_spot(uri, text, offset, others, spot))
-            prompt = build_fim(text, offset, others, budget, self.config.split)
+            prompt = build_fim(text, offset, others, budget, self.config.split, self._anchor(uri, text, offset, others))
             raw, final = await self._infill(uri, prompt)
+            raw = prompt.completion(raw)
             self._observe(prompt, final)
             if whole and isinstance(final, Done) and final.finish_reason != "cancelled":
                 self._warm[uri] = spot
@@ -268,7 +283,7 @@ class CompletionService:
 
     def _observe(self, prompt, final) -> None:
         if isinstance(final, Done) and final.usage.get("prompt_tokens"):
-            chars = len(prompt.prefix) + len(prompt.suffix) + len(prompt.middle) + sum(len(p) + len(t) for p, t in prompt.files)
+            chars = len(prompt.prefix) + len(prompt.suffix) + len(prompt.middle) + len(prompt.held) + sum(len(p) + len(t) for p, t in prompt.files)
             self._measure(chars / final.usage["prompt_tokens"])
             self.rate.observe(final.usage, final.timings)
 
@@ -310,8 +325,40 @@ class CompletionService:
 
     async def _prefill_edit(self, uri, text, offset, others) -> None:
         budget, _ = await self.budget(uri, await self.spot(text, offset))
-        await self._prefill(build_fim(text, offset, others, budget, self.config.split), budget, replace_key(uri),
-                            "interactive")
+        prompt = build_fim(text, offset, others, budget, self.config.split, self._anchor(uri, text, offset, others))
+        await self._prefill(prompt, budget, replace_key(uri), "interactive")
+
+    # ---- where the prefix ends (line split) --------------------------------------------------
+    def _anchor(self, uri: str, text: str, offset: int, others) -> Optional[int]:
+        """The line start the prompt's prefix ends at: the document's anchor while the text before it
+        is unchanged and the cursor within reach (a new line then keeps the cached prompt, and the
+        new line's own prompt is computed in the background, taking over once it is cached), else
+        the cursor's line start, which becomes the anchor."""
+        if self.config.split != "line":
+            return None
+        line = text.rfind("\n", 0, offset) + 1
+        stored = self._anchors.get(uri)
+        if stored is not None:
+            at, digest = stored
+            if at <= line and offset - at <= MAX_MIDDLE_CHARS and digest == _digest(text[:at]):
+                if at < line and self.config.prefill and self._refreshing.get(uri) != line:
+                    self._refreshing[uri] = line
+                    self._spawn(self._refresh_anchor(uri, text, offset, others, line))
+                return at
+        self._anchors[uri] = (line, _digest(text[:line]))
+        return line
+
+    async def _refresh_anchor(self, uri, text, offset, others, line) -> None:
+        """Compute the prompt ending its prefix at ``line`` (batch priority); once cached it is the anchor."""
+        budget, _ = await self.budget(uri, await self.spot(text, offset))
+        prompt = build_fim(text, offset, others, budget, "line", line)
+        final = await self._prefill(prompt, budget, anchor_key(uri), "batch")
+        if self._refreshing.get(uri) == line:
+            del self._refreshing[uri]
+        if isinstance(final, Done) and final.finish_reason != "cancelled":
+            at = self._anchors.get(uri, (-1, ""))[0]
+            if at < line:
+                self._anchors[uri] = (line, _digest(text[:line]))
 
     async def _prefill(self, prompt, budget: FimBudget, key: str, priority: str):
         start = time.perf_counter()
@@ -361,7 +408,7 @@ class CompletionService:
     def _shift(self, key: str) -> Optional[bool]:
         """Ask for shifted reuse on a document's edits and completions (a warm-up computes its whole
         window exactly: it is what later requests reuse)."""
-        return True if self.config.shift_reuse and not key.startswith("lsp-warm:") else None
+        return True if self.config.shift_reuse and key.startswith("lsp:") else None
 
     def backend_status(self) -> dict:
         """Where completions come from and how each protocol feature is served there."""
@@ -371,6 +418,8 @@ class CompletionService:
     def forget(self, uri: str) -> None:
         self._latest.pop(uri, None)
         self._warm.pop(uri, None)
+        self._anchors.pop(uri, None)
+        self._refreshing.pop(uri, None)
         self.cache.forget(uri)
 
     async def aclose(self) -> None:

@@ -31,7 +31,10 @@ def test_a_line_split_carries_the_line_before_the_cursor_as_the_middle():
     text = "def f(x):\n    y = x + 1\n    return y\n"
     cursor = text.index("+ 1")
     p = build_fim(text, cursor, [], FimBudget(), "line")
-    assert (p.prefix, p.middle, p.suffix) == ("def f(x):\n", "    y = x ", text[cursor:])
+    assert (p.prefix, p.middle, p.held, p.suffix) == ("def f(x):\n", "    y = x", " ", text[cursor:])
+    assert p.completion(" + 1") == "+ 1" and p.completion("+ 1") == "+ 1"    # the held space written or not
+    indent = build_fim(text, text.index("return"), [], FimBudget(), "line")
+    assert (indent.middle, indent.held) == ("", "    ") and indent.completion("    return y") == "return y"
     assert build_fim(text, cursor, [], FimBudget()).middle == ""                    # split at the cursor
     long_line = "x = [" + "1, " * 200
     assert build_fim(long_line, len(long_line), [], FimBudget(), "line").middle == ""   # too long to carry
@@ -153,7 +156,9 @@ def test_inline_completion_is_the_daemons_infill_trimmed_to_fit(daemon, tmp_path
     with Client(daemon.settings.socket) as c:
         # the language server's prompt: the prefix up to the cursor's line, the line so far as the middle
         line = DOC.rfind("\n", 0, cursor) + 1
-        raw = c.infill(DOC[:line], DOC[cursor:], middle=DOC[line:cursor], max_tokens=16).text()
+        p = build_fim(DOC, cursor, [], FimBudget(), "line")
+        assert p.prefix == DOC[:line] and p.middle + p.held == DOC[line:cursor]
+        raw = p.completion(c.infill(p.prefix, p.suffix, middle=p.middle, max_tokens=16).text())
     assert raw.strip(), "the model should propose something here for the test to mean anything"
     expected = trim_suggestion(raw, "    return ", "", DOC[cursor:])
 
@@ -313,6 +318,7 @@ class RecordingClient:
     def __init__(self):
         self.calls: list[dict] = []
         self.warm = asyncio.Event()
+        self.line = asyncio.Event()       # gates a new line's background prompt (line split)
 
     async def models(self):
         return [{"context_length": 32768}]
@@ -321,10 +327,44 @@ class RecordingClient:
         self.calls.append({"prefix": prefix, "suffix": suffix, **kw})
         n = len(prefix) + len(suffix)
         done = Done(f"r{len(self.calls)}", "length", {"prompt_tokens": n, "cached_tokens": 0}, {"prompt_ms": float(n)})
-        return _Stream(done, self.warm if kw["replace"].startswith("lsp-warm:") else None)
+        gates = {"lsp-warm:": self.warm, "lsp-line:": self.line}
+        return _Stream(done, next((g for k, g in gates.items() if kw["replace"].startswith(k)), None))
 
     async def aclose(self):
         pass
+
+
+def test_a_new_line_keeps_the_cached_prefix_until_its_own_prompt_is_computed():
+    async def go():
+        client = RecordingClient()
+        service = CompletionService(LspConfig(debounce_ms=0, cache_size=0), client)
+        uri = "file:///a.py"
+        text = "def f(x):\n    y = x\n"
+        await service.complete(uri, text, len("def f(x):\n    y = x"))
+        first = client.calls[-1]
+        assert first["prefix"] == "def f(x):\n" and first["middle"] == "    y = x"
+        at = len(text)
+        text = text + "    return y\n"                               # a new line typed below
+        service.edited(uri, text, at + len("    re"))
+        await asyncio.sleep(0)
+        await service.complete(uri, text, at + len("    re"))
+        same = [c for c in client.calls[1:] if c["replace"].startswith("lsp:")]
+        assert all(c["prefix"] == "def f(x):\n" and c["middle"] == "    y = x\n    re" for c in same)
+        for _ in range(5):
+            await asyncio.sleep(0)
+        line = [c for c in client.calls if c["replace"].startswith("lsp-line:")]
+        assert len(line) == 1 and line[0]["prefix"] == "def f(x):\n    y = x\n" and line[0]["priority"] == "batch"
+        assert line[0]["middle"] == "    re" and line[0]["prompt_only"]
+        client.line.set()
+        for _ in range(3):
+            await asyncio.sleep(0)
+        await service.complete(uri, text, at + len("    ret"))
+        assert client.calls[-1]["prefix"] == "def f(x):\n    y = x\n" and client.calls[-1]["middle"] == "    ret"
+        text = "# header\n" + text                                    # an edit above the anchor
+        await service.complete(uri, text, len(text) - len("urn y\n"))
+        assert client.calls[-1]["prefix"] == "# header\ndef f(x):\n    y = x\n"
+        await service.aclose()
+    asyncio.run(go())
 
 
 def test_speed_budget_cuts_context_first_then_prefix():
@@ -444,8 +484,8 @@ def test_suffix_first_prompts_keep_all_but_the_typed_end_cached(daemon):
 def test_the_language_server_sends_the_configured_layout(daemon, tmp_path):
     cursor = DOC.index("return ") + len("return ")
     with Client(daemon.settings.socket) as c:
-        line = DOC.rfind("\n", 0, cursor) + 1
-        raw = c.infill(DOC[:line], DOC[cursor:], middle=DOC[line:cursor], max_tokens=16, layout="spm").text()
+        p = build_fim(DOC, cursor, [], FimBudget(), "line")
+        raw = p.completion(c.infill(p.prefix, p.suffix, middle=p.middle, max_tokens=16, layout="spm").text())
     expected = trim_suggestion(raw, "    return ", "", DOC[cursor:])
 
     async def session():
