@@ -7,8 +7,9 @@ prompt, however important, never stalls a running stream; waiting requests then 
 left, a prompt possibly split into chunks across steps. A waiting request more important than some running one is
 admitted first, before the running requests take the budget, preempting less important running ones
 when it needs their blocks or their sequence slot. While a request computes part of its prompt, the
-prompts of less important ones wait (their decodes go on): an interactive prompt's step is not
-lengthened by a batch prefill's chunk, and a batch request's prompt chunks are cut to
+prompts of less important ones wait, and a batch request's prompt waits while any more important
+request runs (decodes go on): an interactive request's steps are not lengthened by background
+prefill, and a batch request's prompt chunks are cut to
 ``batch_prompt_chunk`` tokens, so a request arriving during a background prefill's step waits little. When the pool runs out, the least important running
 request (lowest priority, latest arrival) is preempted: its blocks are freed and it is recomputed later
 from its tokens, which gives the same output.
@@ -120,7 +121,7 @@ class Scheduler:
             if budget - reserve <= 0:
                 continue              # a prompt chunk waits: the rest of the budget is the decodes'
             if not _decoding(req) and self._prompt_ahead(out, req.priority):
-                continue              # a more important prompt computes alone (decodes aside)
+                continue              # a more important request's step stays short
             n, spec = self._wanted(req, budget - reserve)
             while not self.bm.can_append(req, req.num_computed_tokens + n):
                 if spec:                  # proposal slots are optional: dropped before anyone is preempted
@@ -164,7 +165,12 @@ class Scheduler:
         return n
 
     def _prompt_ahead(self, out: SchedulerOutput, priority: Priority) -> bool:
-        """Does a more important request compute part of its prompt in this step?"""
+        """Would a prompt chunk of ``priority`` lengthen a more important request's step? A batch
+        prompt waits while any more important request runs (or is admitted this step); another
+        prompt waits while a more important one computes part of its prompt in this step."""
+        if priority is Priority.BATCH:
+            return any(r.priority < priority for r in self.running) or \
+                any(s.request.priority < priority for s in out.scheduled)
         return any(s.request.priority < priority and not _decoding(s.request) for s in out.scheduled)
 
     def _admit(self, out: SchedulerOutput, budget: int, more_important_than: Priority | None = None) -> int:

@@ -360,10 +360,10 @@ def test_busy_and_a_failure_inside_the_engine_fails_alone(tiny_model_dir, tmp_pa
     def inject(engine):
         real = engine.tokenizer.build_infill
 
-        def faulty(prefix, suffix, extra_files=(), layout="psm"):
+        def faulty(prefix, suffix, extra_files=(), layout="psm", middle=""):
             if prefix == "boom":
                 raise RuntimeError("injected fault")
-            return real(prefix, suffix, extra_files, layout)
+            return real(prefix, suffix, extra_files, layout, middle)
         engine.tokenizer.build_infill = faulty
 
     settings = daemon_settings(tiny_model_dir, tmp_path, max_queue=3)

@@ -126,6 +126,7 @@ def test_priority_admission_and_preemption(tiny_model_dir):
     e = llm.engine
     long = SamplingParams(max_tokens=60, ignore_eos=True)
     e.add_request("b", [5] * 20, long, priority="batch")
+    e.step()                      # the batch request runs first (its prompt would wait for the others)
     e.add_request("i", [7] * 20, long, priority="interactive")
     e.add_request("n", [6] * 20, long, priority="normal")
     preempted = []
@@ -169,8 +170,8 @@ def test_an_interactive_request_arriving_later_preempts_running_batch_work_at_on
 
 
 def test_a_batch_prompt_waits_while_an_interactive_prompt_computes(tiny_model_dir):
-    """A batch prefill in progress does not share steps with an interactive prompt (it would lengthen
-    them); it goes on once the interactive request decodes, and its output is unchanged."""
+    """A batch prefill in progress does not share steps with an interactive request (it would lengthen
+    them); it goes on once the interactive request is done, and its output is unchanged."""
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     alone = LLM(str(tiny_model_dir), kv_memory="8MiB", draft="none").generate([[5] * 90], params)[0].token_ids
     e = LLM(str(tiny_model_dir), kv_memory="8MiB", max_batch_tokens=32, draft="none").engine
@@ -183,7 +184,7 @@ def test_a_batch_prompt_waits_while_an_interactive_prompt_computes(tiny_model_di
     step()
     assert e.scheduler.requests["b"].num_computed_tokens == 32
     e.add_request("i", [7] * 70, SamplingParams(max_tokens=3, ignore_eos=True), priority="interactive")
-    while "i" not in outs:
+    while "i" in e.scheduler.requests:
         step()
         assert e.scheduler.requests["b"].num_computed_tokens == 32       # its prompt waited
     while e.has_unfinished():
@@ -196,8 +197,10 @@ def test_batch_prompts_are_computed_in_short_chunks(tiny_model_dir):
     params = SamplingParams(max_tokens=2, ignore_eos=True)
     e.add_request("b", [5] * 100, params, priority="batch")
     e.add_request("n", [6] * 100, params, priority="normal")
-    e.step()                     # the normal prompt in one step; the batch one waits for it
+    e.step()                     # the normal prompt in one step; the batch one waits while it runs
     assert e.scheduler.requests["n"].num_computed_tokens == 100
+    while "n" in e.scheduler.requests:
+        e.step()
     assert e.scheduler.requests["b"].num_computed_tokens == 0
     e.step()
     e.step()
