@@ -286,6 +286,10 @@ class CompletionService:
             chars = len(prompt.prefix) + len(prompt.suffix) + len(prompt.middle) + len(prompt.held) + sum(len(p) + len(t) for p, t in prompt.files)
             self._measure(chars / final.usage["prompt_tokens"])
             self.rate.observe(final.usage, final.timings)
+            u, t = final.usage, final.timings
+            log.debug("daemon: %s prompt tokens, %s cached, %s generated; queued %s ms, prompt %s ms, decode %s ms",
+                      u.get("prompt_tokens"), u.get("cached_tokens"), u.get("completion_tokens"),
+                      t.get("queued_ms"), t.get("prompt_ms"), t.get("decode_ms"))
 
     # ---- prefill while typing ------------------------------------------------------------
     def opened(self, uri: str, text: str, others: Sequence[tuple[str, str]] = ()) -> None:
@@ -391,11 +395,14 @@ class CompletionService:
         self._chars_per_token = max(0.25, 0.7 * current + 0.3 * ratio)
 
     async def _infill(self, uri: str, prompt) -> tuple[str, object]:
+        # the model stops where the trimmed suggestion would end anyway: at the line's end when the
+        # cursor is mid-line (one line is shown), else at two blank lines in a row
+        mid_line = prompt.suffix.split("\n", 1)[0].strip()
         stream = await self.client.infill(prompt.prefix, prompt.suffix, files=list(prompt.files) or None,
                                           replace=replace_key(uri), max_tokens=self.config.max_tokens,
                                           priority="interactive", temperature=self.config.temperature,
                                           layout=self.config.layout, shift_reuse=self._shift(replace_key(uri)),
-                                          middle=prompt.middle or None)
+                                          middle=prompt.middle or None, stop=["\n"] if mid_line else ["\n\n\n"])
         parts = []
         try:
             async for event in stream:

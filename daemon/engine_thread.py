@@ -180,7 +180,9 @@ class EngineThread(threading.Thread):
     def _loop(self) -> None:
         while True:
             busy = self.engine.has_unfinished()
-            commands = self._drain(block=not busy)
+            wait = self.engine.deferred_s() if busy else 0.0
+            # idle, or holding batch prompts back for a quiet moment: wait for new work meanwhile
+            commands = self._drain(block=not busy or wait > 0, timeout=wait or None)
             if any(isinstance(c, Stop) for c in commands):
                 return
             out: list = []
@@ -193,11 +195,11 @@ class EngineThread(threading.Thread):
             if self._notifier is not None:
                 self._notifier.watchdog()
 
-    def _drain(self, block: bool) -> list:
+    def _drain(self, block: bool, timeout: float | None = None) -> list:
         commands = []
         if block:
             try:
-                commands.append(self.inbox.get(timeout=self._idle_wait_s))
+                commands.append(self.inbox.get(timeout=timeout or self._idle_wait_s))
             except queue.Empty:
                 return commands
         while True:

@@ -66,6 +66,10 @@ class EngineConfig:
         help="most prompt tokens a batch-priority request computes in one step (an editor's warm-up, batch jobs): "
              "a request arriving meanwhile waits for the step in flight, so background prefill keeps steps short; "
              "0: up to max_batch_tokens")
+    batch_quiet_ms: float = setting(
+        200.0, unit="ms",
+        help="batch-priority prompts (an editor's warm-up, batch jobs) wait this long after the last more "
+             "important request, so that they run in the pauses between keystrokes or turns; 0: right after")
     max_num_seqs: int = setting(64, unit="requests", help="requests running at once, at most")
     max_model_len: Optional[int] = setting(None, unit="tokens",
                                            help="longest prompt plus output; unset: the model's context window")
@@ -119,6 +123,8 @@ class EngineConfig:
                   f"{f.name} must be one of {', '.join(map(str, choices or ()))}, got {value!r}")
         check(1 <= self.max_batch_tokens <= 1 << 16, f"max_batch_tokens must be in [1, 65536], got {self.max_batch_tokens}")
         check(0 <= self.batch_prompt_chunk <= 1 << 16, f"batch_prompt_chunk must be in [0, 65536], got {self.batch_prompt_chunk}")
+        check(isinstance(self.batch_quiet_ms, (int, float)) and 0 <= self.batch_quiet_ms <= 60_000,
+              f"batch_quiet_ms must be in [0, 60000], got {self.batch_quiet_ms}")
         check(1 <= self.max_num_seqs <= 4096, f"max_num_seqs must be in [1, 4096], got {self.max_num_seqs}")
         check(1 <= self.max_waiting <= 1 << 20, f"max_waiting must be in [1, 1048576], got {self.max_waiting}")
         check(self.num_speculative_tokens is None or 0 <= self.num_speculative_tokens <= 16,

@@ -72,7 +72,7 @@ class Engine:
         self.tokenizer.limit_tokens = self.max_model_len     # a text that cannot fit is refused untokenized
         self.block_manager = BlockManager(loaded.num_blocks, config.block_size, config.prefix_cache)
         self.scheduler = Scheduler(self.block_manager, config.max_batch_tokens, config.max_num_seqs,
-                                   config.batch_prompt_chunk)
+                                   config.batch_prompt_chunk, config.batch_quiet_ms / 1000)
         self.kv_dtype = loaded.kv_dtype
         if loaded.backend is not None and loaded.kv_dtype != "auto":
             raise EngineDirError(f"the {loaded.backend.name} backend keeps keys and values in the model's dtype; "
@@ -173,6 +173,15 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending)
+
+    def deferred_s(self) -> float:
+        """Seconds the next step may wait for: only batch prompts held back for a quiet moment are
+        left (0: step now)."""
+        s = self.scheduler
+        if self._pending or any(q for p, q in s.waiting.items() if p is not Priority.BATCH) or \
+                any(r.priority is not Priority.BATCH or r.num_tokens - r.num_computed_tokens == 1 for r in s.running):
+            return 0.0
+        return self.scheduler.deferred_s()
 
     # ---- the step --------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:

@@ -8,8 +8,8 @@ left, a prompt possibly split into chunks across steps. A waiting request more i
 admitted first, before the running requests take the budget, preempting less important running ones
 when it needs their blocks or their sequence slot. While a request computes part of its prompt, the
 prompts of less important ones wait, and a batch request's prompt waits while any more important
-request runs (decodes go on): an interactive request's steps are not lengthened by background
-prefill, and a batch request's prompt chunks are cut to
+request runs or waits, and for ``batch_quiet_s`` after (decodes go on): an interactive request's
+steps are not lengthened by background prefill, which runs in the pauses between them, and a batch request's prompt chunks are cut to
 ``batch_prompt_chunk`` tokens, so a request arriving during a background prefill's step waits little. When the pool runs out, the least important running
 request (lowest priority, latest arrival) is preempted: its blocks are freed and it is recomputed later
 from its tokens, which gives the same output.
@@ -62,10 +62,12 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_batch_tokens: int, max_num_seqs: int,
-                 batch_prompt_chunk: int = 0):
+                 batch_prompt_chunk: int = 0, batch_quiet_s: float = 0.0):
         self.bm = block_manager
         self.max_batch_tokens = max_batch_tokens
         self.batch_prompt_chunk = batch_prompt_chunk     # most prompt tokens of a batch request per step (0: any)
+        self.batch_quiet_s = batch_quiet_s               # batch prompts wait this long after more important work
+        self._important_s = float("-inf")                # when a more important request last ran
         self.max_num_seqs = max_num_seqs
         self.waiting: dict[Priority, deque[Request]] = {p: deque() for p in Priority}
         self.running: list[Request] = []
@@ -106,6 +108,10 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_batch_tokens
+        self._now = time.monotonic()
+        if any(r.priority < Priority.BATCH for r in self.running) or \
+                any(q for p, q in self.waiting.items() if p < Priority.BATCH):
+            self._important_s = self._now
         self.running.sort(key=lambda r: (r.priority, r.arrival_seq))
         # Each decoding stream keeps one token of the budget (up to half of it), so that no prompt, however
         # important, stalls running streams: a prompt chunk takes what the decodes leave.
@@ -157,6 +163,13 @@ class Scheduler:
         n = min(base + want, budget)
         return n, max(0, n - base)
 
+    def deferred_s(self) -> float:
+        """Seconds until batch prompts held back by the quiet window may run (0: none held back)."""
+        if not any(r.priority is Priority.BATCH and not _decoding(r) for r in self.running) and \
+                not self.waiting[Priority.BATCH]:
+            return 0.0
+        return max(0.0, self._important_s + self.batch_quiet_s - time.monotonic())
+
     def _chunk(self, req: Request, n: int) -> int:
         """A prompt chunk of ``n`` tokens, cut for a batch request: a step in flight is what a request
         arriving meanwhile waits for, so background prefill keeps steps short."""
@@ -169,7 +182,8 @@ class Scheduler:
         prompt waits while any more important request runs (or is admitted this step); another
         prompt waits while a more important one computes part of its prompt in this step."""
         if priority is Priority.BATCH:
-            return any(r.priority < priority for r in self.running) or \
+            return self._now - self._important_s < self.batch_quiet_s or \
+                any(r.priority < priority for r in self.running) or \
                 any(s.request.priority < priority for s in out.scheduled)
         return any(s.request.priority < priority and not _decoding(s.request) for s in out.scheduled)
 

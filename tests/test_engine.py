@@ -1,5 +1,6 @@
 """The engine's output never depends on batching, chunking, caching or preemption."""
 import random
+import time
 
 import pytest
 import torch
@@ -174,7 +175,7 @@ def test_a_batch_prompt_waits_while_an_interactive_prompt_computes(tiny_model_di
     them); it goes on once the interactive request is done, and its output is unchanged."""
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     alone = LLM(str(tiny_model_dir), kv_memory="8MiB", draft="none").generate([[5] * 90], params)[0].token_ids
-    e = LLM(str(tiny_model_dir), kv_memory="8MiB", max_batch_tokens=32, draft="none").engine
+    e = LLM(str(tiny_model_dir), kv_memory="8MiB", max_batch_tokens=32, draft="none", batch_quiet_ms=300).engine
     e.add_request("b", [5] * 90, params, priority="batch")
     outs: dict[str, list[int]] = {}
 
@@ -187,13 +188,18 @@ def test_a_batch_prompt_waits_while_an_interactive_prompt_computes(tiny_model_di
     while "i" in e.scheduler.requests:
         step()
         assert e.scheduler.requests["b"].num_computed_tokens == 32       # its prompt waited
+    done = time.monotonic()
+    assert 0 < e.deferred_s() <= 0.3                                     # and waits for a quiet moment
+    step()
+    assert e.scheduler.requests["b"].num_computed_tokens == 32
     while e.has_unfinished():
         step()
+    assert time.monotonic() - done >= 0.29
     assert outs["b"] == alone and len(outs["i"]) == 3
 
 
 def test_batch_prompts_are_computed_in_short_chunks(tiny_model_dir):
-    e = LLM(str(tiny_model_dir), kv_memory="8MiB", draft="none", batch_prompt_chunk=24).engine
+    e = LLM(str(tiny_model_dir), kv_memory="8MiB", draft="none", batch_prompt_chunk=24, batch_quiet_ms=0).engine
     params = SamplingParams(max_tokens=2, ignore_eos=True)
     e.add_request("b", [5] * 100, params, priority="batch")
     e.add_request("n", [6] * 100, params, priority="normal")

@@ -343,12 +343,15 @@ def test_a_new_line_keeps_the_cached_prefix_until_its_own_prompt_is_computed():
         await service.complete(uri, text, len("def f(x):\n    y = x"))
         first = client.calls[-1]
         assert first["prefix"] == "def f(x):\n" and first["middle"] == "    y = x"
-        at = len(text)
+        assert first["stop"] == ["\n\n\n"]                           # the trimming's own end: 2 blank lines
+        await service.complete(uri, text, len("def f(x):\n    y ="))
+        assert client.calls[-1]["stop"] == ["\n"]                     # mid-line: one line is shown
+        at, before = len(text), len(client.calls)
         text = text + "    return y\n"                               # a new line typed below
         service.edited(uri, text, at + len("    re"))
         await asyncio.sleep(0)
         await service.complete(uri, text, at + len("    re"))
-        same = [c for c in client.calls[1:] if c["replace"].startswith("lsp:")]
+        same = [c for c in client.calls[before:] if c["replace"].startswith("lsp:")]
         assert all(c["prefix"] == "def f(x):\n" and c["middle"] == "    y = x\n    re" for c in same)
         for _ in range(5):
             await asyncio.sleep(0)
