@@ -15,7 +15,7 @@ from .http_backend import HttpBackend, is_http
 
 log = logging.getLogger("llmd.backend")
 
-NATIVE = {"replace": "native", "sentences": "native", "priority": "native"}
+NATIVE = {"replace": "native", "sentences": "native", "priority": "native", "middle": "native"}
 
 
 def async_client(backend: Optional[str], timeout: float = 30.0):

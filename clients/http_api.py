@@ -193,8 +193,8 @@ def chat_work(body: ChatBody) -> Work:
 
 
 def infill_work(body: InfillBody) -> Work:
-    """llama.cpp's FIM request as an llmd infill. ``prompt`` (the start of the middle already typed)
-    is the infill's ``middle``, after the middle token; ``n_predict`` -1 takes the default; ``t_max_predict_ms`` is kept by the server
+    """llama.cpp's FIM request as an llmd infill. ``prompt`` joins the prefix, where llama.cpp's
+    server puts it; ``n_predict`` -1 takes the default; ``t_max_predict_ms`` is kept by the server
     (``predict_limited``);
     a sampler chain without ``temperature`` samples greedily unless ``temperature`` is given."""
     n = body.n_predict if body.n_predict > 0 else INFILL_DEFAULT_TOKENS
@@ -212,7 +212,7 @@ def infill_work(body: InfillBody) -> Work:
         for k in ("top_k", "top_p", "min_p"):
             sampling.pop(k, None)
     files = [{"path": c.filename or f"chunk-{i}", "text": c.text} for i, c in enumerate(body.input_extra)]
-    return Work("infill", {"prefix": body.input_prefix, "middle": body.prompt or None, "suffix": body.input_suffix,
+    return Work("infill", {"prefix": body.input_prefix + body.prompt, "suffix": body.input_suffix,
                            "files": files or None}, sampling, body.stream,
                 extra={"n_predict": body.n_predict, "t_max_predict_ms": body.t_max_predict_ms})
 

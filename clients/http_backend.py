@@ -41,7 +41,8 @@ FILE_TEMPLATE = "<|file_sep|>{path}\n{text}"
 HTTP_ERRORS = {400: "invalid_request", 404: "invalid_request", 413: "invalid_request", 422: "invalid_request",
                409: "duplicate_id", 429: "busy", 503: "busy"}
 FEATURES = {"replace": "emulated (the previous request's connection is closed)",
-            "sentences": "emulated (split by the client)", "priority": "off (the server's own order)"}
+            "sentences": "emulated (split by the client)", "priority": "off (the server's own order)",
+            "middle": "off (an infill's middle joins its prefix: llama.cpp's /infill puts its prompt there)"}
 
 
 def fim_template(model: str, override: Optional[str] = None) -> str:
@@ -298,31 +299,30 @@ class HttpBackend:
                      middle: Optional[str] = None, **sampling) -> HttpStream:
         """``layout`` is not sent: on llama.cpp's ``/infill`` the server's ``--spm-infill`` decides the
         order, and over ``/v1/completions`` the FIM template does. ``shift_reuse`` is llmd's own: an
-        HTTP server reuses its cache as it is configured to. ``middle`` goes after the middle token
-        (``/infill``'s ``prompt``; appended to the template's prompt)."""
+        HTTP server reuses its cache as it is configured to. ``middle`` joins the prefix (llama.cpp's
+        ``/infill`` puts its ``prompt`` at the prefix's end, before the suffix)."""
         await self.models()
         if replace is not None and replace in self._replacing:
             await self._replacing.pop(replace).aclose()
         rid = request_id or self._next_id()
         stream = None
         if self.fim in ("auto", "infill"):
-            stream = await self._infill_native(prefix, suffix, files, max_tokens, rid, sampling, middle or "")
+            stream = await self._infill_native(prefix + (middle or ""), suffix, files, max_tokens, rid, sampling)
             if stream is None and self.fim == "infill":
                 raise ClientError(f"{self.url} has no /infill endpoint")
         if stream is None:
             template = fim_template(self.model or "", self._fim_template)
             extra = "".join(FILE_TEMPLATE.format(path=p, text=t if t.endswith("\n") or not t else t + "\n")
                             for p, t in files or ())
-            prompt = template.format(prefix=prefix, suffix=suffix, files=extra) + (middle or "")
+            prompt = template.format(prefix=prefix + (middle or ""), suffix=suffix, files=extra)
             stream = await self._start("/v1/completions", {"model": self.model, "prompt": prompt,
                                                            **self._sampling(max_tokens, sampling)}, rid, "openai")
         if replace is not None:
             self._replacing[replace] = stream
         return stream
 
-    async def _infill_native(self, prefix, suffix, files, max_tokens, rid, sampling, middle="") -> Optional[HttpStream]:
-        body = {"input_prefix": prefix, "input_suffix": suffix, "prompt": middle, "n_predict": max_tokens,
-                "cache_prompt": True,
+    async def _infill_native(self, prefix, suffix, files, max_tokens, rid, sampling) -> Optional[HttpStream]:
+        body = {"input_prefix": prefix, "input_suffix": suffix, "n_predict": max_tokens, "cache_prompt": True,
                 "input_extra": [{"filename": p, "text": t} for p, t in files or ()]}
         s = self._sampling(max_tokens, sampling)
         s.pop("max_tokens")

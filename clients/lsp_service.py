@@ -187,6 +187,8 @@ class CompletionService:
         self._context_length: Optional[int] = None     # the model's, asked once
         self._chars_per_token: Optional[float] = None  # measured from answers; None: the configured one
         self.rate = PromptRate()
+        # the line split needs a backend that puts text after the middle token (llama.cpp's does not)
+        self.split = config.split if features(self.client).get("middle", "native") == "native" else "cursor"
         self._warm: dict[str, Optional[str]] = {}      # document -> spot whose whole window is believed cached
         self._anchors: dict[str, tuple[int, str]] = {}  # document -> (line start the prefix ends at, digest before it)
         self._refreshing: dict[str, int] = {}          # document -> line start whose prompt is being computed
@@ -240,7 +242,7 @@ class CompletionService:
             budget, whole = await self.budget(uri, spot)
             if not whole and self.config.layout == "spm" and self.config.prefill:
                 self._spawn(self._warm_spot(uri, text, offset, others, spot))
-            prompt = build_fim(text, offset, others, budget, self.config.split, self._anchor(uri, text, offset, others))
+            prompt = build_fim(text, offset, others, budget, self.split, self._anchor(uri, text, offset, others))
             raw, final = await self._infill(uri, prompt)
             raw = prompt.completion(raw)
             self._observe(prompt, final)
@@ -314,7 +316,7 @@ class CompletionService:
         # the cursor is unknown: its prompt runs from the start of the file, which any cursor within
         # the window shares up to itself
         offset = len(head_at_line(text, budget.chars(budget.prefix_tokens)))
-        prompt = build_fim(text, offset, others, budget, self.config.split)
+        prompt = build_fim(text, offset, others, budget, self.split)
         final = await self._prefill(prompt, budget, warm_key(uri), "batch")
         if isinstance(final, Done) and final.finish_reason != "cancelled":
             self._warm[uri] = None
@@ -322,14 +324,14 @@ class CompletionService:
     async def _warm_spot(self, uri, text, offset, others, spot) -> None:
         """spm: compute the whole window at a cold cursor spot, at batch priority."""
         budget = await self.full_budget()
-        final = await self._prefill(build_fim(text, offset, others, budget, self.config.split), budget,
+        final = await self._prefill(build_fim(text, offset, others, budget, self.split), budget,
                                     warm_key(uri), "batch")
         if isinstance(final, Done) and final.finish_reason != "cancelled":
             self._warm[uri] = spot
 
     async def _prefill_edit(self, uri, text, offset, others) -> None:
         budget, _ = await self.budget(uri, await self.spot(text, offset))
-        prompt = build_fim(text, offset, others, budget, self.config.split, self._anchor(uri, text, offset, others))
+        prompt = build_fim(text, offset, others, budget, self.split, self._anchor(uri, text, offset, others))
         await self._prefill(prompt, budget, replace_key(uri), "interactive")
 
     # ---- where the prefix ends (line split) --------------------------------------------------
@@ -338,7 +340,7 @@ class CompletionService:
         is unchanged and the cursor within reach (a new line then keeps the cached prompt, and the
         new line's own prompt is computed in the background, taking over once it is cached), else
         the cursor's line start, which becomes the anchor."""
-        if self.config.split != "line":
+        if self.split != "line":
             return None
         line = text.rfind("\n", 0, offset) + 1
         stored = self._anchors.get(uri)

@@ -160,9 +160,9 @@ def llama_vim_body(prefix: str, middle: str, suffix: str, n_predict: int, t_max_
 def test_llama_vim_infill_gets_a_completion(front, daemon):
     status, headers, reply = post(front + "/infill", llama_vim_body("def add(a, b):\n", "    ret", "\n", 16, 1000))
     assert status == 200, reply
-    # its prompt is the text after the middle token, as on llama.cpp's server
-    expected, _ = zmq_text(daemon, "infill", "def add(a, b):\n", "\n", files=[("util.py", "import os\n")],
-                           middle="    ret", max_tokens=16)
+    # its prompt joins the prefix, as on llama.cpp's server
+    expected, _ = zmq_text(daemon, "infill", "def add(a, b):\n    ret", "\n", files=[("util.py", "import os\n")],
+                           max_tokens=16)
     assert reply["content"] == expected
     assert reply["timings"]["predicted_n"] > 0 and "tokens_cached" in reply
     # its context warm-up (n_predict 0) is answered at once
@@ -198,7 +198,8 @@ def test_language_server_and_batch_over_llmd_http_match_the_daemon(front, daemon
     offset = text.index("return ") + len("return ")
 
     async def suggest(backend):
-        service = CompletionService(LspConfig(socket=backend, debounce_ms=0, max_tokens=12))
+        # over HTTP the prompt is split at the cursor (a server's /infill has no middle): so here too
+        service = CompletionService(LspConfig(socket=backend, debounce_ms=0, max_tokens=12, split="cursor"))
         try:
             return await service.complete("file:///a.py", text, offset), service.backend_status()
         finally:
@@ -207,7 +208,7 @@ def test_language_server_and_batch_over_llmd_http_match_the_daemon(front, daemon
     over_http, status = asyncio.run(suggest(front))
     over_ipc, native = asyncio.run(suggest(daemon.settings.socket))
     assert over_http == over_ipc
-    assert status["off"] == ["replace", "sentences", "priority"] and native["off"] == []
+    assert status["off"] == ["replace", "sentences", "priority", "middle"] and native["off"] == []
     assert status["features"]["priority"].startswith("off")
 
     lines = [{"id": f"r{i}", "prompt": f"def f{i}(x):", "max_tokens": 12} for i in range(3)]

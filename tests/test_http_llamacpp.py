@@ -63,7 +63,9 @@ def test_language_server_over_llama_cpp_suggests_what_the_daemon_does(llama_serv
     from llmd.clients.lsp_probe import LspProbe
 
     async def suggest(args):
-        async with LspProbe(["--debounce-ms", "0", "--max-tokens", "12", *args], cwd=str(REPO)) as lsp:
+        # split at the cursor: llama.cpp's /infill has no middle, so over it the split is the cursor's
+        async with LspProbe(["--debounce-ms", "0", "--max-tokens", "12", "--fim-split", "cursor", *args],
+                            cwd=str(REPO)) as lsp:
             lsp.open("file:///area.py", FILE)
             text = await lsp.inline("file:///area.py", *CURSOR)
             return text, {**await lsp.stats(), "backend": await lsp.status()}
@@ -71,7 +73,7 @@ def test_language_server_over_llama_cpp_suggests_what_the_daemon_does(llama_serv
     over_llama, stats = asyncio.run(suggest(["--backend", llama_server]))
     over_llmd, native = asyncio.run(suggest(["--socket", daemon.settings.socket]))
     assert over_llama and over_llama == over_llmd
-    assert stats["completed"] == 1 and stats["backend"]["off"] == ["replace", "sentences", "priority"]
+    assert stats["completed"] == 1 and stats["backend"]["off"] == ["replace", "sentences", "priority", "middle"]
     assert native["backend"]["off"] == []
 
 

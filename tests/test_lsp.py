@@ -370,6 +370,19 @@ def test_a_new_line_keeps_the_cached_prefix_until_its_own_prompt_is_computed():
     asyncio.run(go())
 
 
+def test_a_backend_without_a_middle_gets_prompts_split_at_the_cursor():
+    async def go():
+        client = RecordingClient()
+        client.features = {"middle": "off (joins the prefix)"}
+        service = CompletionService(LspConfig(debounce_ms=0), client)
+        text = "def f(x):\n    y = x\n"
+        await service.complete("file:///a.py", text, len("def f(x):\n    y = x"))
+        call = client.calls[-1]
+        assert call["prefix"] == "def f(x):\n    y = x" and call.get("middle") is None
+        await service.aclose()
+    asyncio.run(go())
+
+
 def test_speed_budget_cuts_context_first_then_prefix():
     full = FimBudget(prefix_tokens=1024, suffix_tokens=64, context_tokens=512)
     assert speed_budget(full, None, 150) == full
