@@ -65,6 +65,7 @@ class HttpStream:
         self._splitter = SentenceSplitter() if sentences else None
         self._pending: list = []
         self._usage: dict = {}
+        self._timings: dict = {}
         self._finish = "stop"
         self._lines = self._read_lines()
 
@@ -122,6 +123,9 @@ class HttpStream:
             err = obj["error"] if isinstance(obj["error"], dict) else {"message": str(obj["error"])}
             self._pending.append(Error(self.id, str(err.get("code") or "internal"), str(err.get("message"))))
             return
+        t = obj.get("timings")
+        if isinstance(t, dict):       # llama.cpp's server (and llmd's front) time the prompt and the decode
+            self._timings = {"prompt_ms": t.get("prompt_ms"), "decode_ms": t.get("predicted_ms")}
         if self._dialect == "infill":
             text, finish = obj.get("content") or "", None
             if obj.get("stop"):
@@ -150,7 +154,7 @@ class HttpStream:
             rest = self._splitter.flush()
             if rest:
                 self._pending.append(Sentence(self.id, next(self._sentence_seq), rest))
-        self._pending.append(Done(self.id, self._finish, self._usage, {}))
+        self._pending.append(Done(self.id, self._finish, self._usage, self._timings))
 
     def _release(self) -> None:
         self._response.release()

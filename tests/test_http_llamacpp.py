@@ -118,3 +118,21 @@ def test_the_editor_benchmark_runs_the_same_keystrokes_against_llama_cpp(tmp_pat
         assert r["keystrokes"] == 4 and r["server"]["error"] == 0 and r["first_in_file"]["n"] == 1
         assert r["model_served"]["n"] + r["cache_served"]["n"] == 4
     assert runs["llamacpp-server"]["server"]["prefilled"] == 0 and runs["llmd"]["server"]["prefilled"] >= 1
+
+
+def test_llama_cpp_timings_reach_the_language_servers_prompt_rate(llama_server):
+    """The cold-window budget needs the server's prompt time: llama.cpp's timings come through."""
+    from llmd.clients.http_backend import HttpBackend
+
+    async def fill():
+        backend = HttpBackend(llama_server, fim="infill")
+        try:
+            stream = await backend.infill("def add(a, b):\n    return ", "\n", max_tokens=4)
+            await stream.text()
+            return stream.final
+        finally:
+            await backend.aclose()
+
+    final = asyncio.run(fill())
+    assert final.timings["prompt_ms"] > 0 and final.timings["decode_ms"] > 0
+    assert final.usage["prompt_tokens"] > 0
