@@ -126,13 +126,17 @@ class HttpStream:
         t = obj.get("timings")
         if isinstance(t, dict):       # llama.cpp's server (and llmd's front) time the prompt and the decode
             self._timings = {"prompt_ms": t.get("prompt_ms"), "decode_ms": t.get("predicted_ms")}
+            self._prompt_n = t.get("prompt_n")      # prompt tokens this request computed
         if self._dialect == "infill":
             text, finish = obj.get("content") or "", None
             if obj.get("stop"):
                 finish = "length" if obj.get("stop_type") == "limit" else "stop"
-                self._usage = {"prompt_tokens": obj.get("tokens_evaluated"),
-                               "completion_tokens": obj.get("tokens_predicted"),
-                               "cached_tokens": obj.get("tokens_cached")}
+                # tokens_cached counts the slot's whole cache after the request: the prompt tokens
+                # served from the cache are those it did not compute (prompt_n)
+                n, computed = obj.get("tokens_evaluated"), getattr(self, "_prompt_n", None)
+                self._usage = {"prompt_tokens": n, "completion_tokens": obj.get("tokens_predicted"),
+                               "cached_tokens": max(0, n - computed) if isinstance(n, int) and
+                               isinstance(computed, int) else None}
         else:
             if obj.get("usage"):
                 u = obj["usage"]

@@ -127,12 +127,14 @@ def test_llama_cpp_timings_reach_the_language_servers_prompt_rate(llama_server):
     async def fill():
         backend = HttpBackend(llama_server, fim="infill")
         try:
-            stream = await backend.infill("def add(a, b):\n    return ", "\n", max_tokens=4)
+            stream = await backend.infill("def scale_points(points, factor):\n    return ", "\n", max_tokens=4)
             await stream.text()
             return stream.final
         finally:
             await backend.aclose()
 
-    final = asyncio.run(fill())
-    assert final.timings["prompt_ms"] > 0 and final.timings["decode_ms"] > 0
-    assert final.usage["prompt_tokens"] > 0
+    first, again = asyncio.run(fill()), asyncio.run(fill())
+    for final in (first, again):
+        assert final.timings["prompt_ms"] > 0 and final.timings["decode_ms"] > 0
+    assert first.usage["prompt_tokens"] == again.usage["prompt_tokens"] > 0
+    assert again.usage["cached_tokens"] > first.usage["cached_tokens"]      # the repeat is served from its cache
