@@ -179,7 +179,7 @@ class BlockManager:
         """The longest run of a table remembered under the request's reuse key that the request's
         tokens past ``hit`` (its last one aside) repeat at the first position they repeat any, within
         the staleness limit."""
-        key = getattr(request, "reuse_key", None)
+        key = request.reuse_key
         if key is None or self.max_stale <= 0 or key not in self.remembered:
             return None
         self.remembered.move_to_end(key)
@@ -339,7 +339,7 @@ class BlockManager:
         request.block_ids = []
 
     def _remember_table(self, request: Request) -> bool:
-        key = getattr(request, "reuse_key", None)
+        key = request.reuse_key
         if key is None or self.max_stale <= 0:
             return False
         n = min(request.num_computed_tokens, request.num_tokens)
