@@ -80,13 +80,13 @@ def test_fused_step_is_bit_identical_to_the_python_forward(model_factory, arch, 
 
 
 QUANT = {   # hidden 192 = 128 + 64 (SmolLM2's 576 is 4 x 128 + 64): the kernels' half lines
-    "int8": (QuantSpec("int8"), {"hidden": 192, "intermediate": 320}, ops.KIND_INT8),
-    "int4-g64": (QuantSpec("int4", group_size=64), {"hidden": 192, "intermediate": 320}, ops.KIND_INT4),
-    "int4-g32": (QuantSpec("int4", group_size=32), {"hidden": 192, "intermediate": 320}, ops.KIND_INT4),
+    "int8": (QuantSpec("int8"), {"hidden": 192, "intermediate": 320}, ops.KIND_Q8),
+    "int4-g64": (QuantSpec("int4", group_size=64), {"hidden": 192, "intermediate": 320}, ops.KIND_Q4),
+    "int4-g32": (QuantSpec("int4", group_size=32), {"hidden": 192, "intermediate": 320}, ops.KIND_Q4),
     "int4-g128-qkv-bias": (QuantSpec("int4", group_size=128), {"architecture": "Qwen2ForCausalLM", "hidden": 256,
                                                                 "heads": 8, "kv_heads": 2, "intermediate": 384},
-                           ops.KIND_INT4),
-    "int8-untied": (QuantSpec("int8"), {"tie": False, "hidden": 128, "intermediate": 256}, ops.KIND_INT8),
+                           ops.KIND_Q4),
+    "int8-untied": (QuantSpec("int8"), {"tie": False, "hidden": 128, "intermediate": 256}, ops.KIND_Q8),
 }
 
 
