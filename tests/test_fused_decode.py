@@ -104,6 +104,16 @@ def test_quantized_fused_step_is_bit_identical_to_the_python_forward(model_facto
     assert_steps_match(model, fused, kv_dtype)
 
 
+def test_an_untied_embedding_table_keeps_no_packed_copy(model_factory):
+    """The packed blocks are for products: an untied int8 embedding is only looked up (its stored rows),
+    while the head and the layers have theirs."""
+    spec, kw, _ = QUANT["int8-untied"]
+    model = loaded(model_factory, "fused-int8-untied", quant=spec, **kw)
+    assert model.embed_tokens.table.kernel_product() is None
+    assert model.lm_head.kernel_product().kind == ops.KIND_Q8G
+    assert all(m.kernel_product() is not None for m in layer_linears(model))
+
+
 def assert_steps_match(model, fused, kv_dtype):
     """Prompts through the Python forward, then decode and verification steps each run both ways from
     the same pools: the same logits and pools, bit for bit, and the fused step really ran."""

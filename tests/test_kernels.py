@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from llmd.runtime.formats.quantized import (Int4Linear, Int8GroupLinear, Int8Linear, W8A8Linear, dequantize_int4,
-                                            dequantize_int8, quantize_int4, quantize_int8)
+                                            dequantize_int8, quantize_int4, quantize_int8, split16)
 from llmd.runtime import kernels
 from llmd.runtime.kernels import ops
 
@@ -61,10 +61,24 @@ def test_int4_kernel_matches_reference(m, group, k, symmetric):
     assert ((y.double() - ref).abs() <= bound).all()
 
 
+@pytest.mark.parametrize("n", [35, 200])          # the last block of 16 outputs padded
+def test_int8_blocks_give_the_integer_forms_numbers_bit_for_bit(n):
+    """The packed int8 kernel's sums are exact integers: each of 1..16 rows, wherever it falls in a tile,
+    gets the numbers of the prompt rows' integer form (split16, two integer products)."""
+    k = 576
+    q, s = quantize_int8(weight(n, k, n))
+    x = rows(16, k, 2)
+    hi, lo, sx = split16(x)
+    wt = q.long().t()
+    ref = ((hi.long() @ wt).float() * 256 + ((lo.long() + 128) @ wt).float()) * (sx * s)
+    form = ops.int8_pack(q, s)
+    for m in range(1, 17):
+        assert torch.equal(ops.packed_matvec(x[:m], form), ref[:m]), m
+
+
 @pytest.mark.parametrize("m", [1, 5, 16])
-@pytest.mark.parametrize("group,k", [(64, 576), (128, 512)])
-def test_int8g_kernel_matches_reference(m, group, k):
-    n = 320
+@pytest.mark.parametrize("group,k,n", [(64, 576, 320), (128, 512, 200)])
+def test_int8g_kernel_matches_reference(m, group, k, n):
     q, s = quantize_int8(weight(n, k, k), group)
     x = rows(m, k, m + 1)
     y = ops.packed_matvec(x, ops.int8_pack(q, s))

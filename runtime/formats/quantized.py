@@ -17,7 +17,11 @@ the product. Each row of x is quantized alone, and the int8 and w8a8 sums are ex
 kernel and the _int_mm form give the same numbers; int4 runs one kernel, whose per-row sums keep one
 order whatever M is. A request's greedy tokens are the same alone and in a batch.
 
-The llmd kernels (llmd.runtime.kernels, AVX-512 VNNI) stream the weights at memory speed; where
+The llmd kernels (llmd.runtime.kernels, AVX-512 VNNI) read int8, int8g and int4 weights from a copy
+packed at ``prepare()`` into blocks of 16 outputs (quant.c; the stored tensors stay for prompts, token
+rows and saving): each weight load serves every row of a tile with one vpdpbusd per row (int8: two),
+fewer instructions per weight and row than the bfloat16 blocks' FMAs (docs/performance.md, "Blocked
+quantized products"). They stream the weights at memory speed; where
 they cannot run (other CPUs, no compiler, a graph being compiled, int4 groups under 32, widths not
 a multiple of 64) torch's packed kernels take their place for M <= small_m (more rows as above):
 _weight_int8pack_mm and _weight_int4pack_mm_for_cpu with x rounded to bfloat16, which are
@@ -668,8 +672,9 @@ def _quantize_mixed(model: nn.Module, spec: QuantSpec, from_weights: bool) -> nn
 def prepare_quantized(model: nn.Module, use_kernels: bool = True) -> None:
     """Build the kernel forms (packed int4, bf16 scales) after tensors are in place. ``use_kernels=False``
     builds torch's forms only, for a graph that torch.export traces (llmd's kernels are opaque to it)."""
+    tables = {id(m.table) for m in model.modules() if isinstance(m, QuantEmbedding) and "table" in m._modules}
     for m in model.modules():
-        if isinstance(m, QuantLinear):
-            m.prepare(use_kernels)
+        if isinstance(m, QuantLinear):      # an untied embedding's own table: rows only, no kernel copy
+            m.prepare(use_kernels and id(m) not in tables)
     if use_kernels and hasattr(model, "fused_decode"):      # its products' kernel forms are built now
         model.fused_decode = FusedDecode.build(model)
