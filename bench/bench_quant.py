@@ -79,30 +79,35 @@ def step(runner: ModelRunner, ids: list[int], start: int, blocks: list[int]) -> 
 
 
 class Timer:
-    """One variant's runner and its timings; ``round()`` times one prompt forward and its decode."""
+    """One variant's runner and its timings; ``round()`` times one prompt forward and its decode, of
+    ``streams`` streams decoding together (one row each per step; the first stream's prompt timed)."""
 
-    def __init__(self, model: LlamaForCausalLM, prompt_tokens: int, decode: int):
+    def __init__(self, model: LlamaForCausalLM, prompt_tokens: int, decode: int, streams: int = 1):
         block = 16
         blocks = (prompt_tokens + decode) // block + 2
-        self.runner = ModelRunner(model, blocks, block, "float32")
-        self.block_ids = list(range(blocks))
-        self.prompt = list(range(1, prompt_tokens + 1))
+        self.runner = ModelRunner(model, blocks * streams, block, "float32")
+        self.block_ids = [list(range(s * blocks, (s + 1) * blocks)) for s in range(streams)]
+        self.prompts = [[(s * 7 + i) % 1000 + 1 for i in range(prompt_tokens)] for s in range(streams)]
         self.decode = decode
         self.prefill: list[float] = []
-        self.per_token: list[float] = []
+        self.per_token: list[float] = []     # a step's time over its streams: 1 / it is tokens/s
 
     def round(self) -> None:
-        t = time.perf_counter()
-        logits = step(self.runner, self.prompt, 0, self.block_ids)
-        self.prefill.append(time.perf_counter() - t)
-        tok = int(logits.argmax())
+        toks = []
+        for s, (prompt, blocks) in enumerate(zip(self.prompts, self.block_ids)):
+            t = time.perf_counter()
+            toks.append(int(step(self.runner, prompt, 0, blocks).argmax()))
+            if s == 0:
+                self.prefill.append(time.perf_counter() - t)
+        start = len(self.prompts[0])
         for i in range(self.decode):
             t = time.perf_counter()
-            tok = int(step(self.runner, [tok], len(self.prompt) + i, self.block_ids).argmax())
-            self.per_token.append(time.perf_counter() - t)
+            feeds = [Feed([tok], start + i, blocks, 1) for tok, blocks in zip(toks, self.block_ids)]
+            toks = self.runner.run(self.runner.prepare_feeds(feeds)).argmax(-1).tolist()
+            self.per_token.append((time.perf_counter() - t) / len(feeds))
 
     def rates(self) -> dict:
-        return rates(len(self.prompt), self.prefill, self.per_token)
+        return rates(len(self.prompts[0]), self.prefill, self.per_token)
 
 
 def rates(prompt_tokens: int, prefill: list[float], per_token: list[float]) -> dict:
@@ -153,6 +158,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads (default %(default)s)")
     p.add_argument("--prompt-tokens", type=int, default=128, help="prompt length for time to first token (default %(default)s)")
     p.add_argument("--decode", type=int, default=32, help="tokens decoded per run (default %(default)s)")
+    p.add_argument("--streams", type=int, default=1, choices=range(1, 17), metavar="1..16",
+                   help="streams decoding together, one row each per step; decode tok/s counts all (default %(default)s)")
     p.add_argument("--repeat", type=int, default=3, help="runs of each variant, taken in turns; medians reported (default %(default)s)")
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated variants to compare (default %(default)s)")
     p.add_argument("--model", default=None, help="a model directory or GGUF file instead of random weights of --shape")
@@ -171,13 +178,13 @@ def main() -> None:
     timers = {}
     for name in names:
         model = build(args.shape, VARIANTS[name], 0, args.model, name in BF16_VALUES)
-        timers[name] = Timer(model, args.prompt_tokens, args.decode)
+        timers[name] = Timer(model, args.prompt_tokens, args.decode, args.streams)
         print(f"{name}: built ({'fused step' if model.fused_decode is not None else 'layer-by-layer forward'})",
               flush=True)
     if args.engine:
         names.append("engine")
         timers["engine"] = Timer(load_engine_part(args.engine, read_manifest(args.engine), "target")[0],
-                                 args.prompt_tokens, args.decode)
+                                 args.prompt_tokens, args.decode, args.streams)
     with torch.inference_mode():
         for _ in range(args.repeat):
             for name in names:

@@ -21,12 +21,10 @@ from llmd.runtime.kernels import ops
 def forms(n: int, k: int) -> dict:
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(n + k)) * 0.05
     blocks = ops.f32_blocks(w.to(torch.bfloat16).float())
-    q8, s8 = quantize_int8(w)
-    q8g, s8g = quantize_int8(w, 64)
-    q4, s4, z4 = quantize_int4(w, 64)
-    packed = ops.int4_pack(q4, s4, z4, 64)
-    return {"bf16": lambda x: ops.f32_matvec(x, blocks, None), "int8": lambda x: ops.int8_matvec(x, q8, s8, None),
-            "int8g": lambda x: ops.int8g_matvec(x, q8g, s8g, None), "int4": lambda x: ops.int4_matvec(x, packed, 64, None)}
+    int8, int8g = ops.int8_pack(*quantize_int8(w)), ops.int8_pack(*quantize_int8(w, 64))
+    int4 = ops.int4_pack(*quantize_int4(w, 64), 64)
+    return {"bf16": lambda x: ops.f32_matvec(x, blocks, None), "int8": lambda x: ops.packed_matvec(x, int8),
+            "int8g": lambda x: ops.packed_matvec(x, int8g), "int4": lambda x: ops.packed_matvec(x, int4)}
 
 
 def main() -> None:

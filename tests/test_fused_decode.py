@@ -80,13 +80,13 @@ def test_fused_step_is_bit_identical_to_the_python_forward(model_factory, arch, 
 
 
 QUANT = {   # hidden 192 = 128 + 64 (SmolLM2's 576 is 4 x 128 + 64): the kernels' half lines
-    "int8": (QuantSpec("int8"), {"hidden": 192, "intermediate": 320}, ops.KIND_INT8),
-    "int4-g64": (QuantSpec("int4", group_size=64), {"hidden": 192, "intermediate": 320}, ops.KIND_INT4),
-    "int4-g32": (QuantSpec("int4", group_size=32), {"hidden": 192, "intermediate": 320}, ops.KIND_INT4),
+    "int8": (QuantSpec("int8"), {"hidden": 192, "intermediate": 320}, ops.KIND_Q8),
+    "int4-g64": (QuantSpec("int4", group_size=64), {"hidden": 192, "intermediate": 320}, ops.KIND_Q4),
+    "int4-g32": (QuantSpec("int4", group_size=32), {"hidden": 192, "intermediate": 320}, ops.KIND_Q4),
     "int4-g128-qkv-bias": (QuantSpec("int4", group_size=128), {"architecture": "Qwen2ForCausalLM", "hidden": 256,
                                                                 "heads": 8, "kv_heads": 2, "intermediate": 384},
-                           ops.KIND_INT4),
-    "int8-untied": (QuantSpec("int8"), {"tie": False, "hidden": 128, "intermediate": 256}, ops.KIND_INT8),
+                           ops.KIND_Q4),
+    "int8-untied": (QuantSpec("int8"), {"tie": False, "hidden": 128, "intermediate": 256}, ops.KIND_Q8),
 }
 
 
@@ -102,6 +102,16 @@ def test_quantized_fused_step_is_bit_identical_to_the_python_forward(model_facto
     assert fused is not None and fused.max_rows == 16
     assert {p.kind for p in fused._products} == {kind}
     assert_steps_match(model, fused, kv_dtype)
+
+
+def test_an_untied_embedding_table_keeps_no_packed_copy(model_factory):
+    """The packed blocks are for products: an untied int8 embedding is only looked up (its stored rows),
+    while the head and the layers have theirs."""
+    spec, kw, _ = QUANT["int8-untied"]
+    model = loaded(model_factory, "fused-int8-untied", quant=spec, **kw)
+    assert model.embed_tokens.table.kernel_product() is None
+    assert model.lm_head.kernel_product().kind == ops.KIND_Q8G
+    assert all(m.kernel_product() is not None for m in layer_linears(model))
 
 
 def assert_steps_match(model, fused, kv_dtype):

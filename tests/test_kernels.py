@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from llmd.runtime.formats.quantized import (Int4Linear, Int8GroupLinear, Int8Linear, W8A8Linear, dequantize_int4,
-                                            dequantize_int8, quantize_int4, quantize_int8)
+                                            dequantize_int8, quantize_int4, quantize_int8, split16)
 from llmd.runtime import kernels
 from llmd.runtime.kernels import ops
 
@@ -32,7 +32,7 @@ def test_int8_kernel_matches_weight_only_reference(m, n, k):
     q, s = quantize_int8(weight(n, k, n + k))
     x = rows(m, k, m)
     bias = torch.randn(n)
-    y = ops.int8_matvec(x, q, s, bias)
+    y = ops.packed_matvec(x, ops.int8_pack(q, s), bias)
     w = dequantize_int8(q, s).double()
     ref = x.double() @ w.t() + bias.double()
     # x is carried as 16-bit integers: each element off by at most half a step, max|x| / 32767 / 2
@@ -50,7 +50,7 @@ def test_int4_kernel_matches_reference(m, group, k, symmetric):
     q, s, z = quantize_int4(weight(n, k, group), group, symmetric)
     form = ops.int4_pack(q, s, z, group)
     x = rows(m, k, group + m)
-    y = ops.int4_matvec(x, form, group, None)
+    y = ops.packed_matvec(x, form)
     w = dequantize_int4(q, s, z).double()
     ref = x.double() @ w.t()
     # x is quantized per block of 128 columns (the last 64 alone where K is 64 past a multiple of 128) to
@@ -61,13 +61,27 @@ def test_int4_kernel_matches_reference(m, group, k, symmetric):
     assert ((y.double() - ref).abs() <= bound).all()
 
 
+@pytest.mark.parametrize("n", [35, 200])          # the last block of 16 outputs padded
+def test_int8_blocks_give_the_integer_forms_numbers_bit_for_bit(n):
+    """The packed int8 kernel's sums are exact integers: each of 1..16 rows, wherever it falls in a tile,
+    gets the numbers of the prompt rows' integer form (split16, two integer products)."""
+    k = 576
+    q, s = quantize_int8(weight(n, k, n))
+    x = rows(16, k, 2)
+    hi, lo, sx = split16(x)
+    wt = q.long().t()
+    ref = ((hi.long() @ wt).float() * 256 + ((lo.long() + 128) @ wt).float()) * (sx * s)
+    form = ops.int8_pack(q, s)
+    for m in range(1, 17):
+        assert torch.equal(ops.packed_matvec(x[:m], form), ref[:m]), m
+
+
 @pytest.mark.parametrize("m", [1, 5, 16])
-@pytest.mark.parametrize("group,k", [(64, 576), (128, 512)])
-def test_int8g_kernel_matches_reference(m, group, k):
-    n = 320
+@pytest.mark.parametrize("group,k,n", [(64, 576, 320), (128, 512, 200)])
+def test_int8g_kernel_matches_reference(m, group, k, n):
     q, s = quantize_int8(weight(n, k, k), group)
     x = rows(m, k, m + 1)
-    y = ops.int8g_matvec(x, q, s, None)
+    y = ops.packed_matvec(x, ops.int8_pack(q, s))
     w = dequantize_int8(q, s).double()
     ref = x.double() @ w.t()
     step = x.abs().amax(1, keepdim=True).double() / 32767                 # x at 16 bits per row, as int8
@@ -149,9 +163,9 @@ def test_w8a8_kernel_matches_integer_reference(m):
 def test_kernels_refuse_rows_and_widths_they_do_not_take():
     q, s = quantize_int8(weight(16, 128, 0))
     assert ops.w8a8_matvec(rows(17, 128, 0), q, s, None) is None         # prompts go to torch._int_mm
-    assert ops.int8_matvec(rows(17, 128, 0), q, s, None) is None
+    assert ops.packed_matvec(rows(17, 128, 0), ops.int8_pack(q, s)) is None
     q, s = quantize_int8(weight(16, 96, 0))
-    assert ops.int8_matvec(rows(1, 96, 0), q, s, None) is None
+    assert ops.int8_pack(q, s) is None
 
 
 @pytest.mark.parametrize("cls", [Int8Linear, W8A8Linear, Int4Linear])
@@ -264,7 +278,7 @@ def test_int8_group_kernel_matches_reference(m, group):
     w[:, 5] *= 20                                          # an outlier column, as embedding rows have
     q, s = quantize_int8(w, group)
     x = rows(m, k, m + group)
-    y = ops.int8g_matvec(x, q, s, None)
+    y = ops.packed_matvec(x, ops.int8_pack(q, s))
     ref = x.double() @ dequantize_int8(q, s).double().t()
     step = x.abs().amax(1, keepdim=True).double() / 32767          # x at 16 bits per row, as for int8
     wd = dequantize_int8(q, s).double()
@@ -320,7 +334,7 @@ def test_every_entry_point_is_declared_once_in_the_header_and_bound_by_it():
     assert len(declared) == 17
     for name in declared:
         assert getattr(so, name).argtypes is not None, name
-    assert so.llmd_int4_pack.restype is None and so.llmd_rmsnorm.restype is ctypes.c_int
+    assert so.llmd_q4_pack.restype is ctypes.c_int and so.llmd_rmsnorm.restype is ctypes.c_int
     assert so.llmd_rmsnorm.argtypes[4] is ctypes.c_float
 
 

@@ -17,7 +17,11 @@ the product. Each row of x is quantized alone, and the int8 and w8a8 sums are ex
 kernel and the _int_mm form give the same numbers; int4 runs one kernel, whose per-row sums keep one
 order whatever M is. A request's greedy tokens are the same alone and in a batch.
 
-The llmd kernels (llmd.runtime.kernels, AVX-512 VNNI) stream the weights at memory speed; where
+The llmd kernels (llmd.runtime.kernels, AVX-512 VNNI) read int8, int8g and int4 weights from a copy
+packed at ``prepare()`` into blocks of 16 outputs (quant.c; the stored tensors stay for prompts, token
+rows and saving): each weight load serves every row of a tile with one vpdpbusd per row (int8: two),
+fewer instructions per weight and row than the bfloat16 blocks' FMAs (docs/performance.md, "Blocked
+quantized products"). They stream the weights at memory speed; where
 they cannot run (other CPUs, no compiler, a graph being compiled, int4 groups under 32, widths not
 a multiple of 64) torch's packed kernels take their place for M <= small_m (more rows as above):
 _weight_int8pack_mm and _weight_int4pack_mm_for_cpu with x rounded to bfloat16, which are
@@ -256,7 +260,7 @@ class QuantLinear(nn.Module):
 
 class Int8Linear(QuantLinear):
     method = "int8"
-    derived = ("_scales_bf16", "_offset")
+    derived = ("_scales_bf16", "_offset", "_kernel_form")
 
     def __init__(self, in_features, out_features, bias=False, small_m=SMALL_M):
         super().__init__(in_features, out_features, bias, small_m)
@@ -264,6 +268,7 @@ class Int8Linear(QuantLinear):
         self.register_buffer("scales", torch.ones(out_features))
         self._scales_bf16 = None
         self._offset = None
+        self._kernel_form = None
 
     def load_weight(self, w: torch.Tensor) -> None:
         self.qweight, self.scales = quantize_int8(w)
@@ -272,6 +277,11 @@ class Int8Linear(QuantLinear):
         self.align()
         self._scales_bf16 = self.scales.to(torch.bfloat16)
         self._offset = self.qweight.sum(1, dtype=torch.int32) * 128
+        self.pack(use_kernels)
+
+    def pack(self, use_kernels: bool) -> None:
+        """The weight in llmd's kernel blocks (a second copy of it, as int4 keeps) where the kernels run."""
+        self._kernel_form = ops.int8_pack(self.qweight, self.scales) if use_kernels and kernels.available() else None
 
     def large(self, x: torch.Tensor) -> torch.Tensor:
         """Prompt rows, eager: two integer products carry x at the decode kernel's 16-bit precision,
@@ -289,11 +299,13 @@ class Int8Linear(QuantLinear):
         return (acc_hi * 256 + acc_lo) * (sx * self.scales)
 
     def kernel_rows(self, x: torch.Tensor) -> torch.Tensor | None:
-        return ops.int8_matvec(x, self.qweight, self.scales, None)
+        return None if self._kernel_form is None else ops.packed_matvec(x, self._kernel_form)
 
     def kernel_product(self) -> ops.KernelProduct | None:
-        if not kernels.available() or self.in_features % 64 or self.in_features >= 1 << 16:
-            return None
+        return None if self._kernel_form is None else self._kernel_form.product()
+
+    def table_form(self) -> ops.KernelProduct:
+        """The weight as a token table whose rows a draft loop reads (``rows()``'s numbers)."""
         return ops.KernelProduct(ops.KIND_INT8, self.qweight, self.scales)
 
     def small(self, x: torch.Tensor) -> torch.Tensor:
@@ -321,7 +333,7 @@ class Int8GroupLinear(Int8Linear):
     kernel on that bf16 weight."""
 
     method = "int8g"
-    derived = ("_dense_bf16", "_blocks")
+    derived = ("_dense_bf16", "_blocks", "_kernel_form")
 
     def __init__(self, in_features, out_features, bias=False, small_m=SMALL_M, group_size=HEAD_GROUP):
         super().__init__(in_features, out_features, bias, small_m)
@@ -331,21 +343,17 @@ class Int8GroupLinear(Int8Linear):
         self.scales = torch.ones(out_features, in_features // group_size)
         self._dense_bf16 = None
         self._blocks = None
+        self._kernel_form = None
 
     def load_weight(self, w: torch.Tensor) -> None:
         self.qweight, self.scales = quantize_int8(w, self.group_size)
 
     def prepare(self, use_kernels: bool = True) -> None:
         self.align()
+        self.pack(use_kernels)
 
-    def kernel_rows(self, x: torch.Tensor) -> torch.Tensor | None:
-        return ops.int8g_matvec(x, self.qweight, self.scales, None)
-
-    def kernel_product(self) -> ops.KernelProduct | None:
-        if not kernels.available() or self.group_size not in (64, 128, 256) or self.in_features >= 1 << 16:
-            return None
-        return ops.KernelProduct(ops.KIND_INT8G, self.qweight, self.scales, group=self.group_size,
-                                 max_rows=ops.MANY_MAX_ROWS)
+    def table_form(self) -> ops.KernelProduct:
+        return ops.KernelProduct(ops.KIND_INT8G, self.qweight, self.scales, group=self.group_size)
 
     def small(self, x: torch.Tensor) -> torch.Tensor:
         return self.large(x)
@@ -390,6 +398,9 @@ class W8A8Linear(Int8Linear):
     """int8 weights and per-token dynamic int8 activations: integer products at every row count."""
 
     method = "w8a8"
+
+    def pack(self, use_kernels: bool) -> None:
+        self._kernel_form = None           # its kernel reads the weight as stored
 
     def kernel_rows(self, x: torch.Tensor) -> torch.Tensor | None:
         return ops.w8a8_matvec(x, self.qweight, self.scales, None)     # declines over ops.MAX_ROWS rows
@@ -451,13 +462,10 @@ class Int4Linear(QuantLinear):
     def kernel_rows(self, x: torch.Tensor) -> torch.Tensor | None:
         if self._kernel_form is None:
             return None
-        return ops.int4_matvec(x, self._kernel_form, self.group_size, None)
+        return ops.packed_matvec(x, self._kernel_form)
 
     def kernel_product(self) -> ops.KernelProduct | None:
-        if self._kernel_form is None:
-            return None
-        packed, scales, offsets = self._kernel_form
-        return ops.KernelProduct(ops.KIND_INT4, packed, scales, offsets, self.group_size, max_rows=self.KERNEL_ROWS)
+        return None if self._kernel_form is None else self._kernel_form.product(self.KERNEL_ROWS)
 
     def large(self, x: torch.Tensor) -> torch.Tensor:
         """Prompt rows through the decode kernel up to 640 rows: the weights stay 4-bit, read once
@@ -664,8 +672,9 @@ def _quantize_mixed(model: nn.Module, spec: QuantSpec, from_weights: bool) -> nn
 def prepare_quantized(model: nn.Module, use_kernels: bool = True) -> None:
     """Build the kernel forms (packed int4, bf16 scales) after tensors are in place. ``use_kernels=False``
     builds torch's forms only, for a graph that torch.export traces (llmd's kernels are opaque to it)."""
+    tables = {id(m.table) for m in model.modules() if isinstance(m, QuantEmbedding) and "table" in m._modules}
     for m in model.modules():
-        if isinstance(m, QuantLinear):
-            m.prepare(use_kernels)
+        if isinstance(m, QuantLinear):      # an untied embedding's own table: rows only, no kernel copy
+            m.prepare(use_kernels and id(m) not in tables)
     if use_kernels and hasattr(model, "fused_decode"):      # its products' kernel forms are built now
         model.fused_decode = FusedDecode.build(model)

@@ -1,5 +1,5 @@
-/* Every decoder layer of a decode step in one call, over float32, bfloat16-block, int8, int4 or int8g
- * weights (llmd_product's kinds): the same kernels, in the same order and
+/* Every decoder layer of a decode step in one call, over float32, bfloat16-block, or packed int8, int4
+ * or int8g weights (llmd_product's kinds): the same kernels, in the same order and
  * with the same thread counts, as the Python forward calls one by one (llmd.runtime.models.llama),
  * so the hidden states are bit-identical; what goes is the Python between them (about 0.4 ms a
  * step for four layers here, as much as the arithmetic of one small-model token).
@@ -50,11 +50,9 @@ static int product(const float *x, int M, int K, const llmd_product *p, float *y
     switch (p->kind) {
     case LLMD_KIND_F32: return llmd_f32(x, M, K, p->w, p->bias, y, N, threads);
     case LLMD_KIND_BF16: return llmd_f32_w16(x, M, K, p->w, p->bias, y, N, threads);
-    case LLMD_KIND_INT8: rc = llmd_int8_x(x, M, K, p->w, p->scales, 0, y, N, threads); break;
-    case LLMD_KIND_INT8G: rc = llmd_int8g_x(x, M, K, p->group, p->w, p->scales, 0, y, N, threads); break;
-    case LLMD_KIND_INT4:
-        rc = llmd_int4_x(x, M, K, p->group, p->w, p->scales, p->offsets, 0, y, N, product_threads(M, N, K / 2, nt));
-        break;
+    case LLMD_KIND_Q8: rc = llmd_q8_x(x, M, K, 0, p->w, y, N, threads); break;
+    case LLMD_KIND_Q8G: rc = llmd_q8_x(x, M, K, p->group, p->w, y, N, threads); break;
+    case LLMD_KIND_Q4: rc = llmd_q4_x(x, M, K, p->group, p->w, y, N, product_threads(M, N, K / 2, nt)); break;
     default: return -1;
     }
     if (!rc && p->bias)

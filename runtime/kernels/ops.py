@@ -63,86 +63,103 @@ def f32_matvec(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None)
     return y if rc == 0 else None
 
 
-def _start(x: torch.Tensor, max_rows: int = MAX_ROWS):
-    """(library, x as contiguous float32, M, K), or None when the quantized kernels cannot take x."""
-    so = lib()
-    m, k = x.shape
-    if so is None or not 1 <= m <= max_rows or k % 64:
-        return None
-    return so, x.float().contiguous(), m, k
-
-
 def _ptr(t: torch.Tensor | None):
     return None if t is None else t.data_ptr()
 
 
-def _int8_weights(entry: str, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                  bias: torch.Tensor | None):
-    """x times an int8 weight [N, K] with per-row scales through the kernel ``entry``."""
-    if (start := _start(x)) is None:
+@dataclass(frozen=True, eq=False)
+class Packed:
+    """A quantized weight [n, k] in the kernels' blocks of 16 outputs (quant.c): int8 (``group`` 0: a
+    scale per row), int8g (a scale per ``group`` columns) or int4 (``nibbles``), scales inside."""
+    data: torch.Tensor        # uint8, packed_bytes(...) of them
+    n: int
+    k: int
+    group: int
+    nibbles: bool
+
+    @property
+    def kind(self) -> int:
+        return KIND_Q4 if self.nibbles else KIND_Q8G if self.group else KIND_Q8
+
+    @property
+    def max_rows(self) -> int:
+        """Rows one call takes: int8's prompts go to torch._int_mm (the same numbers), the others' to
+        these kernels too."""
+        return MAX_ROWS if self.kind == KIND_Q8 else MANY_MAX_ROWS
+
+    def product(self, max_rows: int | None = None) -> "KernelProduct":
+        return KernelProduct(self.kind, self.data, group=self.group,
+                             max_rows=self.max_rows if max_rows is None else max_rows)
+
+
+def packed_bytes(n: int, k: int, group: int, nibbles: bool) -> int:
+    """Bytes of a packed weight: per block of 16 outputs, 128 per group (scales and sums) and 16 per
+    column (int4: 8)."""
+    groups = k // group if group else 1
+    return (n + 15) // 16 * (128 * groups + (8 if nibbles else 16) * k)
+
+
+def int8_pack(qweight: torch.Tensor, scales: torch.Tensor) -> Packed | None:
+    """int8 weight [N, K] with scales [N] (int8) or [N, K/G] (int8g, G 64, 128 or 256) in the kernels'
+    blocks, or None where they do not run (not built, K not a multiple of 64 below 65536, another G)."""
+    so = lib()
+    n, k = qweight.shape
+    group = 0 if scales.dim() == 1 else k // scales.shape[1]
+    if so is None or getattr(so, "llmd_q8_pack", None) is None:
         return None
-    so, x, m, k = start
-    n = qweight.shape[0]
+    out = torch.empty(packed_bytes(n, k, group, False), dtype=torch.uint8)
+    rc = so.llmd_q8_pack(qweight.contiguous().data_ptr(), scales.float().contiguous().data_ptr(), n, k, group,
+                         out.data_ptr())
+    return Packed(out, n, k, group, False) if rc == 0 else None
+
+
+def int4_pack(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> Packed | None:
+    """uint8 [N, K] nibbles with [N, K/G] scales and zeros in the kernels' blocks, or None where they do
+    not run (not built, G not 32, 64, 128 or 256, or K not a multiple of G and of 64)."""
+    so = lib()
+    n, k = q.shape
+    if so is None or getattr(so, "llmd_q4_pack", None) is None:
+        return None
+    out = torch.empty(packed_bytes(n, k, group_size, True), dtype=torch.uint8)
+    offsets = (zeros - 8 * scales).float().contiguous()
+    rc = so.llmd_q4_pack(q.to(torch.uint8).contiguous().data_ptr(), scales.float().contiguous().data_ptr(),
+                         offsets.data_ptr(), n, k, group_size, out.data_ptr())
+    return Packed(out, n, k, group_size, True) if rc == 0 else None
+
+
+def packed_matvec(x: torch.Tensor, form: Packed, bias: torch.Tensor | None = None):
+    """x [M, K] times a packed weight -> float32 [M, N] (plus ``bias``), or None where the kernel does
+    not take these rows (more than ``form.max_rows``)."""
+    so = lib()
+    m, k = x.shape
+    if so is None or not 1 <= m <= form.max_rows or k != form.k:
+        return None
+    x = x.float().contiguous()
+    n = form.n
     y = torch.empty(m, n)
-    rc = getattr(so, entry)(x.data_ptr(), m, k, qweight.data_ptr(), scales.data_ptr(), _ptr(bias), y.data_ptr(), n,
-                            _threads(m, n, k))
-    return y if rc == 0 else None
-
-
-def int8_matvec(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
-    """Weight-only int8: x carried at 16-bit precision per row."""
-    return _int8_weights("llmd_int8_x", x, qweight, scales, bias)
+    fn, work = (so.llmd_q4_x, k // 2) if form.nibbles else (so.llmd_q8_x, k)
+    rc = fn(x.data_ptr(), m, k, form.group, form.data.data_ptr(), y.data_ptr(), n, _threads(m, n, work))
+    if rc:
+        return None
+    return y if bias is None else y.add_(bias)
 
 
 def w8a8_matvec(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
-    """w8a8: x quantized to int8 per row (token), as the many-row path does."""
-    return _int8_weights("llmd_w8a8_x", x, qweight, scales, bias)
-
-
-def int8g_matvec(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
-    """int8 weight [N, K] with a scale per group of G = K / scales.shape[1] columns (64, 128 or 256),
-    x at 16-bit precision per row; any number of rows up to MANY_MAX_ROWS, K a multiple of 64."""
+    """w8a8: x quantized to int8 per row (token), int8 weight [N, K] as stored."""
     so = lib()
     m, k = x.shape
-    n, groups = scales.shape
-    if so is None or not 1 <= m <= MANY_MAX_ROWS or k % groups or (k // groups) % 64:
+    if so is None or not 1 <= m <= MAX_ROWS or k % 64:
         return None
     x = x.float().contiguous()
+    n = qweight.shape[0]
     y = torch.empty(m, n)
-    rc = so.llmd_int8g_x(x.data_ptr(), m, k, k // groups, qweight.data_ptr(), scales.data_ptr(), _ptr(bias),
-                         y.data_ptr(), n, _threads(m, n, k))
-    return y if rc == 0 else None
-
-
-def int4_pack(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int):
-    """uint8 [N, K] nibbles with [N, K/G] scales and zeros -> the kernel's form (packed weights
-    uint8 [N, K/2], scales, offsets z - 8 s; see quant.c), or None where the kernel does not run
-    (not built, G not 32, 64, 128 or 256, or K not a multiple of G and of 64)."""
-    so = lib()
-    n, k = q.shape
-    if so is None or group_size not in (32, 64, 128, 256) or k % group_size or k % 64:
-        return None
-    q = q.to(torch.uint8).contiguous()
-    packed = torch.empty(n, k // 2, dtype=torch.uint8)
-    so.llmd_int4_pack(q.data_ptr(), n, k, packed.data_ptr())
-    return packed, scales.float().contiguous(), (zeros - 8 * scales).float().contiguous()
-
-
-def int4_matvec(x: torch.Tensor, form: tuple, group_size: int, bias: torch.Tensor | None):
-    """``form`` from ``int4_pack``; any number of rows up to MANY_MAX_ROWS (a prompt's too)."""
-    if (start := _start(x, MANY_MAX_ROWS)) is None:
-        return None
-    so, x, m, k = start
-    packed, scales, offsets = form
-    n = packed.shape[0]
-    y = torch.empty(m, n)
-    rc = so.llmd_int4_x(x.data_ptr(), m, k, group_size, packed.data_ptr(), scales.data_ptr(), offsets.data_ptr(),
-                        _ptr(bias), y.data_ptr(), n, _threads(m, n, k // 2))
+    rc = so.llmd_w8a8_x(x.data_ptr(), m, k, qweight.data_ptr(), scales.data_ptr(), _ptr(bias), y.data_ptr(), n,
+                        _threads(m, n, k))
     return y if rc == 0 else None
 
 
 # kernels.h's llmd_product kinds
-KIND_F32, KIND_BF16, KIND_INT8, KIND_INT4, KIND_INT8G, KIND_ROWS = range(6)
+KIND_F32, KIND_BF16, KIND_INT8, KIND_INT4_ROWS, KIND_INT8G, KIND_ROWS, KIND_Q8, KIND_Q8G, KIND_Q4 = range(9)
 
 
 @dataclass(frozen=True, eq=False)

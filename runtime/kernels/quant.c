@@ -1,23 +1,26 @@
-/* Quantized products, x86-64 with AVX-512: decode rows, verification, batches (int4 and int8g: prompts too).
+/* Quantized products, x86-64 with AVX-512 (VNNI): decode rows, verification, batches, and prompts.
  *
  * llmd's decode step reads every weight once per token, so its speed is the rate at which weights
- * stream from memory. torch's packed int8/int4 kernels convert and multiply at a rate below that
- * on small machines; these loops keep the arithmetic per weight byte small enough that the memory
- * system is the limit. Rows of the output are split across threads with OpenMP (the same runtime
- * torch uses, loaded once per process). Built and loaded by llmd.runtime.kernels.
+ * stream from memory; with several rows (a batch of streams, a verification) it is also the
+ * arithmetic per weight and row. int8, int8g and int4 weights are packed once into blocks of 16
+ * outputs (below) whose every load serves all rows of a tile with one vpdpbusd per row; w8a8
+ * keeps its weights as stored, one output row at a time. Rows of the output (blocks) are split
+ * across threads with OpenMP (the same runtime torch uses, loaded once per process). Built and
+ * loaded by llmd.runtime.kernels.
  *
  *   int8:  y[m,n] = s[n] * sum_k w[n,k] x[m,k]                 w int8 [N,K], x as 16-bit integers
+ *   int8g: y[m,n] = sum_g s[n,g] sum_{k in g} w[n,k] x[m,k]     x as 16-bit integers
  *   int4:  y[m,n] = sum_g s[n,g] sum_{k in g} (q[n,k] - 8) x[m,k] + z[n,g] sum_{k in g} x[m,k]
- *          q in [0,15], x as 8-bit integers per block of 128; weights in the layout of llmd_int4_pack
+ *          q in [0,15], x as 8-bit integers per block of 128
  *   w8a8:  y[m,n] = sx[m] s[n] sum_k w[n,k] xq[m,k]            xq = round(x / sx), sx = max|x| / 127
- * The entry points (llmd_*_x) take 1..8192 rows and K a multiple of 64 (int8, int8g, w8a8: below
- * 65536; int4: of 64 and of its group size G) and return 0, -1 for a CPU or shape they do not take (the
- * caller then uses torch's kernels), -2 out of memory.
+ * The entry points (llmd_*_x) take 1..8192 rows and K a multiple of 64 (int8, int8g,
+ * w8a8: below 65536; int4 and int8g: of their group size too) and return 0, -1 for a CPU or shape they
+ * do not take (the caller then uses torch's kernels), -2 out of memory.
  *
  * Batch invariance: every row of x is quantized on its own (its own scales) and each output value
  * y[m, n] is summed by the same code in the same order whatever M is and wherever row m falls in
- * its tile (MANY_ROWS below), so a row's result never depends on the other rows of the call (a
- * request's tokens are the same alone and in a batch). The int8 and w8a8 sums are exact integers.
+ * its tile, so a row's result never depends on the other rows of the call (a request's tokens are
+ * the same alone and in a batch). The int8 and w8a8 sums are exact integers.
  */
 #include "kernels.h"
 
@@ -32,153 +35,322 @@ int llmd_cpu_ok(void) {
     return ok;
 }
 
-/* Rows of x taken CHUNK_ROWS at a time; within a chunk each output row's weights are used by
- * every tile of up to TILE_ROWS rows while they sit in the first-level cache, so the weights are
- * read from memory once per chunk and never widened to floats. TILE(MM) computes rows m..m+MM-1 of
- * x against output row n; each row's sums are its own (see batch invariance above). */
-#define CHUNK_ROWS 64
-#define TILE_ROWS 4
-#define MANY_ROWS(TILE) \
-    for (int c0 = 0; c0 < M; c0 += CHUNK_ROWS) { \
-        const int c1 = c0 + CHUNK_ROWS < M ? c0 + CHUNK_ROWS : M; \
-        _Pragma("omp parallel for num_threads(nt) schedule(static)") \
-        for (int n = 0; n < N; n++) \
-            for (int m = c0; m < c1; m += TILE_ROWS) { \
-                switch (c1 - m) { \
-                case 1: TILE(1) break; \
-                case 2: TILE(2) break; \
-                case 3: TILE(3) break; \
-                default: TILE(4) break; \
-                } \
-            } \
-    }
+/* ---- one call per product: quantize x into per-thread scratch, then multiply --------------- */
+/* The scratch grows to the largest row seen and is kept for the thread's life, so a decode step
+ * allocates nothing here; the caller passes x as float32 and gets y. */
 
-/* ---- int8 weights, 16-bit integer activations ------------------------------------------- */
-/* x is carried per row as 16-bit integers, xi = round(x / sx) with sx = max|x| / 32767 (finer than
- * the bfloat16 that torch's int8 kernel rounds x to), split into a signed high byte and an
- * unsigned low byte, xi = 256 * hi + lo. vpdpbusd multiplies unsigned by signed bytes: lo enters
- * as it is; hi enters as |hi| with its sign moved onto the weight (w negated where hi < 0).
- * Both sums are exact in int32 for K < 2^16. Columns go 64 at a time into two accumulators in
- * turn (independent chains); K a multiple of 64. */
+static __thread void *scratch;
+static __thread size_t scratch_bytes;
 
-static inline TARGET __attribute__((always_inline))
-void int8_row(const uint8_t *xh, const uint8_t *xl, const uint64_t *neg, const float *sx, const int MM, int K,
-              const int8_t *w, float s, float b, float *y, int N) {
-    __m512i ah[TILE_ROWS][2], al[TILE_ROWS][2];
-    const __m512i zero = _mm512_setzero_si512();
-    for (int m = 0; m < TILE_ROWS; m++) ah[m][0] = ah[m][1] = al[m][0] = al[m][1] = zero;
-    for (int c = 0; c < K; c += 128)
-        for (int j = 0; j < 2 && c + 64 * j < K; j++) {     /* j constant once unrolled: registers, not memory */
-            const __m512i wv = _mm512_loadu_si512((const void *)(w + c + 64 * j));
-            for (int m = 0; m < MM; m++) {
-                const size_t at = (size_t)m * K + c + 64 * j;
-                const __m512i ws = _mm512_mask_sub_epi8(wv, neg[at / 64], zero, wv);
-                ah[m][j] = _mm512_dpbusd_epi32(ah[m][j], _mm512_loadu_si512((const void *)(xh + at)), ws);
-                al[m][j] = _mm512_dpbusd_epi32(al[m][j], _mm512_loadu_si512((const void *)(xl + at)), wv);
-            }
-        }
-    for (int m = 0; m < MM; m++) {
-        const float hi = (float)_mm512_reduce_add_epi32(_mm512_add_epi32(ah[m][0], ah[m][1]));
-        const float lo = (float)_mm512_reduce_add_epi32(_mm512_add_epi32(al[m][0], al[m][1]));
-        y[(size_t)m * N] = (256.f * hi + lo) * (sx[m] * s) + b;
+static void *scratch_for(size_t bytes) {
+    if (bytes > scratch_bytes) {
+        void *p = realloc(scratch, bytes);
+        if (!p) return 0;
+        scratch = p;
+        scratch_bytes = bytes;
     }
+    return scratch;
 }
 
-#define INT8_TILE(MM) int8_row(xh + (size_t)m * K, xl + (size_t)m * K, neg + (size_t)m * (K / 64), sx + m, MM, K, \
-                               w + (size_t)n * K, s[n], bias ? bias[n] : 0.f, y + (size_t)m * N + n, N);
 
-/* x float32 [M,K] -> |hi| and lo bytes, sign masks of hi (one bit per column), scales sx [M]. */
-static TARGET void x16_quantize(const float *x, int M, int K, uint8_t *xh, uint8_t *xl, uint64_t *neg, float *sx) {
+/* ---- blocked forms: int8, int8g and int4 weights ------------------------------------------- */
+/* A packed weight (llmd_q8_pack, llmd_q4_pack) is a run of blocks of 16 output rows each (the last
+ * padded with zero rows), G the columns per scale (int8: G = K, one group), groups = K / G:
+ *
+ *   block b: outputs 16b .. 16b+15                                   bytes: 128 groups + 16 K (int8, int8g)
+ *   +---------------------+---------------------+--------------------------------  128 groups +  8 K (int4)
+ *   | A [groups][16]      | B [groups][16]      | weights, 64 bytes per step, lane j = output 16b+j:
+ *   | int8(g): int32 128W | int8(g): float32 s  |   int8(g): step i, 4 columns 4i..4i+3: byte 4j+t = w[., 4i+t] + 128
+ *   | int4: float32 s     | int4: float32 z-8s  |   int4: step i, 8 columns: byte 4j+t = q[., 8i+t] | q[., 8i+4+t] << 4
+ *   +---------------------+---------------------+--------------------------------
+ *   W = the group's sum of w over its columns (int8: the row's).
+ *
+ * vpdpbusd adds, in each of 16 lanes, four products of unsigned bytes (the weights of one output)
+ * and signed bytes (four columns of one x row, the same in every lane: a broadcast). One weight load
+ * thus advances 16 outputs of every row of a tile by 4 columns (int4: 8, from the two nibbles), with
+ * one instruction per row and no sum across lanes; the bfloat16 blocks (f32.c) share loads the same
+ * way, with four FMAs per 64 weights and row where int8 takes two vpdpbusd and int4 one.
+ *
+ *   int8:  x as 16-bit integers per row, xi = round(x / sx), sx = max|x| / 32767, xi = 256 hi + lo with
+ *          hi = xi >> 8 and lo in [0, 255] (lo enters as lo - 128, a signed byte). With u = w + 128:
+ *            H = sum w hi = sum u hi - 128 sum hi,   L = sum w lo = sum u (lo - 128) - 128 sum (lo - 128) + 128 W
+ *          exact in int32 (K < 2^16), and y = (256 H + L) sx s, rounded as llmd.runtime.formats.quantized
+ *          rounds its prompt rows (Int8Linear.large): the same numbers at every row count.
+ *   int8g: per group the exact sum 256 H + L (|.| < 2^31 for G <= 256), then y += that sx s[g].
+ *   int4:  x as 8-bit integers per block of 128 columns (x8_blocks); per run of min(G, 128) columns the
+ *          exact sum of q xq, then y += that s[g] sx[block], and per group y += (z - 8 s) X[g].
+ * Each row's sums are its own and run in the same order whatever the tile (integer sums may be split
+ * into turns: they are exact), so a row's result never depends on the other rows of the call. */
+
+#define QB 16                /* outputs per block */
+#define Q_CHUNK 64           /* rows of x per pass over the weights (their x stays in cache) */
+
+static size_t q_block_bytes(int K, int groups, int nibbles) { return (size_t)128 * groups + (size_t)(nibbles ? 8 : 16) * K; }
+
+/* Groups of the int8 (G = 0: one) and int8g forms, or 0 for a shape they do not take. */
+static int q8_groups(int K, int G) {
+    if (K < 64 || K % 64 || K >= 65536) return 0;
+    if (G == 0) return 1;
+    return (G == 64 || G == 128 || G == 256) && K % G == 0 ? K / G : 0;
+}
+
+static int q4_groups(int K, int G) {
+    return K >= 64 && K % 64 == 0 && (G == 32 || G == 64 || G == 128 || G == 256) && K % G == 0 ? K / G : 0;
+}
+
+/* acc += w (unsigned bytes) times the four signed bytes at p in every lane, p read by the instruction
+ * itself (an embedded broadcast: no separate load and broadcast per row). */
+static inline TARGET __attribute__((always_inline)) __m512i dot4(__m512i acc, __m512i w, const int8_t *p) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t *)p));
+    return acc;
+}
+
+/* The next block is fetched while this one is computed (by a block's first tile: the others find
+ * it in cache), a line ahead of each weight line read, and its head lines (2 per group) first. */
+#define Q_HINT _MM_HINT_T0
+static inline void q_prefetch_head(const uint8_t *next, int groups) {
+    for (int l = 0; l < 2 * groups; l++) _mm_prefetch((const char *)next + 64 * l, Q_HINT);
+}
+
+/* int8 w [N, K] with scales s [N] (G = 0) or [N, K/G] -> the blocks above. 0, or -1 for a shape not taken. */
+TARGET int llmd_q8_pack(const int8_t *w, const float *s, int N, int K, int G, uint8_t *out) {
+    const int groups = q8_groups(K, G);
+    if (!groups || N < 1) return -1;
+    const int width = K / groups;
+    const size_t bytes = q_block_bytes(K, groups, 0);
+    for (int b = 0; b < (N + QB - 1) / QB; b++) {
+        uint8_t *blk = out + (size_t)b * bytes, *u = blk + (size_t)128 * groups;
+        int32_t *wsum = (int32_t *)blk;
+        float *scale = (float *)(blk + (size_t)64 * groups);
+        for (int j = 0; j < QB; j++) {
+            const int n = QB * b + j;
+            const int8_t *r = n < N ? w + (size_t)n * K : 0;
+            for (int g = 0; g < groups; g++) {
+                int32_t sum = 0;
+                for (int k = g * width; r && k < (g + 1) * width; k++) sum += r[k];
+                wsum[g * QB + j] = 128 * sum;
+                scale[g * QB + j] = r ? s[(size_t)n * groups + g] : 0.f;
+            }
+            for (int k = 0; k < K; k++) u[(size_t)(k / 4) * 64 + 4 * j + k % 4] = (uint8_t)((r ? r[k] : 0) + 128);
+        }
+    }
+    return 0;
+}
+
+/* int4 nibbles q uint8 [N, K] (values 0..15), scales s and offsets off = z - 8 s [N, K/G] -> the blocks
+ * above. 0, or -1 for a shape not taken. */
+TARGET int llmd_q4_pack(const uint8_t *q, const float *s, const float *off, int N, int K, int G, uint8_t *out) {
+    const int groups = q4_groups(K, G);
+    if (!groups || N < 1) return -1;
+    const size_t bytes = q_block_bytes(K, groups, 1);
+    for (int b = 0; b < (N + QB - 1) / QB; b++) {
+        uint8_t *blk = out + (size_t)b * bytes, *v = blk + (size_t)128 * groups;
+        float *scale = (float *)blk, *offset = scale + (size_t)QB * groups;
+        for (int j = 0; j < QB; j++) {
+            const int n = QB * b + j;
+            const uint8_t *r = n < N ? q + (size_t)n * K : 0;
+            for (int g = 0; g < groups; g++) {
+                scale[g * QB + j] = r ? s[(size_t)n * groups + g] : 0.f;
+                offset[g * QB + j] = r ? off[(size_t)n * groups + g] : 0.f;
+            }
+            for (int i = 0; i < K / 8; i++)
+                for (int t = 0; t < 4; t++)
+                    v[(size_t)i * 64 + 4 * j + t] = r ? (uint8_t)((r[8 * i + t] & 15) | (r[8 * i + 4 + t] & 15) << 4) : 0;
+        }
+    }
+    return 0;
+}
+
+/* x float32 [M, K] -> xhl int8 [M, K/4, 8] (per 4 columns their hi bytes, then their lo - 128), sx [M],
+ * and per 64 columns the sums of hi and of lo - 128 (int32 [M, K/64, 2]); xi and its split as llmd.runtime.formats.quantized.split16 makes them. */
+static TARGET void x16_split(const float *x, int M, int K, int8_t *xhl, int32_t *sums, float *sx) {
     for (int m = 0; m < M; m++) {
         const float *r = x + (size_t)m * K;
         const float scale = sx[m] = row_scale(r, K, 32767.f);
         const __m512 inv = _mm512_set1_ps(1.f / scale);
         for (int k = 0; k < K; k += 64) {
-            uint64_t bits = 0;
+            __m512i sh = _mm512_setzero_si512(), sl = _mm512_setzero_si512();
             for (int j = 0; j < 4; j++) {
                 __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(r + k + 16 * j), inv));
                 q = _mm512_max_epi32(_mm512_min_epi32(q, _mm512_set1_epi32(32767)), _mm512_set1_epi32(-32767));
-                __m512i h = _mm512_srai_epi32(q, 8), l = _mm512_and_si512(q, _mm512_set1_epi32(255));
-                bits |= (uint64_t)_mm512_cmplt_epi32_mask(h, _mm512_setzero_si512()) << (16 * j);
-                size_t at = (size_t)m * K + k + 16 * j;
-                _mm_storeu_si128((__m128i *)(xh + at), _mm512_cvtepi32_epi8(_mm512_abs_epi32(h)));
-                _mm_storeu_si128((__m128i *)(xl + at), _mm512_cvtepi32_epi8(l));
+                const __m512i h = _mm512_srai_epi32(q, 8);
+                const __m512i l = _mm512_sub_epi32(_mm512_and_si512(q, _mm512_set1_epi32(255)), _mm512_set1_epi32(128));
+                sh = _mm512_add_epi32(sh, h);
+                sl = _mm512_add_epi32(sl, l);
+                const __m128i hb = _mm512_cvtepi32_epi8(h), lb = _mm512_cvtepi32_epi8(l);
+                int8_t *to = xhl + 2 * ((size_t)m * K + k + 16 * j);
+                _mm_storeu_si128((__m128i *)to, _mm_unpacklo_epi32(hb, lb));
+                _mm_storeu_si128((__m128i *)(to + 16), _mm_unpackhi_epi32(hb, lb));
             }
-            neg[((size_t)m * K + k) / 64] = bits;
+            int32_t *to = sums + ((size_t)m * (K / 64) + k / 64) * 2;
+            to[0] = _mm512_reduce_add_epi32(sh);
+            to[1] = _mm512_reduce_add_epi32(sl);
         }
     }
 }
 
-static TARGET void int8_rows(const uint8_t *xh, const uint8_t *xl, const uint64_t *neg, const float *sx, int M, int K,
-                             const int8_t *w, const float *s, const float *bias, float *y, int N, int nt) {
-    MANY_ROWS(INT8_TILE);
+/* The x side's corrections per row: int8 (groups 1): 128 sum hi, 128 sum (lo - 128) over the row;
+ * int8g: per group 128 sum (256 hi + lo - 128) (cx [M, 2] or [M, groups]). */
+static void x16_corrections(const int32_t *sums, int M, int K, int G, int32_t *cx) {
+    const int chunks = K / 64, per = G ? G / 64 : chunks, groups = chunks / per;
+    for (int m = 0; m < M; m++)
+        for (int g = 0; g < groups; g++) {
+            int32_t h = 0, l = 0;
+            for (int c = g * per; c < (g + 1) * per; c++) {
+                h += sums[((size_t)m * chunks + c) * 2];
+                l += sums[((size_t)m * chunks + c) * 2 + 1];
+            }
+            if (G) {
+                cx[(size_t)m * groups + g] = 128 * (256 * h + l);
+            } else {
+                cx[2 * m] = 128 * h;
+                cx[2 * m + 1] = 128 * l;
+            }
+        }
 }
 
-/* ---- int8 weights with a scale per group of G columns, 16-bit integer activations --------- */
-/* As the int8 product above, with w = q * s[n, g]: the output head, whose rows (a tied embedding's
- * token vectors) carry outliers that a single scale per row rounds coarsely. Per group the hi and
- * lo sums are combined exactly in int32 (|256 hi + lo| < 2^31 for G <= 256) and scaled once.
- * G is 64, 128 or 256. */
+/* MM rows of x (xhl at stride 2 K: per 4 columns their four hi bytes, then the four lo - 128) times block blk, PH sums per row and part taken in turn over the
+ * steps (independent chains for few rows; exact, so the split changes nothing): y[m, 0..15] at
+ * stride N, the lanes of keep. */
+static inline TARGET __attribute__((always_inline))
+void q8_steps(const int8_t *xhl, const int MM, const int PH, int K, int i0, int i1,
+              const uint8_t *u, size_t ahead, __m512i ah[][4], __m512i al[][4]) {
+    const __m512i zero = _mm512_setzero_si512();
+    for (int m = 0; m < MM; m++)
+        for (int p = 0; p < PH; p++) ah[m][p] = al[m][p] = zero;
+    for (int i = i0; i < i1; i += PH)
+        for (int p = 0; p < PH; p++) {
+            const __m512i wv = _mm512_loadu_si512((const void *)(u + (size_t)(i + p) * 64));
+            if (ahead) _mm_prefetch((const char *)u + (size_t)(i + p) * 64 + ahead, Q_HINT);
+            for (int m = 0; m < MM; m++) {
+                const int8_t *xr = xhl + 2 * (size_t)m * K + 8 * (size_t)(i + p);
+                ah[m][p] = dot4(ah[m][p], wv, xr);
+                al[m][p] = dot4(al[m][p], wv, xr + 4);
+            }
+        }
+    for (int m = 0; m < MM; m++)
+        for (int p = 1; p < PH; p++) {
+            ah[m][0] = _mm512_add_epi32(ah[m][0], ah[m][p]);
+            al[m][0] = _mm512_add_epi32(al[m][0], al[m][p]);
+        }
+}
 
 static inline TARGET __attribute__((always_inline))
-void int8g_row(const uint8_t *xh, const uint8_t *xl, const uint64_t *neg, const float *sx, const int MM, int K,
-               int G, const int8_t *w, const float *s, float b, float *y, int N) {
-    const __m512i zero = _mm512_setzero_si512();
-    __m512 acc[TILE_ROWS];
-    for (int m = 0; m < TILE_ROWS; m++) acc[m] = _mm512_setzero_ps();
-    for (int g0 = 0; g0 < K; g0 += G) {
-        __m512i d[TILE_ROWS];
-        for (int m = 0; m < TILE_ROWS; m++) d[m] = zero;
-        for (int c = g0; c < g0 + G; c += 64) {
-            const __m512i wv = _mm512_loadu_si512((const void *)(w + c));
-            for (int m = 0; m < MM; m++) {
-                const size_t at = (size_t)m * K + c;
-                const __m512i ws = _mm512_mask_sub_epi8(wv, neg[at / 64], zero, wv);
-                const __m512i dh = _mm512_dpbusd_epi32(zero, _mm512_loadu_si512((const void *)(xh + at)), ws);
-                const __m512i dl = _mm512_dpbusd_epi32(zero, _mm512_loadu_si512((const void *)(xl + at)), wv);
-                d[m] = _mm512_add_epi32(d[m], _mm512_add_epi32(_mm512_slli_epi32(dh, 8), dl));
-            }
-        }
-        const float sg = s[g0 / G];
-        for (int m = 0; m < MM; m++)
-            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[m]), _mm512_set1_ps(sg * sx[m]), acc[m]);
+void q8_tile(const int8_t *xhl, const int32_t *cx, const float *sx, const int MM, const int PH,
+             int K, const uint8_t *blk, size_t ahead, float *y, int N, __mmask16 keep) {
+    __m512i ah[8][4], al[8][4];
+    if (ahead) q_prefetch_head(blk + ahead, 1);
+    q8_steps(xhl, MM, PH, K, 0, K / 4, blk + 128, ahead, ah, al);
+    const __m512i wsum = _mm512_loadu_si512((const void *)blk);
+    const __m512 s = _mm512_loadu_ps((const float *)(blk + 64));
+    for (int m = 0; m < MM; m++) {
+        const __m512i h = _mm512_sub_epi32(ah[m][0], _mm512_set1_epi32(cx[2 * m]));
+        const __m512i l = _mm512_add_epi32(_mm512_sub_epi32(al[m][0], _mm512_set1_epi32(cx[2 * m + 1])), wsum);
+        const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(h), _mm512_set1_ps(256.f), _mm512_cvtepi32_ps(l));
+        _mm512_mask_storeu_ps(y + (size_t)m * N, keep, _mm512_mul_ps(v, _mm512_mul_ps(_mm512_set1_ps(sx[m]), s)));
     }
-    for (int m = 0; m < MM; m++) y[(size_t)m * N] = _mm512_reduce_add_ps(acc[m]) + b;
 }
 
-#define INT8G_TILE(MM) int8g_row(xh + (size_t)m * K, xl + (size_t)m * K, neg + (size_t)m * (K / 64), sx + m, MM, \
-                                 K, G, w + (size_t)n * K, s + (size_t)n * (K / G), bias ? bias[n] : 0.f, \
-                                 y + (size_t)m * N + n, N);
-
-static TARGET void int8g_rows(const uint8_t *xh, const uint8_t *xl, const uint64_t *neg, const float *sx, int M,
-                              int K, int G, const int8_t *w, const float *s, const float *bias, float *y, int N,
-                              int nt) {
-    MANY_ROWS(INT8G_TILE);
-}
-
-/* ---- int4 weights, 8-bit activations per block of 128 columns ---------------------------- */
-/* Layout: each 128 columns of a row are 64 bytes; byte j holds q[c+j] | q[c+64+j] << 4, so the
- * low nibbles of a line are 64 consecutive columns and the high nibbles the next 64. Where K is
- * 64 past a multiple of 128 (SmolLM2's 576), its last 64 columns are a half line of 32 bytes, byte
- * j holding q[c+j] | q[c+32+j] << 4. x is quantized per block b of 128 columns (the half line: 64),
- * xq = round(x / sx[b]), sx[b] = max|x in b| / 127 (as for the weights, the error is bounded by
- * the block, not the row). The weights take vpdpbusd's unsigned side as they are. Per row n and
- * half-line h (64 columns, inside weight group g):
- *   sum_k ((q - 8) s + z) x = s sx[b] sum_k q xq + (z - 8 s) X[h],   X[h] = sx[b] sum_{k in h} xq
- * and the last term summed over a group is (z - 8 s) X[g].
- * G is 32, 64, 128 or 256 (a half line: 64, or 32). With G = 32 each 64 columns hold two groups:
- * vpdpbusd sums 4 columns into a lane, so lanes 0-7 hold the first group's and lanes 8-15 the
- * second's, and one vector of two scales (one per half) scales both. */
-
-TARGET void llmd_int4_pack(const uint8_t *q, int N, int K, uint8_t *out) {
-    for (int n = 0; n < N; n++)
-        for (int c = 0; c < K; c += 128) {
-            const int half = K - c < 128 ? 32 : 64;       /* bytes of this line */
-            const uint8_t *r = q + (size_t)n * K + c;
-            for (int j = 0; j < half; j++)
-                out[((size_t)n * K + c) / 2 + j] = (uint8_t)(r[j] | r[half + j] << 4);
+static inline TARGET __attribute__((always_inline))
+void q8g_tile(const int8_t *xhl, const int32_t *cx, const float *sx, const int MM, const int PH,
+              int K, int G, const uint8_t *blk, size_t ahead, float *y, int N, __mmask16 keep) {
+    const int groups = K / G;
+    if (ahead) q_prefetch_head(blk + ahead, groups);
+    const int32_t *wsum = (const int32_t *)blk;
+    const float *scale = (const float *)(blk + (size_t)64 * groups);
+    __m512i ah[8][4], al[8][4];
+    __m512 acc[8];
+    for (int m = 0; m < MM; m++) acc[m] = _mm512_setzero_ps();
+    for (int g = 0; g < groups; g++) {
+        q8_steps(xhl, MM, PH, K, g * G / 4, (g + 1) * G / 4, blk + (size_t)128 * groups, ahead, ah, al);
+        const __m512i ws = _mm512_loadu_si512((const void *)(wsum + QB * g));
+        const __m512 s = _mm512_loadu_ps(scale + QB * g);
+        for (int m = 0; m < MM; m++) {
+            __m512i d = _mm512_add_epi32(_mm512_slli_epi32(ah[m][0], 8), al[m][0]);
+            d = _mm512_add_epi32(_mm512_sub_epi32(d, _mm512_set1_epi32(cx[(size_t)m * groups + g])), ws);
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(_mm512_set1_ps(sx[m]), s), acc[m]);
         }
+    }
+    for (int m = 0; m < MM; m++) _mm512_mask_storeu_ps(y + (size_t)m * N, keep, acc[m]);
 }
+
+static inline TARGET __attribute__((always_inline))
+void q4_tile(const int8_t *xq, const float *sx, const float *xs, const int MM, const int PH, int K, int G,
+             const uint8_t *blk, size_t ahead, float *y, int N, __mmask16 keep) {
+    const int groups = K / G, nb = (K + 127) / 128, run = G < 128 ? G : 128;
+    if (ahead) q_prefetch_head(blk + ahead, groups);
+    const float *scale = (const float *)blk, *offset = scale + (size_t)QB * groups;
+    const uint8_t *q = blk + (size_t)128 * groups;
+    const __m512i nib = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
+    __m512 acc[8], oac[8];
+    for (int m = 0; m < MM; m++) acc[m] = oac[m] = _mm512_setzero_ps();
+    for (int c = 0; c < K; c += run) {
+        __m512i a[8][4], b[8][4];
+        for (int m = 0; m < MM; m++)
+            for (int p = 0; p < PH; p++) a[m][p] = b[m][p] = zero;
+        for (int i = c / 8; i < (c + run) / 8; i += PH)
+            for (int p = 0; p < PH; p++) {
+                const __m512i v = _mm512_loadu_si512((const void *)(q + (size_t)(i + p) * 64));
+                if (ahead) _mm_prefetch((const char *)q + (size_t)(i + p) * 64 + ahead, Q_HINT);
+                const __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+                for (int m = 0; m < MM; m++) {
+                    const int8_t *xr = xq + (size_t)m * K + 8 * (size_t)(i + p);
+                    a[m][p] = dot4(a[m][p], lo, xr);
+                    b[m][p] = dot4(b[m][p], hi, xr + 4);
+                }
+            }
+        const int g = c / G;
+        const __m512 s = _mm512_loadu_ps(scale + QB * g);
+        for (int m = 0; m < MM; m++) {
+            __m512i d = _mm512_add_epi32(a[m][0], b[m][0]);
+            for (int p = 1; p < PH; p++) d = _mm512_add_epi32(d, _mm512_add_epi32(a[m][p], b[m][p]));
+            const __m512 bs = _mm512_set1_ps(sx[(size_t)m * nb + c / 128]);
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(s, bs), acc[m]);
+        }
+        if ((c + run) % G == 0) {
+            const __m512 o = _mm512_loadu_ps(offset + QB * g);
+            for (int m = 0; m < MM; m++)
+                oac[m] = _mm512_fmadd_ps(o, _mm512_set1_ps(xs[(size_t)m * groups + g]), oac[m]);
+        }
+    }
+    for (int m = 0; m < MM; m++) _mm512_mask_storeu_ps(y + (size_t)m * N, keep, _mm512_add_ps(acc[m], oac[m]));
+}
+
+/* Every block against every row: rows Q_CHUNK at a time, each chunk's rows shared out over as few
+ * tiles of at most MOST rows as there can be, of near-equal sizes; blocks split across threads.
+ * TILE(MM, PH) computes rows m.. of the tile against block blk into yb. */
+#define Q_ROWS(MOST, TILE) \
+    for (int c0 = 0; c0 < M; c0 += Q_CHUNK) { \
+        const int c1 = c0 + Q_CHUNK < M ? c0 + Q_CHUNK : M, tiles = (c1 - c0 + MOST - 1) / MOST; \
+        _Pragma("omp parallel for num_threads(nt) schedule(static)") \
+        for (int b = 0; b < (N + QB - 1) / QB; b++) { \
+            const uint8_t *blk = w + (size_t)b * bytes; \
+            const __mmask16 keep = N - QB * b >= QB ? 0xFFFF : (__mmask16)((1u << (N - QB * b)) - 1); \
+            for (int t = 0, m = c0; t < tiles; t++) { \
+                const int rows = (c1 - c0) / tiles + (t < (c1 - c0) % tiles); \
+                float *yb = y + (size_t)m * N + QB * b; \
+                const size_t ahead = t == 0 && b + 1 < (N + QB - 1) / QB ? bytes : 0; \
+                switch (rows) { \
+                case 1: TILE(1, 4) break; \
+                case 2: TILE(2, 2) break; \
+                case 3: TILE(3, 2) break; \
+                case 4: TILE(4, 1) break; \
+                case 5: TILE(5, 1) break; \
+                case 6: TILE(6, 1) break; \
+                case 7: TILE(7, 1) break; \
+                default: TILE(8, 1) break; \
+                } \
+                m += rows; \
+            } \
+        } \
+    }
+
+#define Q8_TILE(MM, PH) q8_tile(xhl + 2 * (size_t)m * K, cx + 2 * (size_t)m, sx + m, MM, PH, K, blk, \
+                                ahead, yb, N, keep);
+#define Q8G_TILE(MM, PH) q8g_tile(xhl + 2 * (size_t)m * K, cx + (size_t)m * (K / G), sx + m, MM, PH, \
+                                  K, G, blk, ahead, yb, N, keep);
+#define Q4_TILE(MM, PH) q4_tile(xq + (size_t)m * K, sx + (size_t)m * nb, xs + (size_t)m * (K / G), MM, PH, K, G, \
+                                blk, ahead, yb, N, keep);
 
 /* x float32 [M,K] -> xq int8 [M,K], block scales sx [M, ceil(K/128)], and the sums X of sx xq over
  * each weight group [M, K/G] (integer sums per 32 columns, exact; G = 32 scales each alone). */
@@ -211,100 +383,66 @@ static TARGET void x8_blocks(const float *x, int M, int K, int G, int8_t *xq, fl
         }
 }
 
-/* One line of 128 columns for MM rows of x into acc. With SPLIT 1 the two halves lie in different
- * weight groups (G = 64) and are scaled apart; with SPLIT 2 (G = 32) each half is scaled by a
- * vector of its two groups' scales (lanes 0-7, 8-15); otherwise their sums are added first. Row m
- * of x: xq + m K, its block scales sx + m nb. */
-#define HALVES 0xFF00
-#define INT4_LINE(c, acc, SPLIT) do { \
-    __m512i v = _mm512_loadu_si512((const void *)(w + (c) / 2)); \
-    __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib); \
-    const float s0 = s[(c) >> gshift], s1 = s[((c) + 64) >> gshift]; \
-    __m512 sv0 = _mm512_setzero_ps(), sv1 = _mm512_setzero_ps(); \
-    if (SPLIT == 2) { \
-        sv0 = _mm512_mask_blend_ps(HALVES, _mm512_set1_ps(s0), _mm512_set1_ps(s[((c) >> 5) + 1])); \
-        sv1 = _mm512_mask_blend_ps(HALVES, _mm512_set1_ps(s1), _mm512_set1_ps(s[((c) >> 5) + 3])); \
-    } \
-    for (int m = 0; m < MM; m++) { \
-        const int8_t *xr = xq + (size_t)m * K + (c); \
-        const float bs = sx[(size_t)m * nb + (c) / 128]; \
-        __m512i d0 = _mm512_dpbusd_epi32(zero, lo, _mm512_loadu_si512((const void *)xr)); \
-        if (SPLIT == 2) { \
-            __m512i d1 = _mm512_dpbusd_epi32(zero, hi, _mm512_loadu_si512((const void *)(xr + 64))); \
-            const __m512 bv = _mm512_set1_ps(bs); \
-            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), _mm512_mul_ps(sv0, bv), acc[m]); \
-            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), _mm512_mul_ps(sv1, bv), acc[m]); \
-        } else if (SPLIT) { \
-            __m512i d1 = _mm512_dpbusd_epi32(zero, hi, _mm512_loadu_si512((const void *)(xr + 64))); \
-            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), _mm512_set1_ps(s0 * bs), acc[m]); \
-            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), _mm512_set1_ps(s1 * bs), acc[m]); \
-        } else { \
-            d0 = _mm512_dpbusd_epi32(d0, hi, _mm512_loadu_si512((const void *)(xr + 64))); \
-            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), _mm512_set1_ps(s0 * bs), acc[m]); \
-        } \
-    } } while (0)
+/* The most rows the entry points take (prompts included). */
+#define MANY_MAX_ROWS 8192
 
-/* The half line of the last 64 columns (one group, or with G = 32 two: the low nibbles' and the
- * high nibbles'), in the low half of each vector. */
-#define INT4_HALF_LINE(c, acc, SPLIT) do { \
-    const __mmask64 half = 0xFFFFFFFFull; \
-    __m512i v = _mm512_maskz_loadu_epi8(half, (const void *)(w + (c) / 2)); \
-    __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib); \
-    const float s0 = s[(c) >> gshift]; \
-    for (int m = 0; m < MM; m++) { \
-        const int8_t *xr = xq + (size_t)m * K + (c); \
-        const float bs = sx[(size_t)m * nb + (c) / 128]; \
-        __m512i d = _mm512_dpbusd_epi32(zero, lo, _mm512_maskz_loadu_epi8(half, (const void *)xr)); \
-        if (SPLIT == 2) { \
-            const __m512i d1 = _mm512_dpbusd_epi32(zero, hi, _mm512_maskz_loadu_epi8(half, (const void *)(xr + 32))); \
-            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(s0 * bs), acc[m]); \
-            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), _mm512_set1_ps(s[((c) >> 5) + 1] * bs), acc[m]); \
-        } else { \
-            d = _mm512_dpbusd_epi32(d, hi, _mm512_maskz_loadu_epi8(half, (const void *)(xr + 32))); \
-            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(s0 * bs), acc[m]); \
-        } \
-    } } while (0)
-
-#define INT4_LINES(SPLIT) do { \
-    int c = 0; \
-    for (; c + 256 <= K; c += 256) {       /* two lines, two accumulators: independent chains */ \
-        INT4_LINE(c, a0, SPLIT); \
-        INT4_LINE(c + 128, a1, SPLIT); \
-    } \
-    if (c + 128 <= K) { INT4_LINE(c, a0, SPLIT); c += 128; } \
-    if (c < K) INT4_HALF_LINE(c, a1, SPLIT); } while (0)
-
-static inline TARGET __attribute__((always_inline))
-void int4_row(const int8_t *xq, const float *sx, const float *xs, const int MM, int K, int gshift,
-              const uint8_t *w, const float *s, const float *off, float b, float *y, int N) {
-    const __m512i nib = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
-    const int nb = (K + 127) / 128, groups = K >> gshift;
-    __m512 a0[TILE_ROWS], a1[TILE_ROWS];
-    for (int m = 0; m < TILE_ROWS; m++) a0[m] = a1[m] = _mm512_setzero_ps();
-    if (gshift == 5) INT4_LINES(2); else if (gshift == 6) INT4_LINES(1); else INT4_LINES(0);
-    for (int m = 0; m < MM; m++) {
-        for (int i = 0; i < groups; i += 16) {     /* the offsets, in the same vector as the rest */
-            __mmask16 k = groups - i >= 16 ? 0xFFFF : (__mmask16)((1u << (groups - i)) - 1);
-            a1[m] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, off + i), _mm512_maskz_loadu_ps(k, xs + (size_t)m * groups + i), a1[m]);
-        }
-        y[(size_t)m * N] = _mm512_reduce_add_ps(_mm512_add_ps(a0[m], a1[m])) + b;
+/* x [M, K] times a packed int8 (G = 0) or int8g (G: 64, 128, 256) weight of N outputs -> y [M, N]. */
+TARGET int llmd_q8_x(const float *x, int M, int K, int G, const uint8_t *w, float *y, int N, int nt) {
+    const int groups = q8_groups(K, G);
+    if (!llmd_cpu_ok() || !groups || M < 1 || M > MANY_MAX_ROWS || N < 1) return -1;
+    const int per_row = G ? groups : 2;
+    int8_t *xhl = scratch_for((size_t)M * K * 2 + (size_t)M * (K / 64) * 8 + (size_t)M * per_row * 4 + (size_t)M * 4);
+    if (!xhl) return -2;
+    int32_t *sums = (int32_t *)(xhl + 2 * (size_t)M * K), *cx = sums + (size_t)M * (K / 64) * 2;
+    float *sx = (float *)(cx + (size_t)M * per_row);
+    x16_split(x, M, K, xhl, sums, sx);
+    x16_corrections(sums, M, K, G, cx);
+    const size_t bytes = q_block_bytes(K, groups, 0);
+    if (G) {
+        Q_ROWS(8, Q8G_TILE);
+    } else {
+        Q_ROWS(8, Q8_TILE);
     }
+    return 0;
 }
 
-#define INT4_TILE(MM) int4_row(xq + (size_t)m * K, sx + (size_t)m * nb, xs + (size_t)m * groups, MM, K, gshift, \
-                               w + (size_t)n * K / 2, s + (size_t)n * groups, off + (size_t)n * groups, \
-                               bias ? bias[n] : 0.f, y + (size_t)m * N + n, N);
-
-/* xq, sx, xs from x8_blocks; w [N, K/2] in the layout above; s, off: [N, K/G] scales and z - 8 s;
- * G = 2^gshift. */
-static TARGET void int4_rows(const int8_t *xq, const float *sx, const float *xs, int M, int K, int gshift,
-                             const uint8_t *w, const float *s, const float *off, const float *bias,
-                             float *y, int N, int nt) {
-    const int groups = K >> gshift, nb = (K + 127) / 128;
-    MANY_ROWS(INT4_TILE);
+/* x [M, K] times a packed int4 weight (groups of G: 32, 64, 128, 256) of N outputs -> y [M, N]. */
+TARGET int llmd_q4_x(const float *x, int M, int K, int G, const uint8_t *w, float *y, int N, int nt) {
+    const int groups = q4_groups(K, G);
+    if (!llmd_cpu_ok() || !groups || M < 1 || M > MANY_MAX_ROWS || N < 1) return -1;
+    const int nb = (K + 127) / 128;
+    float *sx = scratch_for((size_t)M * nb * 4 + (size_t)M * groups * 4 + (size_t)M * K + 64);
+    if (!sx) return -2;
+    float *xs = sx + (size_t)M * nb;
+    int8_t *xq = (int8_t *)(xs + (size_t)M * groups);
+    x8_blocks(x, M, K, G, xq, sx, xs);
+    const size_t bytes = q_block_bytes(K, groups, 1);
+    Q_ROWS(6, Q4_TILE);
+    return 0;
 }
 
-/* ---- int8 weights, int8 activations (w8a8) ---------------------------------------------- */
+/* ---- int8 weights, int8 activations (w8a8), one output row at a time ------------------------ */
+/* Rows of x taken CHUNK_ROWS at a time; within a chunk each output row's weights are used by
+ * every tile of up to TILE_ROWS rows while they sit in the first-level cache, so the weights are
+ * read from memory once per chunk and never widened to floats. TILE(MM) computes rows m..m+MM-1 of
+ * x against output row n; each row's sums are its own (see batch invariance above). */
+#define CHUNK_ROWS 64
+#define TILE_ROWS 4
+#define MANY_ROWS(TILE) \
+    for (int c0 = 0; c0 < M; c0 += CHUNK_ROWS) { \
+        const int c1 = c0 + CHUNK_ROWS < M ? c0 + CHUNK_ROWS : M; \
+        _Pragma("omp parallel for num_threads(nt) schedule(static)") \
+        for (int n = 0; n < N; n++) \
+            for (int m = c0; m < c1; m += TILE_ROWS) { \
+                switch (c1 - m) { \
+                case 1: TILE(1) break; \
+                case 2: TILE(2) break; \
+                case 3: TILE(3) break; \
+                default: TILE(4) break; \
+                } \
+            } \
+    }
+
 /* vpdpbusd multiplies unsigned by signed bytes: x enters as |xq| (unsigned) and its sign moves
  * onto the weight (w negated where xq < 0), so the sum is exact in int32. */
 
@@ -354,78 +492,10 @@ static TARGET void w8a8_rows(const uint8_t *xa, const uint64_t *neg, const float
     MANY_ROWS(W8A8_TILE);
 }
 
-/* ---- one call per product: quantize x into per-thread scratch, then multiply --------------- */
-/* The scratch grows to the largest row seen and is kept for the thread's life, so a decode step
- * allocates nothing here; the caller passes x as float32 and gets y. */
 
-static __thread void *scratch;
-static __thread size_t scratch_bytes;
-
-static void *scratch_for(size_t bytes) {
-    if (bytes > scratch_bytes) {
-        void *p = realloc(scratch, bytes);
-        if (!p) return 0;
-        scratch = p;
-        scratch_bytes = bytes;
-    }
-    return scratch;
-}
-
-/* The shapes the int8 (and w8a8) products take: 1..MANY_MAX_ROWS rows of x, K a multiple of 64 below 2^16. */
-#define MANY_MAX_ROWS 8192
+/* The shapes the w8a8 product takes: 1..MANY_MAX_ROWS rows of x, K a multiple of 64 below 2^16. */
 static int takes(int M, int K) {
     return llmd_cpu_ok() && M >= 1 && M <= MANY_MAX_ROWS && K % 64 == 0 && K > 0 && K < 65536;
-}
-
-/* x16_quantize into the thread's scratch; 0, or -2 out of memory. */
-static TARGET int x16_in_scratch(const float *x, int M, int K, uint8_t **xh, uint8_t **xl, uint64_t **neg,
-                                 float **sx) {
-    uint8_t *p = scratch_for((size_t)M * K * 2 + (size_t)M * (K / 64) * 8 + (size_t)M * 4 + 64);
-    if (!p) return -2;
-    *xh = p;
-    *xl = p + (size_t)M * K;
-    *neg = (uint64_t *)(*xl + (size_t)M * K);
-    *sx = (float *)(*neg + (size_t)M * (K / 64));
-    x16_quantize(x, M, K, *xh, *xl, *neg, *sx);
-    return 0;
-}
-
-TARGET int llmd_int8_x(const float *x, int M, int K, const int8_t *w, const float *s, const float *bias, float *y,
-                       int N, int nt) {
-    if (!takes(M, K)) return -1;
-    uint8_t *xh, *xl;
-    uint64_t *neg;
-    float *sx;
-    if (x16_in_scratch(x, M, K, &xh, &xl, &neg, &sx)) return -2;
-    int8_rows(xh, xl, neg, sx, M, K, w, s, bias, y, N, nt);
-    return 0;
-}
-
-TARGET int llmd_int8g_x(const float *x, int M, int K, int G, const int8_t *w, const float *s, const float *bias,
-                        float *y, int N, int nt) {
-    if (!takes(M, K) || (G != 64 && G != 128 && G != 256) || K % G) return -1;
-    uint8_t *xh, *xl;
-    uint64_t *neg;
-    float *sx;
-    if (x16_in_scratch(x, M, K, &xh, &xl, &neg, &sx)) return -2;
-    int8g_rows(xh, xl, neg, sx, M, K, G, w, s, bias, y, N, nt);
-    return 0;
-}
-
-TARGET int llmd_int4_x(const float *x, int M, int K, int G, const uint8_t *w, const float *s, const float *off,
-                       const float *bias, float *y, int N, int nt) {
-    int gshift = 5;
-    while (gshift < 9 && (1 << gshift) != G) gshift++;
-    if (!llmd_cpu_ok() || M < 1 || M > MANY_MAX_ROWS || K < 64 || gshift == 9 || K % G || K % 64)
-        return -1;  /* G: 32, 64, 128, 256 */
-    const int nb = (K + 127) / 128;
-    float *sx = scratch_for((size_t)M * nb * 4 + (size_t)M * (K / G) * 4 + (size_t)M * K + 64);
-    if (!sx) return -2;
-    float *xs = sx + (size_t)M * nb;
-    int8_t *xq = (int8_t *)(xs + (size_t)M * (K / G));
-    x8_blocks(x, M, K, G, xq, sx, xs);
-    int4_rows(xq, sx, xs, M, K, gshift, w, s, off, bias, y, N, nt);
-    return 0;
 }
 
 TARGET int llmd_w8a8_x(const float *x, int M, int K, const int8_t *w, const float *s, const float *bias, float *y,

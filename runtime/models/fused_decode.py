@@ -169,15 +169,16 @@ class FusedDecode:
 
     def _table(self, head: ops.KernelProduct | None) -> ops.KernelProduct | None:
         """The token table as llmd_draft2 reads its rows (as the model's ``embed`` looks them up), or None
-        where it cannot: a tied float head's own blocks, float32 rows, or an int8 / int8g table."""
+        where it cannot: a tied float head's own blocks, float32 rows, or an int8 / int8g table's rows."""
         embed = self.embed
-        if embed is None:
-            return head
+        if embed is None:                 # tied: the head's table, its float blocks or its int8 rows
+            rows = getattr(self.head, "table_form", None)
+            return head if rows is None or head is None else rows()
         if isinstance(embed, torch.Tensor):
             ok = embed.dtype == torch.float32 and embed.is_contiguous()
             return ops.KernelProduct(ops.KIND_ROWS, embed) if ok else None
-        form = embed.kernel_product()
-        return form if form is not None and form.kind in (ops.KIND_INT8, ops.KIND_INT8G) else None
+        rows = getattr(embed, "table_form", None)
+        return rows() if rows is not None else None
 
 
 def head_of(model):
