@@ -272,6 +272,6 @@ def test_several_streams_try_a_depth_on_ever_more_requests_before_all():
         real_plan(rs, other)
         sizes.append(sum(1 for r in rs if r.spec_k))
     ctrl.plan = plan
-    simulate(ctrl, costs, alpha, b, steps=400)
-    ramp = [n for i, n in enumerate(sizes) if n and (i == 0 or n != sizes[i - 1])]
+    simulate(ctrl, costs, alpha, b, steps=800)     # trials spaced out by their share of the time
+    ramp = list(dict.fromkeys(n for n in sizes if n))    # each size of trial, in the order first taken
     assert ramp[:2] == [1, 2] and 16 in ramp and sizes[-50:].count(16) >= 45
