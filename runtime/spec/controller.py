@@ -25,6 +25,11 @@ seconds. The controller picks the depth with the most expected tokens per second
 - Measurements stay current: every so often one step takes the runner-up depth, twice as rarely each
   time, unless the acceptance's upper bound could still make the runner-up win (then the interval
   stays). Where a draft is off over several streams that step speculates on one request.
+- Speculation turns on at a batch size only where the steps that tried a depth there on the whole
+  batch also yielded more tokens per second than the plain ones (their summed tokens over their
+  summed seconds): the acceptance is pooled over all requests and overrates a batch whose requests
+  differ (some copying their prompt and accepting all, others finding nothing), and a depth's
+  median time can come from cheap steps and the acceptance from rich ones.
 - Trying costs a bounded share (TRY_SHARE) of the time at a batch size. A trial is a step that
   explores or refreshes a depth other than the one in force; what it loses is its seconds less
   those the depth in force takes for as many tokens, at the rate planned for it. Losses add up
@@ -68,6 +73,7 @@ class _Batch:
 
     def __init__(self):
         self.times = DepthTimes()
+        self.yields = DepthTimes()      # tokens of the same steps
         self.probe_times = DepthTimes()  # by (depth, requests): steps where some requests speculated
         self.best = 0                   # the depth in force
         self.exploring: tuple | None = None   # (depth, requests) being measured
@@ -80,6 +86,11 @@ class _Batch:
         self.lost = 0.0                 # seconds the trials lost against the depth in force (at least 0)
         self.step_s = 0.0               # seconds of a step at the depth in force, as planned ...
         self.rate = 0.0                 # ... and its tokens per second
+
+    def yielded(self, k: int) -> float:
+        """Tokens per second of the last steps measured at depth k on the whole batch (infinite: none)."""
+        seconds = sum(self.times.samples.get(k, ()))
+        return sum(self.yields.samples[k]) / seconds if seconds else float("inf")
 
     def may_try(self) -> bool:
         """Whether a trial may start: the losses so far within the share of the time, plus one step."""
@@ -215,7 +226,9 @@ class SpecController:
                 return st.best, b
         st.exploring = None
         probing = self._probing(b, st)
-        best = max(rates, key=rates.get)
+        # turning speculation on: only where what the depth yielded here agrees
+        can = rates if st.best else {k: r for k, r in rates.items() if st.yielded(k) >= st.yielded(0)}
+        best = max(can, key=can.get)
         if st.best not in rates or rates[best] > rates[st.best] * (SWITCH_ON if probing else SWITCH):
             if best != st.best:
                 st.refresh_every = REFRESH_EVERY
@@ -348,6 +361,7 @@ class SpecController:
                 st.probe_times.observe((k, m), seconds)
             else:
                 st.times.observe(k, seconds)
+                st.yields.observe(k, tokens)
 
     def observe_target(self, rows: int, seconds: float) -> None:
         self.target.observe(rows, seconds)
