@@ -125,16 +125,24 @@ def one_stream(llms: dict, prompts: list[str], max_tokens: int, rounds: int) -> 
 
 
 def streams(llms: dict, prompts: list[str], max_tokens: int, rounds: int) -> dict:
-    """Output tok/s of each engine over all prompts at once (wall time), the order rotating each round."""
+    """Output tok/s of each engine over all prompts at once (wall time), the order rotating each round.
+    Beside it, ``cpu_ratio``: the same ratio from the process's CPU time, which other processes'
+    load moves much less than the wall time (one torch thread: CPU time is the work done)."""
     warm(llms, prompts[0])
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     rates: dict[str, list[float]] = {name: [] for name in llms}
+    cpu: dict[str, list[float]] = {name: [] for name in llms}
     for r in range(rounds):
         for name, llm in rotated(llms, r):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             outs = llm.generate(prompts, params)
-            rates[name].append(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0))
-    return ratios(rates)
+            n = sum(len(o.token_ids) for o in outs)
+            rates[name].append(n / (time.perf_counter() - t0))
+            cpu[name].append(n / (time.process_time() - c0))
+    out = ratios(rates)
+    for name, got in ratios(cpu).items():
+        out[name]["cpu_ratio"] = got["ratio"]
+    return out
 
 
 def describe(llms: dict) -> dict:
