@@ -156,7 +156,7 @@ def test_where_speculation_never_pays_trying_it_loses_a_bounded_share(name):
     for n in (300, 700, 1000):
         rate, depths = simulate(ctrl, costs, alpha, b, steps=n, seed=n, noise=0.0)
         st = ctrl.batches[((b - 1).bit_length(), 0)]
-        assert st.best == 0 and depths[-50:].count(0) >= 48
+        assert st.best == 0 and depths[-50:].count(0) >= 45          # a trial at most (a draft's: 4 steps)
         assert st.lost <= TRY_SHARE * st.elapsed + plain + trial, (n, st.lost, st.elapsed)
         trying += sum(1 for k in depths if k)
     assert trying <= 0.02 * 2000                  # of all the steps, those that speculated

@@ -57,6 +57,7 @@ SWITCH_ON = 1.10        # ... and speculation, where a draft is off over several
 REFRESH_EVERY = 32      # steps of a batch size between refreshes of the runner-up depth ...
 REFRESH_MAX = 1024      # ... doubling each time it stays the runner-up, up to this many
 EXPLORE_EVERY = 8       # steps of a batch size between looks at the depths not measured there
+HOLD = 7                # steps a settled depth is kept without weighing the depths again (planning is Python)
 TRY_SHARE = 0.015       # share of a batch size's seconds that trying depths other than the one in force may lose
 
 
@@ -81,6 +82,7 @@ class _Batch:
         self.since_refresh = 0
         self.refresh_every = REFRESH_EVERY
         self.explore_in = 0             # steps until unmeasured depths are weighed again
+        self.hold = 0                   # steps the depth in force is kept before the depths are weighed again
         self.known = 0                  # depths measured when they last were
         self.elapsed = 0.0              # seconds of the steps planned at this batch size
         self.lost = 0.0                 # seconds the trials lost against the depth in force (at least 0)
@@ -206,10 +208,15 @@ class SpecController:
         """(depth for this step, how many of the requests take it), beside ``held`` rows of requests
         that do not speculate and ``other_tokens`` prompt rows."""
         b = len(decoding)
-        st = self.batches.setdefault(key, _Batch())
+        st = self.batches.get(key) or self.batches.setdefault(key, _Batch())
         if st.again is not None and not other_tokens:
             (k, m), st.again = st.again, None
             return k, m
+        if st.hold and not other_tokens:        # settled, nothing due: the depth in force, its counters ticking
+            st.hold -= 1
+            st.since_refresh += 1
+            st.explore_in -= 1
+            return st.best, b
         measured, partial = self._estimates(b, st)
         if 0 not in measured:
             return 0, b                          # measure plain decoding at this size first: the safe choice
@@ -226,9 +233,10 @@ class SpecController:
                 return st.best, b
         st.exploring = None
         probing = self._probing(b, st)
-        # turning speculation on: only where what the depth yielded here agrees
-        can = rates if st.best else {k: r for k, r in rates.items() if st.yielded(k) >= st.yielded(0)}
-        best = max(can, key=can.get)
+        best = max(rates, key=rates.get)
+        if best and not st.best and st.yielded(best) < st.yielded(0):    # turning speculation on: only where
+            can = {k: r for k, r in rates.items() if st.yielded(k) >= st.yielded(0)}   # what it yielded agrees
+            best = max(can, key=can.get)
         if st.best not in rates or rates[best] > rates[st.best] * (SWITCH_ON if probing else SWITCH):
             if best != st.best:
                 st.refresh_every = REFRESH_EVERY
@@ -320,6 +328,8 @@ class SpecController:
         others = {k: r for k, r in rates.items() if k != st.best}
         b = len(decoding)
         if st.since_refresh < st.refresh_every or not others or not st.may_try():
+            due = min(st.refresh_every - st.since_refresh, st.explore_in) - 1 if st.may_try() else HOLD
+            st.hold = max(0, min(HOLD, due))
             return st.best, b
         st.since_refresh = 0
         k = max(others, key=others.get)
