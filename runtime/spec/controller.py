@@ -37,6 +37,8 @@ seconds. The controller picks the depth with the most expected tokens per second
   sum stays under TRY_SHARE of the seconds spent at that batch size plus one step's worth. Where a
   trial costs much more than it gains (a batch whose extra rows leave the backend's few-row path,
   say), the trials spread out instead of repeating; where one wins, its gains pay for the next.
+- A settled depth holds for HOLD steps before the depths are weighed again (no trial due, the
+  counters still ticking): planning runs in Python on every step.
 
                      plan(): _choose -> spec_k per request
     engine step ->   observe_target / observe_draft / observe_proposals / observe_acceptance
