@@ -76,12 +76,17 @@ def alpha_from_accepted(mean_accepted: float, k: int) -> float:
     return lo
 
 
-def engines(target: str, draft: str, depths: list[int], kv_memory: str, **adaptive_kw) -> dict[str, LLM]:
-    """Speculation off, the proposer at each fixed depth, and the adaptive controller over it."""
+def engines(target: str, draft: str, depths: list[int], kv_memory: str, control: bool = False,
+            **adaptive_kw) -> dict[str, LLM]:
+    """Speculation off, the proposer at each fixed depth, and the adaptive controller over it;
+    ``control``: a second engine with speculation off, made last (its ratio to the first shows what
+    two identical engines differ by in this run)."""
     out = {"off": LLM(target, draft="none", kv_memory=kv_memory)}
     for k in depths:
         out[f"k{k}"] = LLM(target, draft=draft, kv_memory=kv_memory, num_speculative_tokens=k, adaptive_speculation=False)
     out["adaptive"] = LLM(target, draft=draft, kv_memory=kv_memory, **adaptive_kw)
+    if control:
+        out["off_again"] = LLM(target, draft="none", kv_memory=kv_memory)
     return out
 
 
@@ -125,16 +130,24 @@ def one_stream(llms: dict, prompts: list[str], max_tokens: int, rounds: int) -> 
 
 
 def streams(llms: dict, prompts: list[str], max_tokens: int, rounds: int) -> dict:
-    """Output tok/s of each engine over all prompts at once (wall time), the order rotating each round."""
+    """Output tok/s of each engine over all prompts at once (wall time), the order rotating each round.
+    Beside it, ``cpu_ratio``: the same ratio from the process's CPU time, which other processes'
+    load moves much less than the wall time (one torch thread: CPU time is the work done)."""
     warm(llms, prompts[0])
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     rates: dict[str, list[float]] = {name: [] for name in llms}
+    cpu: dict[str, list[float]] = {name: [] for name in llms}
     for r in range(rounds):
         for name, llm in rotated(llms, r):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             outs = llm.generate(prompts, params)
-            rates[name].append(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0))
-    return ratios(rates)
+            n = sum(len(o.token_ids) for o in outs)
+            rates[name].append(n / (time.perf_counter() - t0))
+            cpu[name].append(n / (time.process_time() - c0))
+    out = ratios(rates)
+    for name, got in ratios(cpu).items():
+        out[name]["cpu_ratio"] = got["ratio"]
+    return out
 
 
 def describe(llms: dict) -> dict:
@@ -155,13 +168,13 @@ def describe(llms: dict) -> dict:
 
 
 def sweep(target: str, draft: str, depths: list[int], n: int, max_tokens: int, rounds: int, batch: int,
-          prompts: list[str], max_k: int | None) -> dict:
+          prompts: list[str], max_k: int | None, control: bool = False) -> dict:
     """Off, each fixed depth and adaptive, for one stream and for ``batch`` streams (fresh engines each)."""
     res = {}
-    llms = engines(target, draft, depths, "64MiB", num_speculative_tokens=max_k)
+    llms = engines(target, draft, depths, "64MiB", control, num_speculative_tokens=max_k)
     res["one_stream"] = one_stream(llms, prompts[:n], max_tokens, rounds)
     res["one_stream_detail"] = describe(llms)
-    llms = engines(target, draft, depths, "128MiB", num_speculative_tokens=max_k)
+    llms = engines(target, draft, depths, "128MiB", control, num_speculative_tokens=max_k)
     res[f"streams_{batch}"] = streams(llms, prompts[:batch], max_tokens, rounds)
     res[f"streams_{batch}_detail"] = describe(llms)
     return res
@@ -182,6 +195,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="rounds; ratios are medians of the rounds' (default %(default)s)")
     ap.add_argument("--only", choices=("draft", "edit"), action="append",
                     help="run only this workload (repeatable; default both)")
+    ap.add_argument("--control", action="store_true",
+                    help="add a second engine with speculation off (off_again): the run's noise floor")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     parts = args.only or ["draft", "edit"]
@@ -189,11 +204,13 @@ def main(argv=None) -> int:
     res = {}
     if "draft" in parts:
         res["draft"] = sweep(args.target, args.draft, ints(args.depths), args.prompts, args.max_tokens, args.rounds,
-                             args.streams, completion_prompts(max(args.prompts, args.streams)), args.max_k)
+                             args.streams, completion_prompts(max(args.prompts, args.streams)), args.max_k,
+                             args.control)
         print(json.dumps(res["draft"], indent=1), flush=True)
     if "edit" in parts:
         res["ngram_edit"] = sweep(args.target, "ngram", ints(args.ngram_depths), args.prompts, args.max_tokens,
-                                  args.rounds, args.streams, edit_prompts(max(args.prompts, args.streams)), None)
+                                  args.rounds, args.streams, edit_prompts(max(args.prompts, args.streams)), None,
+                                  args.control)
         print(json.dumps(res["ngram_edit"], indent=1), flush=True)
     return 0
 

@@ -47,7 +47,7 @@ def setting(default=MISSING, *, help: str, unit: str | None = None, choices: tup
     return field(default=default, metadata=meta)
 
 
-DRAFT_K, NGRAM_K = 4, 8         # default most proposals per step, by proposer
+DRAFT_K, NGRAM_K = 6, 8         # default most proposals per step, by proposer
 
 
 @dataclass(frozen=True)

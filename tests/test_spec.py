@@ -168,7 +168,7 @@ def test_auto_speculates_greedy_requests_only_and_leaves_seeded_samples_as_they_
 
 def test_the_default_depth_follows_the_proposer(tiny_model_dir, drafts):
     assert LLM(str(tiny_model_dir), draft="ngram", kv_memory="8MiB").engine.num_speculative_tokens == 8
-    assert LLM(str(tiny_model_dir), draft=drafts["other"], kv_memory="8MiB").engine.num_speculative_tokens == 4
+    assert LLM(str(tiny_model_dir), draft=drafts["other"], kv_memory="8MiB").engine.num_speculative_tokens == 6
     assert LLM(str(tiny_model_dir), draft="auto", kv_memory="8MiB").engine.num_speculative_tokens == 8
     assert LLM(str(tiny_model_dir), draft="ngram", num_speculative_tokens=3, kv_memory="8MiB").engine.num_speculative_tokens == 3
 

@@ -9,8 +9,8 @@ import random
 import pytest
 
 from llmd.runtime.request import Request, SamplingParams
-from llmd.runtime.spec.controller import REFRESH_MAX, SpecController, expected_tokens
-from llmd.runtime.spec.measures import CostTable
+from llmd.runtime.spec.controller import REFRESH_MAX, SWITCH, TRY_SHARE, SpecController, expected_tokens
+from llmd.runtime.spec.measures import CostTable, DepthTimes
 
 
 def reqs(n, prefix="r"):
@@ -81,6 +81,11 @@ def linear(fixed, per_row):
     return lambda rows: fixed + per_row * rows
 
 
+def few_rows(rows):
+    """A backend with a fast path for up to 16 rows and a dearer forward beyond."""
+    return 0.003 if rows <= 16 else 0.008 + 0.0003 * rows
+
+
 # name, costs, acceptance, batch, most proposals, free proposer
 CASES = {
     # one stream of a small pair: a draft round costs a catch-up forward and its proposals, and a step
@@ -94,6 +99,10 @@ CASES = {
     "sixteen streams, depth 2 best": (Costs(0.004, linear(0.008, 0.00025), 0.002, 0.0015), 0.75, 16, 6, False),
     "n-gram lookup, one stream, deep": (Costs(0.001, linear(0.008, 0.0001), 0.0, 0.0), 0.9, 1, 8, True),
     "n-gram lookup, sixteen streams, off": (Costs(0.002, linear(0.0, 0.0006), 0.0, 0.0), 0.5, 16, 8, True),
+    # one step's rows up to 16 in one fused call, more in a dearer forward: deep lookups are free at one
+    # stream, while at sixteen any proposal leaves the fused call and never pays, accepted as they are
+    "n-gram lookup, one stream, a few-row path": (Costs(0.0005, few_rows, 0.0, 0.0), 0.9, 1, 8, True),
+    "n-gram lookup, sixteen streams, a few-row path": (Costs(0.0005, few_rows, 0.0, 0.0), 0.9, 16, 8, True),
 }
 
 
@@ -120,9 +129,10 @@ def test_the_cases_cover_what_they_claim():
     assert best("one stream, verification free, deepest") == 6
     assert best("one stream, depth 2 best") == 2 and best("sixteen streams, depth 2 best") == 2
     for name in ("one stream, a useless draft", "sixteen streams, compute-bound",
-                 "sixteen streams, a good draft still loses", "n-gram lookup, sixteen streams, off"):
+                 "sixteen streams, a good draft still loses", "n-gram lookup, sixteen streams, off",
+                 "n-gram lookup, sixteen streams, a few-row path"):
         assert best(name) == 0, name
-    assert best("n-gram lookup, one stream, deep") == 8
+    assert best("n-gram lookup, one stream, deep") == 8 and best("n-gram lookup, one stream, a few-row path") == 8
 
 
 def test_speculation_that_never_pays_costs_few_speculating_steps():
@@ -130,6 +140,67 @@ def test_speculation_that_never_pays_costs_few_speculating_steps():
     ctrl = SpecController(max_k, 1 << 21, proposer_is_free=free)
     _, depths = simulate(ctrl, costs, alpha, b, steps=3000)
     assert sum(1 for k in depths if k) <= 40
+
+
+@pytest.mark.parametrize("name", ["sixteen streams, compute-bound", "sixteen streams, a good draft still loses",
+                                  "n-gram lookup, sixteen streams, off", "n-gram lookup, sixteen streams, a few-row path"])
+def test_where_speculation_never_pays_trying_it_loses_a_bounded_share(name):
+    """Off is best: the controller settles there, and the steps that try a depth lose at most
+    TRY_SHARE of the time, beside a step's worth and the last trial (a draft's runs until measured),
+    however long it runs (checked as it goes on)."""
+    costs, alpha, b, max_k, free = CASES[name]
+    ctrl = SpecController(max_k, 1 << 21, proposer_is_free=free)
+    plain = costs.step([0] * b)
+    trial = costs.step([max_k] * b) * (1 if free else DepthTimes.MIN_SAMPLES + 1)
+    trying = 0
+    for n in (300, 700, 1000):
+        rate, depths = simulate(ctrl, costs, alpha, b, steps=n, seed=n, noise=0.0)
+        st = ctrl.batches[((b - 1).bit_length(), 0)]
+        assert st.best == 0 and depths[-50:].count(0) >= 45          # a trial at most (a draft's: 4 steps)
+        assert st.lost <= TRY_SHARE * st.elapsed + plain + trial, (n, st.lost, st.elapsed)
+        trying += sum(1 for k in depths if k)
+    assert trying <= 0.02 * 2000                  # of all the steps, those that speculated
+    assert rate >= 0.97 * costs.rate(b, 0, alpha)
+
+
+def test_one_backend_speculates_deep_at_one_stream_and_not_at_sixteen():
+    """One cost table, two batch sizes: the rows a stream's deep lookup adds stay on the few-row path,
+    sixteen streams' do not. One controller serves both, one after the other."""
+    costs = Costs(0.0005, few_rows, 0.0, 0.0)
+    ctrl = SpecController(8, 1 << 21, proposer_is_free=True)
+    rate1, depths1 = simulate(ctrl, costs, 0.9, 1, steps=1000)
+    rate16, depths16 = simulate(ctrl, costs, 0.9, 16, steps=1000)
+    assert rate1 >= 0.9 * costs.rate(1, 8, 0.9) and depths1[-100:].count(0) == 0
+    assert rate16 >= 0.97 * costs.rate(16, 0, 0.9) and depths16[-100:].count(0) >= 98
+
+
+def test_speculation_turns_on_only_where_its_steps_yielded_more_than_plain_ones():
+    """The acceptance and the share of requests with proposals are pooled over batch sizes: one
+    stream copying its prompt makes them high, while of sixteen streams only half find anything to
+    propose. Depth 2 then predicts a win at sixteen streams that its steps there do not yield."""
+    def verify(rows):                   # a few-row path, then a flat dearer forward
+        return 0.003 if rows <= 16 else 0.0075
+    ctrl = SpecController(2, 1 << 21, proposer_is_free=True)
+    simulate(ctrl, Costs(0.0005, verify, 0.0, 0.0), 1.0, 1, steps=300)
+    at_one_stream, model = ctrl.depth_steps[2], []
+    rs = reqs(16, "s")
+    for _ in range(600):
+        ctrl.plan(rs, 0)
+        speculating = [r for r in rs if r.spec_k]
+        finding = speculating[::2]
+        for r in finding:
+            ctrl.observe_acceptance(r.request_id, r.spec_k, r.spec_k)
+        if speculating:
+            ctrl.observe_proposals(len(speculating), len(finding))
+        proposed = sum(r.spec_k for r in finding)
+        ctrl.observe_step(16 + proposed, 0.0005 + verify(16 + proposed), bool(speculating))
+        st = ctrl.batches[(4, 0)]
+        if 2 in (times := st.times.measured()):
+            gains = ctrl._gains(rs, [0, 2])
+            model.append(gains[2] / times[2] / (gains[0] / times[0]))
+            assert st.best == 0 and st.yielded(2) < st.yielded(0)
+    assert max(model) > SWITCH                    # the model alone would have turned depth 2 on
+    assert ctrl.depth_steps[2] - at_one_stream <= 0.03 * 600       # trials only
 
 
 def test_it_follows_a_change_of_acceptance():
@@ -272,6 +343,6 @@ def test_several_streams_try_a_depth_on_ever_more_requests_before_all():
         real_plan(rs, other)
         sizes.append(sum(1 for r in rs if r.spec_k))
     ctrl.plan = plan
-    simulate(ctrl, costs, alpha, b, steps=400)
-    ramp = [n for i, n in enumerate(sizes) if n and (i == 0 or n != sizes[i - 1])]
+    simulate(ctrl, costs, alpha, b, steps=800)     # trials spaced out by their share of the time
+    ramp = list(dict.fromkeys(n for n in sizes if n))    # each size of trial, in the order first taken
     assert ramp[:2] == [1, 2] and 16 in ramp and sizes[-50:].count(16) >= 45

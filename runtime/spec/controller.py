@@ -25,6 +25,20 @@ seconds. The controller picks the depth with the most expected tokens per second
 - Measurements stay current: every so often one step takes the runner-up depth, twice as rarely each
   time, unless the acceptance's upper bound could still make the runner-up win (then the interval
   stays). Where a draft is off over several streams that step speculates on one request.
+- Speculation turns on at a batch size only where the steps that tried a depth there on the whole
+  batch also yielded more tokens per second than the plain ones (their summed tokens over their
+  summed seconds): the acceptance is pooled over all requests and overrates a batch whose requests
+  differ (some copying their prompt and accepting all, others finding nothing), and a depth's
+  median time can come from cheap steps and the acceptance from rich ones.
+- Trying costs a bounded share (TRY_SHARE) of the time at a batch size. A trial is a step that
+  explores or refreshes a depth other than the one in force; what it loses is its seconds less
+  those the depth in force takes for as many tokens, at the rate planned for it. Losses add up
+  (a trial that wins brings the sum back to zero at most), and a new trial starts only while the
+  sum stays under TRY_SHARE of the seconds spent at that batch size plus one step's worth. Where a
+  trial costs much more than it gains (a batch whose extra rows leave the backend's few-row path,
+  say), the trials spread out instead of repeating; where one wins, its gains pay for the next.
+- A settled depth holds for HOLD steps before the depths are weighed again (no trial due, the
+  counters still ticking): planning runs in Python on every step.
 
                      plan(): _choose -> spec_k per request
     engine step ->   observe_target / observe_draft / observe_proposals / observe_acceptance
@@ -45,6 +59,8 @@ SWITCH_ON = 1.10        # ... and speculation, where a draft is off over several
 REFRESH_EVERY = 32      # steps of a batch size between refreshes of the runner-up depth ...
 REFRESH_MAX = 1024      # ... doubling each time it stays the runner-up, up to this many
 EXPLORE_EVERY = 8       # steps of a batch size between looks at the depths not measured there
+HOLD = 7                # steps a settled depth is kept without weighing the depths again (planning is Python)
+TRY_SHARE = 0.015       # share of a batch size's seconds that trying depths other than the one in force may lose
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -60,6 +76,7 @@ class _Batch:
 
     def __init__(self):
         self.times = DepthTimes()
+        self.yields = DepthTimes()      # tokens of the same steps
         self.probe_times = DepthTimes()  # by (depth, requests): steps where some requests speculated
         self.best = 0                   # the depth in force
         self.exploring: tuple | None = None   # (depth, requests) being measured
@@ -67,7 +84,21 @@ class _Batch:
         self.since_refresh = 0
         self.refresh_every = REFRESH_EVERY
         self.explore_in = 0             # steps until unmeasured depths are weighed again
+        self.hold = 0                   # steps the depth in force is kept before the depths are weighed again
         self.known = 0                  # depths measured when they last were
+        self.elapsed = 0.0              # seconds of the steps planned at this batch size
+        self.lost = 0.0                 # seconds the trials lost against the depth in force (at least 0)
+        self.step_s = 0.0               # seconds of a step at the depth in force, as planned ...
+        self.rate = 0.0                 # ... and its tokens per second
+
+    def yielded(self, k: int) -> float:
+        """Tokens per second of the last steps measured at depth k on the whole batch (infinite: none)."""
+        seconds = sum(self.times.samples.get(k, ()))
+        return sum(self.yields.samples[k]) / seconds if seconds else float("inf")
+
+    def may_try(self) -> bool:
+        """Whether a trial may start: the losses so far within the share of the time, plus one step."""
+        return self.lost < TRY_SHARE * self.elapsed + self.step_s
 
 
 class SpecController:
@@ -84,6 +115,8 @@ class SpecController:
         self.found = Acceptance(1.0, 1.0, DECAY)      # share of asked requests that got any proposal
         self.batches: dict[tuple, _Batch] = {}
         self._step: tuple | None = None       # (batch key, depth) of the step planned last, if it measures one
+        self._key: tuple | None = None        # batch key of the step planned last
+        self._trial = False                   # whether it tries a depth other than the one in force
         self._plain_run = 0                   # consecutive steps without speculation, up to the last planned
         self._spec_m = 0                      # requests that speculated in the last step that did
         self.enabled_steps = 0
@@ -111,7 +144,7 @@ class SpecController:
             r.spec_k = 0
         if held:            # they decode one row each, beside the speculating ones: measured apart
             decoding = [r for r in decoding if self.may_speculate(r)]
-        self._step = None
+        self._step, self._key, self._trial = None, None, False
         b = len(decoding)
         if not b:
             return
@@ -119,6 +152,9 @@ class SpecController:
         self.found.age()
         key = ((b - 1).bit_length(), bucket(len(held)) if held else 0)   # 1, 2, 3-4, 5-8, 9-16, ... streams
         k, m = self._choose(decoding, key, len(held), other_tokens) if self.adaptive else (self.max_k, b)
+        if self.adaptive:
+            st = self.batches[key]
+            self._key, self._trial = key, (k, m) != (st.best, b) and st.rate > 0 and not other_tokens
         capped = False
         for i, r in enumerate(decoding):     # the first m requests speculate (all but in a probe)
             r.spec_k = self._cap(r, k) if k and i < m else 0
@@ -174,33 +210,47 @@ class SpecController:
         """(depth for this step, how many of the requests take it), beside ``held`` rows of requests
         that do not speculate and ``other_tokens`` prompt rows."""
         b = len(decoding)
-        st = self.batches.setdefault(key, _Batch())
+        st = self.batches.get(key) or self.batches.setdefault(key, _Batch())
         if st.again is not None and not other_tokens:
             (k, m), st.again = st.again, None
             return k, m
+        if st.hold and not other_tokens:        # settled, nothing due: the depth in force, its counters ticking
+            st.hold -= 1
+            st.since_refresh += 1
+            st.explore_in -= 1
+            return st.best, b
         measured, partial = self._estimates(b, st)
         if 0 not in measured:
             return 0, b                          # measure plain decoding at this size first: the safe choice
-        gains = self._gains(decoding, measured)
+        gains = self._gains(decoding, measured, held=held)
         rates = {k: gains[k] / t for k, t in measured.items()}
         if other_tokens:                        # prompt rows ride along: no exploring, no measuring
             return self._with_other_tokens(b, held, other_tokens, measured, gains), b
         if st.exploring is not None:
             k, m = st.exploring
             if (st.times.count(k) if m >= b else st.probe_times.count((k, m))) < DepthTimes.MIN_SAMPLES:
-                return k, m
+                if st.may_try() or not self.proposer_is_free:    # a draft's catch-up, paid: not wasted
+                    return k, m
+                self._in_force(st, measured, rates)
+                return st.best, b
         st.exploring = None
         probing = self._probing(b, st)
         best = max(rates, key=rates.get)
+        if best and not st.best and st.yielded(best) < st.yielded(0):    # turning speculation on: only where
+            can = {k: r for k, r in rates.items() if st.yielded(k) >= st.yielded(0)}   # what it yielded agrees
+            best = max(can, key=can.get)
         if st.best not in rates or rates[best] > rates[st.best] * (SWITCH_ON if probing else SWITCH):
             if best != st.best:
                 st.refresh_every = REFRESH_EVERY
             st.best = best
+        self._in_force(st, measured, rates)
         probing = self._probing(b, st)
         st.explore_in -= 1
-        if st.explore_in <= 0 or st.known != len(measured) + len(partial):   # now and then: the dear part
+        # now and then the dear part, unless the trials so far lost more than their share of the time here
+        if st.may_try() and (st.explore_in <= 0 or st.known != len(measured) + len(partial)):
             st.explore_in, st.known = EXPLORE_EVERY, len(measured) + len(partial)
-            target = self._to_explore(b, st, measured, partial, self._gains(decoding), rates[st.best], probing)
+            target = self._to_explore(b, st, measured, partial, self._gains(decoding, held=held), rates[st.best],
+                                      probing)
             if target is not None:
                 st.exploring = target
                 return target
@@ -208,13 +258,18 @@ class SpecController:
                           "predicted_speedup": rates[st.best] / rates[0]}
         return self._refresh(decoding, st, rates, probing)
 
-    def _gains(self, decoding: list[Request], depths=None, optimistic: bool = False) -> dict[int, float]:
-        """Expected tokens of the step at each of ``depths`` (all by default), summed over the requests;
-        ``optimistic``: at the acceptance's upper bound."""
+    @staticmethod
+    def _in_force(st: _Batch, measured: dict[int, float], rates: dict[int, float]) -> None:
+        """Note what a step at the depth in force takes and yields: what a trial's tokens would have cost."""
+        st.step_s, st.rate = measured[st.best], rates[st.best]
+
+    def _gains(self, decoding: list[Request], depths=None, optimistic: bool = False, held: int = 0) -> dict[int, float]:
+        """Expected tokens of the step at each of ``depths`` (all by default), summed over the requests
+        and ``held`` rows beside them; ``optimistic``: at the acceptance's upper bound."""
         b = len(decoding)
         a = self.acceptance.upper() if optimistic else self.acceptance.rate()
         found = self.found.rate()
-        return {k: b * (found * expected_tokens(a, k) + (1 - found)) if k else float(b)
+        return {k: held + (b * (found * expected_tokens(a, k) + (1 - found)) if k else float(b))
                 for k in (range(self.max_k + 1) if depths is None else depths)}
 
     def _to_explore(self, b: int, st: _Batch, measured: dict[int, float], partial: dict, gains: dict[int, float],
@@ -274,7 +329,9 @@ class SpecController:
         st.since_refresh += 1
         others = {k: r for k, r in rates.items() if k != st.best}
         b = len(decoding)
-        if st.since_refresh < st.refresh_every or not others:
+        if st.since_refresh < st.refresh_every or not others or not st.may_try():
+            due = min(st.refresh_every - st.since_refresh, st.explore_in) - 1 if st.may_try() else HOLD
+            st.hold = max(0, min(HOLD, due))
             return st.best, b
         st.since_refresh = 0
         k = max(others, key=others.get)
@@ -304,6 +361,11 @@ class SpecController:
         where torch runs several threads the CPU time counts each."""
         if cpu_seconds is not None:
             seconds = min(seconds, cpu_seconds)
+        if self._key is not None:
+            st = self.batches[self._key]
+            st.elapsed += seconds
+            if self._trial:
+                st.lost = max(0.0, st.lost + seconds - tokens / st.rate)
         if self._step is not None:
             key, k, m = self._step
             st = self.batches[key]
@@ -311,6 +373,7 @@ class SpecController:
                 st.probe_times.observe((k, m), seconds)
             else:
                 st.times.observe(k, seconds)
+                st.yields.observe(k, tokens)
 
     def observe_target(self, rows: int, seconds: float) -> None:
         self.target.observe(rows, seconds)
