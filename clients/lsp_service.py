@@ -192,6 +192,7 @@ class CompletionService:
         self._warm: dict[str, Optional[str]] = {}      # document -> spot whose whole window is believed cached
         self._anchors: dict[str, tuple[int, str]] = {}  # document -> (line start the prefix ends at, digest before it)
         self._refreshing: dict[str, int] = {}          # document -> line start whose prompt is being computed
+        self._edits: dict[str, int] = {}               # document -> edits seen (a prefill waits for the last)
         self._tasks: set[asyncio.Task] = set()
 
     async def complete(self, uri: str, text: str, offset: int, others: Sequence[tuple[str, str]] = ()) -> Optional[str]:
@@ -302,9 +303,11 @@ class CompletionService:
 
     def edited(self, uri: str, text: str, offset: int, others: Sequence[tuple[str, str]] = ()) -> None:
         """The document changed, the cursor now at ``offset``: prefill the prompt the next completion
-        will send (interactive, under the completion's key, so the completion takes it over)."""
+        will send (interactive, under the completion's key, so the completion takes it over), unless
+        within the debounce another edit comes or a completion is asked (which computes it anyway)."""
         if self.config.prefill:
-            self._spawn(self._prefill_edit(uri, text, offset, others))
+            self._edits[uri] = edit = self._edits.get(uri, 0) + 1
+            self._spawn(self._prefill_edit(uri, text, offset, others, edit, self._latest.get(uri)))
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -329,7 +332,11 @@ class CompletionService:
         if isinstance(final, Done) and final.finish_reason != "cancelled":
             self._warm[uri] = spot
 
-    async def _prefill_edit(self, uri, text, offset, others) -> None:
+    async def _prefill_edit(self, uri, text, offset, others, edit: int, asked: Optional[int]) -> None:
+        if self.config.debounce_ms:
+            await asyncio.sleep(self.config.debounce_ms / 1000)
+            if self._edits.get(uri) != edit or self._latest.get(uri) != asked:
+                return
         budget, _ = await self.budget(uri, await self.spot(text, offset))
         prompt = build_fim(text, offset, others, budget, self.split, self._anchor(uri, text, offset, others))
         await self._prefill(prompt, budget, replace_key(uri), "interactive")
@@ -429,6 +436,7 @@ class CompletionService:
         self._warm.pop(uri, None)
         self._anchors.pop(uri, None)
         self._refreshing.pop(uri, None)
+        self._edits.pop(uri, None)
         self.cache.forget(uri)
 
     async def aclose(self) -> None:

@@ -383,6 +383,23 @@ def test_a_backend_without_a_middle_gets_prompts_split_at_the_cursor():
     asyncio.run(go())
 
 
+def test_an_edits_prefill_waits_out_the_debounce_and_gives_way():
+    async def go():
+        client = RecordingClient()
+        service = CompletionService(LspConfig(debounce_ms=20, cache_size=0), client)
+        uri, text = "file:///a.py", "def f(x):\n    y = x\n"
+        for n in range(3):                                          # a burst: only the last one is sent
+            service.edited(uri, text[:13 + n], 13 + n)
+        await asyncio.sleep(0.1)
+        assert [c["middle"] for c in client.calls] == ["    y"]
+        service.edited(uri, text, 16)
+        await service.complete(uri, text, 16)                       # asked within the debounce
+        await asyncio.sleep(0.1)
+        assert len(client.calls) == 2 and "prompt_only" not in client.calls[-1]
+        await service.aclose()
+    asyncio.run(go())
+
+
 def test_speed_budget_cuts_context_first_then_prefix():
     full = FimBudget(prefix_tokens=1024, suffix_tokens=64, context_tokens=512)
     assert speed_budget(full, None, 150) == full
