@@ -68,6 +68,7 @@ class Scheduler:
         self.batch_prompt_chunk = batch_prompt_chunk     # most prompt tokens of a batch request per step (0: any)
         self.batch_quiet_s = batch_quiet_s               # batch prompts wait this long after more important work
         self._important_s = float("-inf")                # when a more important request last ran
+        self._now = 0.0                                  # this step's clock, read once per schedule()
         self.max_num_seqs = max_num_seqs
         self.waiting: dict[Priority, deque[Request]] = {p: deque() for p in Priority}
         self.running: list[Request] = []
