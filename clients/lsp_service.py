@@ -6,9 +6,10 @@ document's ``replace`` key (the daemon cancels the document's previous infill st
 trim → cache store. A request that gives up, is replaced or is cancelled by the editor answers
 None. Every outcome is counted and every answered request's latency is logged.
 
-Prefill while typing: on every edit (``prefill``) the document's new prompt goes to the daemon as a
-prompt-only infill under the same ``replace`` key, interactive, so when the completion is asked for
-its prompt is already cached, or the completion takes over the prefill's computed blocks. A newly
+Prefill while typing: after an edit (``prefill``), once the debounce passes without another edit or
+a completion of the document, its new prompt goes to the daemon as a prompt-only infill under the
+same ``replace`` key, interactive, so when the completion is asked for its prompt is already cached,
+or the completion takes over the prefill's computed blocks. A newly
 opened document gets a prompt-only infill of its whole window at batch priority under a key of its
 own (``warm_key``), which completions never replace.
 
