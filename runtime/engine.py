@@ -177,11 +177,7 @@ class Engine:
     def deferred_s(self) -> float:
         """Seconds the next step may wait for: only batch prompts held back for a quiet moment are
         left (0: step now)."""
-        s = self.scheduler
-        if self._pending or any(q for p, q in s.waiting.items() if p is not Priority.BATCH) or \
-                any(r.priority is not Priority.BATCH or r.num_tokens - r.num_computed_tokens == 1 for r in s.running):
-            return 0.0
-        return self.scheduler.deferred_s()
+        return 0.0 if self._pending else self.scheduler.deferred_s()
 
     # ---- the step --------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:

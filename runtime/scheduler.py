@@ -165,9 +165,11 @@ class Scheduler:
         return n, max(0, n - base)
 
     def deferred_s(self) -> float:
-        """Seconds until batch prompts held back by the quiet window may run (0: none held back)."""
-        if not any(r.priority is Priority.BATCH and not _decoding(r) for r in self.running) and \
-                not self.waiting[Priority.BATCH]:
+        """Seconds the next step may wait: all that is left is batch prompts held back by the quiet
+        window (0: step now)."""
+        held = sum(1 for r in self.running if r.priority is Priority.BATCH and not _decoding(r))
+        if held < len(self.running) or any(q for p, q in self.waiting.items() if p is not Priority.BATCH) or \
+                not (held or self.waiting[Priority.BATCH]):
             return 0.0
         return max(0.0, self._important_s + self.batch_quiet_s - time.monotonic())
 
