@@ -258,7 +258,12 @@ class BlockManager:
         if shift is None:
             return []
         bs = self.block_size
-        return list(dict.fromkeys(shift.src_blocks[p // bs] for p in range(shift.src_start, shift.src_start + shift.length)))
+        return list(dict.fromkeys(s // bs for s in self._slots(shift.src_blocks, shift.src_start, shift.length)))
+
+    def _slots(self, table, start: int, n: int) -> list[int]:
+        """The pool slots of positions ``start`` .. ``start + n - 1`` in block table ``table``."""
+        bs = self.block_size
+        return [table[p // bs] * bs + p % bs for p in range(start, start + n)]
 
     def can_append(self, request: Request, num_tokens: int) -> bool:
         """Could the request grow to `num_tokens` slots?"""
@@ -284,9 +289,8 @@ class BlockManager:
             self._copies.append((hit.copy_from, request.block_ids[len(hit.block_ids)], slots))
         request.stale_from, request.stale = None, 0
         if shift is not None:
-            bs = self.block_size
-            src = [shift.src_blocks[p // bs] * bs + p % bs for p in range(shift.src_start, shift.src_start + shift.length)]
-            dst = [request.block_ids[p // bs] * bs + p % bs for p in range(shift.start, shift.end)]
+            src = self._slots(shift.src_blocks, shift.src_start, shift.length)
+            dst = self._slots(request.block_ids, shift.start, shift.length)
             self._shifts.append((src, dst, shift.start - shift.src_start))
             if shift.stale:
                 request.stale_from, request.stale = shift.start, shift.stale
