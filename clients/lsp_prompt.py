@@ -45,6 +45,12 @@ class FimPrompt:
     middle: str = ""                       # the start of the middle, already typed (after <fim_middle>)
     held: str = ""                         # typed whitespace after it, left for the model to write
 
+    @property
+    def chars(self) -> int:
+        """Characters of text the prompt holds (the held whitespace counted: the model writes it)."""
+        return len(self.prefix) + len(self.suffix) + len(self.middle) + len(self.held) + \
+            sum(len(p) + len(t) for p, t in self.files)
+
     def completion(self, raw: str) -> str:
         """The model's text as it continues the document at the cursor: the held whitespace, which
         the model writes first, taken off (or, when it wrote other whitespace, all of it)."""

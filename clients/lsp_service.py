@@ -93,23 +93,27 @@ class LspConfig:
             raise ValueError(f"--fim-split must be line or cursor, got {self.split!r}")
 
 
+def _document_key(kind: str, uri: str) -> str:
+    return kind + ":" + hashlib.sha256(uri.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
 def replace_key(uri: str) -> str:
     """The daemon-side ``replace`` key of a document: one infill in flight per document."""
-    return "lsp:" + hashlib.sha256(uri.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+    return _document_key("lsp", uri)
 
 
 def anchor_key(uri: str) -> str:
     """The ``replace`` key of a document's prompt for a new line (line split), in the background."""
-    return "lsp-line:" + hashlib.sha256(uri.encode("utf-8", "surrogatepass")).hexdigest()[:32]
-
-
-def _digest(text: str) -> str:
-    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+    return _document_key("lsp-line", uri)
 
 
 def warm_key(uri: str) -> str:
     """The ``replace`` key of a document's warm-up prefill (never replaced by a completion)."""
-    return "lsp-warm:" + hashlib.sha256(uri.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+    return _document_key("lsp-warm", uri)
+
+
+def _digest(text: str) -> str:
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
 
 
 MIN_PREFIX_TOKENS = 32
@@ -287,8 +291,7 @@ class CompletionService:
 
     def _observe(self, prompt, final) -> None:
         if isinstance(final, Done) and final.usage.get("prompt_tokens"):
-            chars = len(prompt.prefix) + len(prompt.suffix) + len(prompt.middle) + len(prompt.held) + sum(len(p) + len(t) for p, t in prompt.files)
-            self._measure(chars / final.usage["prompt_tokens"])
+            self._measure(prompt.chars / final.usage["prompt_tokens"])
             self.rate.observe(final.usage, final.timings)
             u, t = final.usage, final.timings
             log.debug("daemon: %s prompt tokens, %s cached, %s generated; queued %s ms, prompt %s ms, decode %s ms",
@@ -378,10 +381,7 @@ class CompletionService:
         start = time.perf_counter()
         final = None
         try:
-            stream = await self.client.infill(prompt.prefix, prompt.suffix, files=list(prompt.files) or None,
-                                              replace=key, max_tokens=1, priority=priority, prompt_only=True,
-                                              layout=self.config.layout, shift_reuse=self._shift(key),
-                                              middle=prompt.middle or None)
+            stream = await self._send(prompt, key, max_tokens=1, priority=priority, prompt_only=True)
             try:
                 async for _ in stream:
                     pass
@@ -408,11 +408,9 @@ class CompletionService:
         # the model stops where the trimmed suggestion would end anyway: at the line's end when the
         # cursor is mid-line (one line is shown), else at two blank lines in a row
         mid_line = prompt.suffix.split("\n", 1)[0].strip()
-        stream = await self.client.infill(prompt.prefix, prompt.suffix, files=list(prompt.files) or None,
-                                          replace=replace_key(uri), max_tokens=self.config.max_tokens,
-                                          priority="interactive", temperature=self.config.temperature,
-                                          layout=self.config.layout, shift_reuse=self._shift(replace_key(uri)),
-                                          middle=prompt.middle or None, stop=["\n"] if mid_line else ["\n\n\n"])
+        stream = await self._send(prompt, replace_key(uri), max_tokens=self.config.max_tokens,
+                                  priority="interactive", temperature=self.config.temperature,
+                                  stop=["\n"] if mid_line else ["\n\n\n"])
         parts = []
         try:
             async for event in stream:
@@ -421,6 +419,12 @@ class CompletionService:
         finally:
             await stream.aclose()
         return "".join(parts), stream.final
+
+    async def _send(self, prompt, key: str, **kw):
+        """An infill of ``prompt`` under ``key``, in the configured layout."""
+        return await self.client.infill(prompt.prefix, prompt.suffix, files=list(prompt.files) or None,
+                                        replace=key, layout=self.config.layout, shift_reuse=self._shift(key),
+                                        middle=prompt.middle or None, **kw)
 
     def _shift(self, key: str) -> Optional[bool]:
         """Ask for shifted reuse on a document's edits and completions (a warm-up computes its whole
