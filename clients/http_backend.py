@@ -66,6 +66,7 @@ class HttpStream:
         self._pending: list = []
         self._usage: dict = {}
         self._timings: dict = {}
+        self._prompt_n: Optional[int] = None      # prompt tokens the server computed (its timings)
         self._finish = "stop"
         self._lines = self._read_lines()
 
@@ -126,14 +127,14 @@ class HttpStream:
         t = obj.get("timings")
         if isinstance(t, dict):       # llama.cpp's server (and llmd's front) time the prompt and the decode
             self._timings = {"prompt_ms": t.get("prompt_ms"), "decode_ms": t.get("predicted_ms")}
-            self._prompt_n = t.get("prompt_n")      # prompt tokens this request computed
+            self._prompt_n = t.get("prompt_n")
         if self._dialect == "infill":
             text, finish = obj.get("content") or "", None
             if obj.get("stop"):
                 finish = "length" if obj.get("stop_type") == "limit" else "stop"
                 # tokens_cached counts the slot's whole cache after the request: the prompt tokens
                 # served from the cache are those it did not compute (prompt_n)
-                n, computed = obj.get("tokens_evaluated"), getattr(self, "_prompt_n", None)
+                n, computed = obj.get("tokens_evaluated"), self._prompt_n
                 self._usage = {"prompt_tokens": n, "completion_tokens": obj.get("tokens_predicted"),
                                "cached_tokens": max(0, n - computed) if isinstance(n, int) and
                                isinstance(computed, int) else None}
