@@ -24,6 +24,13 @@ from llmd.export.llamacpp import BUILD_DIR as CACHE
 REPO = Path(__file__).resolve().parents[1]
 
 
+
+def file_tail(log, chars: int = 2000) -> str:
+    """The last ``chars`` characters written to a server's log file (an open, readable temp file)."""
+    log.flush()
+    log.seek(0)
+    return log.read()[-chars:]
+
 class LlamaServerError(RuntimeError):
     """llama-server is missing, exited, or did not become ready."""
 
@@ -88,11 +95,7 @@ class LlamaServer:
         raise LlamaServerError(f"llama-server was not ready within {self.ready_timeout_s:.0f} s: {self.log_tail()}")
 
     def log_tail(self, chars: int = 2000) -> str:
-        if self._log is None:
-            return ""
-        self._log.flush()
-        self._log.seek(0)
-        return self._log.read()[-chars:]
+        return "" if self._log is None else file_tail(self._log, chars)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

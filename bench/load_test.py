@@ -33,7 +33,7 @@ from llmd.clients import AsyncClient, Client, Done, Error, RequestError, Token
 from llmd.options import flag_name
 from llmd.runtime.tokenizer import Tokenizer
 
-from .llama_server import LlamaServer, binary
+from .llama_server import LlamaServer, binary, file_tail
 from .runner import pct
 from .workloads import heldout_texts
 
@@ -121,9 +121,7 @@ class DaemonTarget:
         raise RuntimeError(f"llmd's daemon was not ready within {timeout_s:.0f} s: {self.log_tail()}")
 
     def log_tail(self, chars: int = 2000) -> str:
-        self._log.flush()
-        self._log.seek(0)
-        return self._log.read()[-chars:]
+        return file_tail(self._log, chars)
 
     async def complete(self, ids: list[int], gen: int) -> int:
         if self.client is None:
