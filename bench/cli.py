@@ -31,6 +31,7 @@ from llmd.runtime.request import SamplingParams
 
 from .llama_bench import LlamaBenchError, decode_rate, llama_bench_binary
 from .llama_server import LlamaServerError
+from .membw import read_bandwidth, weight_bytes
 from .load_test import LoadConfig, run_load, table as load_table
 from .report import write_json, write_png
 from .runner import BenchConfig, headline, run
@@ -68,6 +69,9 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--repeat", type=int, default=3, help="rounds of the single-stream, peer and concurrent tests, taken in turn; medians reported "
                    "(llamacpp-server: rounds of each level, new prompts each round, pooled)")
     p.add_argument("--spec", action="store_true", help="also run the single stream with speculation (needs --draft)")
+    p.add_argument("--bandwidth", action="store_true", help="with llama-bench: read the memory bandwidth before each "
+                   "round and report what share of it each engine's decode reads (weight bytes x tokens/s): how "
+                   "close one stream is to the memory's ceiling")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     add_flags(p.add_argument_group("engine"), EngineConfig, skip=("model",))
     p.set_defaults(func=run_bench)
@@ -92,6 +96,8 @@ def peer_names(args) -> list[str]:
         raise BenchArgumentError("--against llamacpp-server is a load test of its own; give it alone, without --workload")
     if "llama-bench" in names and args.workload:
         raise BenchArgumentError("--against llama-bench compares one stream; it does not run --workload")
+    if getattr(args, "bandwidth", False) and "llama-bench" not in names:
+        raise BenchArgumentError("--bandwidth compares one stream's decode with llama-bench's: add --against llama-bench")
     if "llama-bench" in names and args.gen < 2:
         raise BenchArgumentError("--against llama-bench needs --gen of at least 2 (the decode steps follow the "
                                  "first token)")
@@ -179,11 +185,19 @@ def bench_model(args, model: str) -> int:
     streams = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(args.concurrency)]
     # one stream, its peers and many streams take turns, so a slow spell of the machine falls on
     # all of them alike; each figure is the median of its repeats (llama-bench's: the best too)
+    readings: dict[str, list[float]] = {"llmd": [], "llama": []}   # --bandwidth: read just before each round
+
+    def read(who: str) -> None:
+        if args.bandwidth:
+            readings[who].append(read_bandwidth(res["threads"], 512, 3))
     for i in range(args.repeat):
         if llama and i % 2:
+            read("llama")
             llamas.append(llama())
+        read("llmd")
         singles.append(single_stream(llm, prompt, args.gen))
         if llama and not i % 2:
+            read("llama")
             llamas.append(llama())
         if spec_llm:
             specs.append(single_stream(spec_llm, prompt, args.gen))
@@ -200,6 +214,9 @@ def bench_model(args, model: str) -> int:
         res["ratio_ttft_vs_hf"] = res["llmd_single"]["ttft_s"] / res["hf_single"]["ttft_s"]
     if llamas:
         res["llama_bench"] = llama_bench_summary(singles, llamas, llama.gguf)
+        if args.bandwidth:
+            res["bandwidth"] = bandwidth_summary(singles, llamas, readings, decode_bytes(llm, llama.gguf),
+                                                 weight_bytes(Path(llama.gguf)))
     if concurrents:
         res["llmd_concurrent"] = median_dict(concurrents)
         # decode against decode: the single-stream figure leaves its prompt out, so the concurrent one does too
@@ -232,6 +249,36 @@ def llama_bench_summary(singles: list[dict], llamas: list[dict], gguf: str) -> d
             "llmd_runs": mine, "llmd_best": max(mine), "llama_best": max(theirs),
             "ratio_best": max(mine) / max(theirs),
             "ratio_median": statistics.median(mine) / statistics.median(theirs)}
+
+
+def decode_bytes(llm, gguf: str) -> int:
+    """The weight bytes one decode step of llmd reads: its fused step's tensors and its head's kernel
+    form; the GGUF file's size where the step is not fused (the same weights, as llama.cpp reads them)."""
+    fused = getattr(llm.engine.runner.model, "fused_decode", None)
+    head = fused.head.kernel_product() if fused is not None else None
+    if fused is None or head is None:
+        return weight_bytes(Path(gguf))
+    seen, total = set(), 0
+    for t in [*fused._tensors, *head.tensors()]:
+        if t is not None and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
+
+
+def bandwidth_summary(singles: list[dict], llamas: list[dict], readings: dict, llmd_bytes: int,
+                      llama_bytes: int) -> dict:
+    """Each engine's decode as a share of the read bandwidth measured just before its round (median over
+    rounds), and the bandwidth 1.25x llama.cpp's median rate would need at llmd's bytes per token."""
+    def shares(runs, bws, nbytes):
+        return [r["decode_tok_s"] * nbytes / bw for r, bw in zip(runs, bws)]
+    every = readings["llmd"] + readings["llama"]
+    llama_rate = statistics.median(r["decode_tok_s"] for r in llamas)
+    mine, theirs = shares(singles, readings["llmd"], llmd_bytes), shares(llamas, readings["llama"], llama_bytes)
+    return {"readings_gb_s": [round(b / 1e9, 1) for b in every], "llmd_bytes": llmd_bytes, "llama_bytes": llama_bytes,
+            "llmd_shares": [round(x, 3) for x in mine], "llama_shares": [round(x, 3) for x in theirs],
+            "llmd_share": statistics.median(mine), "llama_share": statistics.median(theirs),
+            "needed_for_1_25x_gb_s": 1.25 * llama_rate * llmd_bytes / 1e9, "best_reading_gb_s": max(every) / 1e9}
 
 
 def run_workloads(args, model, draft, opts) -> int:
@@ -353,6 +400,12 @@ def table(r: dict) -> str:
         b = r["llama_bench"]
         lines.append(f"llama-bench {b['model_type']} (KV {b['kv']}): decode best {b['llama_best']:.1f} tok/s; llmd best "
                      f"{b['llmd_best']:.1f}; llmd / llama.cpp {b['ratio_best']:.2f}x best, {b['ratio_median']:.2f}x median")
+    if "bandwidth" in r:
+        w = r["bandwidth"]
+        lines.append(f"memory: read {min(w['readings_gb_s']):.1f}-{max(w['readings_gb_s']):.1f} GB/s before the rounds; "
+                     f"decode reads {100 * w['llmd_share']:.0f}% of it in llmd ({w['llmd_bytes'] / 1e6:.1f} MB a token), "
+                     f"{100 * w['llama_share']:.0f}% in llama.cpp ({w['llama_bytes'] / 1e6:.1f} MB); 1.25x llama.cpp "
+                     f"needs {w['needed_for_1_25x_gb_s']:.1f} GB/s")
     c = r.get("llmd_concurrent")
     if c:
         lines.append(f"llmd {c['streams']} streams: {c['decode_aggregate_tok_s']:.1f} tok/s aggregate decode, prompts "

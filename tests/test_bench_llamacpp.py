@@ -59,6 +59,7 @@ def bench_args(*argv):
     (["m.gguf", "--against", "llamacpp-server,hf"], "give it alone"),
     (["m.gguf", "--against", "llamacpp-server", "--workload", "batch"], "without --workload"),
     (["m.gguf", "--against", "llama-bench", "--workload", "batch"], "does not run --workload"),
+    (["m.gguf", "--against", "hf", "--bandwidth"], "add --against llama-bench"),
     (["m.gguf", "--against", "llamacpp-server", "--sweep", "1,x"], "integers"),
     (["m.gguf", "--against", "llamacpp-server", "--sweep", "0,4"], "between 1 and 256"),
     (["m.gguf", "--against", "llamacpp-server", "--requests-per-client", "0"], "requests_per_client must be"),
@@ -88,6 +89,29 @@ def test_llama_bench_summary_compares_best_and_median():
     llamas = [{"decode_tok_s": x, "kv": "f16/f16", "model_type": "t"} for x in (80.0, 60.0, 100.0)]
     s = cli.llama_bench_summary(singles, llamas, "m.gguf")
     assert s["ratio_best"] == pytest.approx(1.2) and s["ratio_median"] == pytest.approx(100 / 80)
+
+
+def test_bandwidth_summary_is_each_rounds_share_of_the_reading_before_it():
+    singles = [{"decode_tok_s": x} for x in (100.0, 50.0, 80.0)]
+    llamas = [{"decode_tok_s": x} for x in (90.0, 45.0, 60.0)]
+    readings = {"llmd": [40e9, 20e9, 40e9], "llama": [36e9, 18e9, 30e9]}
+    s = cli.bandwidth_summary(singles, llamas, readings, llmd_bytes=300_000_000, llama_bytes=400_000_000)
+    assert s["llmd_shares"] == [0.75, 0.75, 0.6] and s["llmd_share"] == pytest.approx(0.75)
+    assert s["llama_shares"] == [1.0, 1.0, 0.8] and s["llama_share"] == pytest.approx(1.0)
+    # 1.25x llama.cpp's median rate (60 tok/s) at llmd's 300 MB a token
+    assert s["needed_for_1_25x_gb_s"] == pytest.approx(22.5) and s["best_reading_gb_s"] == pytest.approx(40.0)
+
+
+def test_decode_bytes_counts_the_fused_steps_weights_once():
+    from llmd.runtime.llm import LLM
+    llm = LLM(str(MODEL), draft="none")
+    fused = llm.engine.runner.model.fused_decode
+    if fused is None:
+        pytest.skip("llmd's kernels are not built here: no fused step to count")
+    stored = sum(p.stat().st_size for p in MODEL.glob("*.safetensors"))     # float32, tied head
+    n = cli.decode_bytes(llm, "unused.gguf")
+    # the step reads the layers' products and the head (the tied table, once): about the stored weights
+    assert 0.9 * stored < n < 1.01 * stored
 
 
 def test_load_config_bounds_and_request_counts():
