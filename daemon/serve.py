@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import signal
 import sys
@@ -14,13 +15,23 @@ from .server import Server
 from .settings import Settings, SettingsError
 
 
-def engine_factory(settings: Settings):
-    """A function the engine thread calls to build the Engine (so torch loads there, after bind)."""
+def engine_factory(settings: Settings, freeze: bool = False):
+    """A function the engine thread calls to build the Engine (so torch loads there, after bind).
+    ``freeze``: for a process that keeps this engine until it exits (`llmd serve`), take everything
+    alive then out of the garbage collector's view (a process that builds engines again and again,
+    as the tests do, must not: a frozen cycle is never freed)."""
     config = settings.engine_config()
 
     def make(progress=None):
         from llmd.runtime.engine import Engine      # torch loads here, on the engine thread, after bind
-        return Engine(config, progress=progress)
+        engine = Engine(config, progress=progress)
+        if freeze:
+            # The engine's objects (modules, tensors, tables) left in the collector's generations would
+            # be walked by every full collection, which holds the GIL for longer than a decode step at
+            # moments no request chooses; frozen, they are never walked.
+            gc.collect()
+            gc.freeze()
+        return engine
     return make
 
 
@@ -41,7 +52,7 @@ def serve(settings: Settings, notifier: systemd.Notifier | None = None) -> int:
         print("llmd serve: no model given (--model, LLMD_MODEL or `model` in llmd.toml)", file=sys.stderr)
         return 2
     settings, fd = activated_socket(settings)
-    server = Server(settings, engine_factory(settings), notifier or systemd.Notifier(), listen_fd=fd)
+    server = Server(settings, engine_factory(settings, freeze=True), notifier or systemd.Notifier(), listen_fd=fd)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: server.request_stop())
     try:

@@ -471,3 +471,20 @@ def test_an_engine_loop_that_dies_fails_its_requests_and_the_daemon_exits_1(tiny
     assert isinstance(last, Error) and last.code == "internal" and "the engine stopped" in last.message
     thread.join(15)
     assert not thread.is_alive() and result["code"] == 1
+
+
+def test_the_served_engine_is_frozen_out_of_the_collectors_view(tiny_model_dir, tmp_path):
+    """`llmd serve` keeps its engine for its life: after it is built a full collection walks none of it
+    (the tests' own daemons do not freeze: they build engines again and again)."""
+    import gc
+    from llmd.daemon.serve import engine_factory
+    settings = daemon_settings(tiny_model_dir, tmp_path)
+    before = gc.get_freeze_count()
+    try:
+        engine = engine_factory(settings, freeze=True)()
+        tracked = {id(o) for o in gc.get_objects()}
+        assert gc.get_freeze_count() > before
+        assert id(engine) not in tracked and id(engine.scheduler) not in tracked
+        assert id(engine_factory(settings)()) in {id(o) for o in gc.get_objects()}    # not frozen by default
+    finally:
+        gc.unfreeze()
