@@ -196,7 +196,7 @@ LAYOUTS = {   # (num_q, ctx_len, block ids): scattered, shared and partly filled
 
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 64), (14, 2, 64), (8, 2, 32), (4, 1, 128)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 64), (14, 2, 64), (8, 2, 32), (4, 1, 128), (10, 2, 80), (6, 1, 48)])
 def test_attention_kernel_matches_reference_over_the_paged_pool(heads, kv_heads, dim, layout, pool_dtype):
     """Decode rows, verification rows and a prompt chunk in one step: the kernel serves the first
     two kinds, torch the chunk; every row equals the per-request reference, over float32 pools and
