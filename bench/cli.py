@@ -10,6 +10,7 @@ llmd's daemon against llama.cpp's server, both started and stopped here (llmd.be
 """
 from __future__ import annotations
 
+import gc
 import json
 import random
 import signal
@@ -171,6 +172,19 @@ def bench_model(args, model: str) -> int:
         return run_workloads(args, model, draft, opts)
     llm = LLM(model, draft="none", **opts)
     spec_llm = LLM(model, draft=draft, **opts) if (args.spec and draft) else None
+    # as `llmd serve` does with its engine: what is alive now (torch's own objects, the engines) is kept
+    # out of the collector's full passes, which would otherwise stall a round at random; handed back
+    # at the end (a caller in the same process may build engines again)
+    gc.collect()
+    gc.freeze()
+    try:
+        return measure(args, model, llm, spec_llm)
+    finally:
+        gc.unfreeze()
+
+
+def measure(args, model: str, llm, spec_llm) -> int:
+    """The one-stream rounds with their peers, the concurrent and shared-prefix tests, and the report."""
     peers = peer_names(args)
     device = getattr(llm.engine.runner, "device", torch.device("cpu"))
     hf = load_hf(model, device, args.dtype or "float32") if "hf" in peers else None
