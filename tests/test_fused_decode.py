@@ -8,7 +8,7 @@ import torch
 
 from llmd import LLM, SamplingParams
 from llmd.runtime import kernels
-from llmd.runtime.formats.quantized import QuantLinear, QuantSpec, prepare_quantized, quantize_model
+from llmd.runtime.formats.quantized import Int4Linear, QuantLinear, QuantSpec, prepare_quantized, quantize_model
 from llmd.runtime.kernels import ops
 from llmd.runtime.model_runner import Feed, ModelRunner
 from llmd.runtime.models.fused_decode import FusedDecode, layer_linears
@@ -32,14 +32,19 @@ def force_fused(model) -> FusedDecode:
     return model.fused_decode
 
 
-def loaded(model_factory, name, bf16_values=False, quant=None, **kw):
-    """A random model prepared as the engine prepares it; ``quant`` a QuantSpec to quantize it first."""
+def loaded(model_factory, name, bf16_values=False, quant=None, f32_scales=False, **kw):
+    """A random model prepared as the engine prepares it; ``quant`` a QuantSpec to quantize it first
+    (``f32_scales``: int4 scales that are no float16 values, as an engine directory of an earlier export
+    holds them: the float32 blocks)."""
     model = load_model(model_factory(name, **kw), "float32")
     if bf16_values:             # a checkpoint stored in bfloat16, served in float32: bfloat16 blocks
         for p in model.parameters():
             p.data = p.data.to(torch.bfloat16).float()
     if quant is not None:
         quantize_model(model, quant)
+    for m in model.modules() if f32_scales else ():
+        if isinstance(m, Int4Linear):
+            m.scales = torch.nextafter(m.scales, torch.full_like(m.scales, float("inf")))
     model.prepare_for_inference()
     if quant is not None:
         prepare_quantized(model)
@@ -81,11 +86,12 @@ def test_fused_step_is_bit_identical_to_the_python_forward(model_factory, arch, 
 
 QUANT = {   # hidden 192 = 128 + 64 (SmolLM2's 576 is 4 x 128 + 64): the kernels' half lines
     "int8": (QuantSpec("int8"), {"hidden": 192, "intermediate": 320}, ops.KIND_Q8),
-    "int4-g64": (QuantSpec("int4", group_size=64), {"hidden": 192, "intermediate": 320}, ops.KIND_Q4),
-    "int4-g32": (QuantSpec("int4", group_size=32), {"hidden": 192, "intermediate": 320}, ops.KIND_Q4),
+    "int4-g64": (QuantSpec("int4", group_size=64), {"hidden": 192, "intermediate": 320}, ops.KIND_Q4H),
+    "int4-g32": (QuantSpec("int4", group_size=32), {"hidden": 192, "intermediate": 320}, ops.KIND_Q4H),
+    "int4-g32-f32-scales": (QuantSpec("int4", group_size=32), {"hidden": 192, "intermediate": 320}, ops.KIND_Q4),
     "int4-g128-qkv-bias": (QuantSpec("int4", group_size=128), {"architecture": "Qwen2ForCausalLM", "hidden": 256,
                                                                 "heads": 8, "kv_heads": 2, "intermediate": 384},
-                           ops.KIND_Q4),
+                           ops.KIND_Q4H),
     "int8-untied": (QuantSpec("int8"), {"tie": False, "hidden": 128, "intermediate": 256}, ops.KIND_Q8),
 }
 
@@ -96,7 +102,7 @@ def test_quantized_fused_step_is_bit_identical_to_the_python_forward(model_facto
     """int8 and int4 layers (and the int8g head that reads the result) in the fused step: one stream,
     five streams and verification rows give the logits and pools of the layer-by-layer forward."""
     spec, kw, kind = QUANT[name]
-    model = loaded(model_factory, f"fused-{name}", quant=spec, **kw)
+    model = loaded(model_factory, f"fused-{name}", quant=spec, f32_scales=name.endswith("f32-scales"), **kw)
     assert all(isinstance(m, QuantLinear) for m in layer_linears(model))
     fused = model.fused_decode
     assert fused is not None and fused.max_rows == 16
