@@ -128,17 +128,19 @@ def int8_pack(qweight: torch.Tensor, scales: torch.Tensor) -> Packed | None:
     return Packed(out, n, k, group, False) if rc == 0 else None
 
 
-def int4_pack(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> Packed | None:
+def int4_pack(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+              half: bool = True) -> Packed | None:
     """uint8 [N, K] nibbles with [N, K/G] scales and zeros in the kernels' blocks, or None where they do
     not run (not built, G not 32, 64, 128 or 256, or K not a multiple of G and of 64). Float32 scales
     and zeros that are all float16 values are held as float16 (q4h: 5 bits a weight at groups of 32
-    where float32 takes 6), and the kernel forms z - 8 s as torch forms it here: the same numbers."""
+    where float32 takes 6; ``half=False`` keeps float32 blocks, for comparisons), and the kernel forms
+    z - 8 s as torch forms it here: the same numbers."""
     so = lib()
     n, k = q.shape
     if so is None or getattr(so, "llmd_q4_pack", None) is None:
         return None
     q = q.to(torch.uint8).contiguous()
-    s16, z16 = as_float16(scales), as_float16(zeros)
+    s16, z16 = (as_float16(scales), as_float16(zeros)) if half else (None, None)
     if s16 is not None and z16 is not None and getattr(so, "llmd_q4h_pack", None) is not None:
         out = torch.empty(packed_bytes(n, k, group_size, True, half=True), dtype=torch.uint8)
         s16, z16 = s16.contiguous(), z16.contiguous()
