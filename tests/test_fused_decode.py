@@ -197,20 +197,26 @@ def test_engine_output_is_the_same_with_and_without_the_fused_step(tiny_model_di
         assert (ran > 0) == (opts.get("kv_dtype") != "int8")
 
 
-def test_the_side_by_side_benchmark_runs_both_paths_and_finds_the_same_tokens():
-    """bench/bench_decode_paths.py, the source of the fused-step figures in docs/performance.md, on a short run."""
+@pytest.mark.parametrize("compare,names", [("fused", ("fused", "layer_by_layer")),
+                                           pytest.param("int4-half", ("int4_f16_blocks", "int4_f32_blocks"),
+                                                        marks=pytest.mark.slow)])     # an int4 export first
+def test_the_side_by_side_benchmark_runs_both_paths_and_finds_the_same_tokens(compare, names, tmp_path):
+    """bench/bench_decode_paths.py, the source of the fused-step figures in docs/performance.md, on a short
+    run (int4-half: a random model exported to int4 here, its float16 and float32 blocks)."""
     import json
+    import os
     import subprocess
     import sys
     from pathlib import Path
     script = Path(__file__).resolve().parents[1] / "bench" / "bench_decode_paths.py"
-    done = subprocess.run([sys.executable, str(script), "--compare", "fused", "--rounds", "1", "--gen", "4",
-                           "--streams", "3", "--prompt-len", "20"], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, str(script), "--compare", compare, "--rounds", "1", "--gen", "4",
+                           "--streams", "3", "--prompt-len", "20"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TMPDIR": str(tmp_path)})
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout)
     assert result["same_tokens"] and result["streams"] == 3
     assert result["fused_steps"] > 0                                  # the fused side really ran fused
-    assert result["fused"]["one_stream_tok_s"] > 0 and result["layer_by_layer"]["streams_tok_s"] > 0
+    assert result[names[0]]["one_stream_tok_s"] > 0 and result[names[1]]["streams_tok_s"] > 0
 
 
 @pytest.mark.parametrize("kw,kv_dtype", [
