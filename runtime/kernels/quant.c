@@ -114,7 +114,7 @@ static inline TARGET __attribute__((always_inline)) __m512i dot4(__m512i acc, __
 }
 
 /* The next block is fetched while this one is computed (by a block's first tile: the others find
- * it in cache), a line ahead of each weight line read, and its head lines (2 per group) first. */
+ * it in cache), a line ahead of each weight line read, and its head lines (2 per group; q4h: 1) first. */
 #define Q_HINT _MM_HINT_T0
 static inline void q_prefetch_head(const uint8_t *next, size_t head_bytes) {
     for (size_t at = 0; at < head_bytes; at += 64) _mm_prefetch((const char *)next + at, Q_HINT);
