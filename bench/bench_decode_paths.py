@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from llmd.bench.bench_kernels import add_decode_args, decode_rate
+from llmd.export.cli import ExportOptions, export_engine
 from llmd.runtime.formats.quantized import Int4Linear
 from llmd.runtime.kernels import ops
 from llmd.runtime.llm import LLM
@@ -68,7 +69,6 @@ def int4_engine(model: str, tmp: str) -> str:
     manifest = Path(model) / "manifest.json"
     if manifest.is_file() and json.loads(manifest.read_text()).get("quantization", {}).get("method") == "int4":
         return model
-    from llmd.export.cli import ExportOptions, export_engine
     out = Path(tmp) / "int4-g32"
     export_engine(ExportOptions(model, str(out), quant="int4", group_size=32, scale_search=False, eval_windows=1,
                                 eval_tokens=16, accept_loss=True))

@@ -6,10 +6,12 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from llmd import LLM, SamplingParams
 from llmd.export.cli import ExportOptions, export_engine
 from llmd.runtime import kernels
+from llmd.runtime.model_runner import Feed
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"llmd kernels unavailable: {kernels.why()}")
 
@@ -69,9 +71,6 @@ def test_a_prompt_gets_the_same_logits_alone_and_beside_others(quant, tiny_model
     """A prompt of up to 16 rows alone (the fused step) and beside others in one step of more rows (the
     Python forward: kernels for the products and for the row operations at every row count): the
     same logits bit for bit, so greedy choices cannot part at a near tie."""
-    import torch
-
-    from llmd.runtime.model_runner import Feed
     engine = exported(tiny_model_dir, tmp_path_factory.mktemp(f"logits-{quant}") / "engine", quant)
     runner = LLM(str(engine), kv_memory="8MiB", prefix_cache=False, draft="none").engine.runner
     rng = random.Random(3)
