@@ -2,12 +2,16 @@
 
     .venv/bin/python bench/bench_decode_paths.py --compare fused --shape tiny
     .venv/bin/python bench/bench_decode_paths.py --compare bf16-blocks --model models/code-target
+    .venv/bin/python bench/bench_decode_paths.py --compare int4-half --model models/code-target
 
 ``fused``: every layer in one kernel call (llmd.runtime.models.fused_decode) against the layer-by-layer
 Python forward, on one loaded model (the fused form is switched off for the baseline's rounds).
 ``bf16-blocks``: a checkpoint whose weights are all bfloat16 values, served in float32, with its
 blocked weights kept in bfloat16 (widened exactly in the kernel) against the same model loaded with
-float32 blocks. Reported: medians of one-stream and N-stream decode tokens/s (prompts cached,
+float32 blocks. ``int4-half``: an int4 engine whose scales and zeros are float16 values (any int4 engine
+directory as --model, or a float model exported here to int4 with groups of 32, plain rounding) with its
+int4 blocks holding them as float16 (5 bits a weight) against the same engine loaded with float32
+blocks (6 bits). Reported: medians of one-stream and N-stream decode tokens/s (prompts cached,
 counted from the first token, as ``llmd bench`` does), their ratios, and whether both produced the
 same tokens in every round (both paths compute the same float32 numbers, so they must), and how
 many steps the fused form served.
@@ -24,6 +28,8 @@ from pathlib import Path
 import torch
 
 from llmd.bench.bench_kernels import add_decode_args, decode_rate
+from llmd.export.cli import ExportOptions, export_engine
+from llmd.runtime.formats.quantized import Int4Linear
 from llmd.runtime.kernels import ops
 from llmd.runtime.llm import LLM
 from llmd.runtime.models.random_model import write_random_model
@@ -44,19 +50,45 @@ class Toggle:
         return self.llm
 
 
-def builds(args, model: str) -> dict:
+def narrow_and_wide(model: str, opts: dict, check: str) -> tuple[LLM, LLM]:
+    """The model loaded as it loads, and again with ``ops.<check>`` (the narrowing test of its blocks)
+    answering None: the baseline keeps float32 blocks."""
+    narrow = LLM(model, draft="none", **opts)
+    keep = getattr(ops, check)
+    setattr(ops, check, lambda t: None)
+    try:
+        wide = LLM(model, draft="none", **opts)
+    finally:
+        setattr(ops, check, keep)
+    return narrow, wide
+
+
+def int4_engine(model: str, tmp: str) -> str:
+    """``model`` when it is an int4 engine directory, else its export to int4 with groups of 32 (plain
+    rounding, a short quality check) under ``tmp``."""
+    manifest = Path(model) / "manifest.json"
+    if manifest.is_file() and json.loads(manifest.read_text()).get("quantization", {}).get("method") == "int4":
+        return model
+    out = Path(tmp) / "int4-g32"
+    export_engine(ExportOptions(model, str(out), quant="int4", group_size=32, scale_search=False, eval_windows=1,
+                                eval_tokens=16, accept_loss=True))
+    return str(out)
+
+
+def builds(args, model: str, tmp: str) -> dict:
     """name -> a function giving the LLM to run for that build's round."""
     opts = dict(kv_memory="1GiB", kv_dtype=args.kv_dtype)
     if args.compare == "fused":
         toggle = Toggle(LLM(model, draft="none", **opts))
         return {"fused": lambda: toggle.use(True), "layer_by_layer": lambda: toggle.use(False)}
-    narrow = LLM(model, draft="none", **opts)
-    keep = ops.as_bfloat16
-    ops.as_bfloat16 = lambda w: None              # the baseline keeps float32 blocks
-    try:
-        wide = LLM(model, draft="none", **opts)
-    finally:
-        ops.as_bfloat16 = keep
+    if args.compare == "int4-half":
+        narrow, wide = narrow_and_wide(int4_engine(model, tmp), opts, "as_float16")
+        kinds = {m.kernel_product().kind for m in narrow.engine.runner.model.modules()
+                 if isinstance(m, Int4Linear) and m.kernel_product() is not None}
+        if ops.KIND_Q4H not in kinds:
+            raise SystemExit(f"{model}: no int4 weight has float16 scales and zeros here, so there is nothing to compare")
+        return {"int4_f16_blocks": lambda: narrow, "int4_f32_blocks": lambda: wide}
+    narrow, wide = narrow_and_wide(model, opts, "as_bfloat16")
     stored = {str(m.stored.dtype) for m in narrow.engine.runner.model.modules() if getattr(m, "stored", None) is not None}
     if "torch.bfloat16" not in stored:
         raise SystemExit(f"{model}: no weight is all bfloat16 values, so there are no bfloat16 blocks to compare")
@@ -71,7 +103,7 @@ def fused_steps_of(runs: dict) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--compare", choices=["fused", "bf16-blocks"], required=True, help="which two paths")
+    ap.add_argument("--compare", choices=["fused", "bf16-blocks", "int4-half"], required=True, help="which two paths")
     ap.add_argument("--model", help="model directory (default: a random model of --shape)")
     add_decode_args(ap)
     ap.add_argument("--kv-dtype", default="auto", choices=["auto", "bfloat16"], help="KV pool (default: the model's)")
@@ -79,7 +111,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or str(write_random_model(Path(tmp) / "model", args.shape))
-        runs = builds(args, model)
+        runs = builds(args, model, tmp)
         vocab = next(iter(runs.values()))().engine.model_config.vocab_size
         rng = random.Random(0)
         prompts = [[rng.randrange(min(100, vocab // 2), vocab) for _ in range(args.prompt_len)]

@@ -8,7 +8,7 @@ import torch
 
 from llmd import LLM, SamplingParams
 from llmd.runtime import kernels
-from llmd.runtime.formats.quantized import QuantLinear, QuantSpec, prepare_quantized, quantize_model
+from llmd.runtime.formats.quantized import Int4Linear, QuantLinear, QuantSpec, prepare_quantized, quantize_model
 from llmd.runtime.kernels import ops
 from llmd.runtime.model_runner import Feed, ModelRunner
 from llmd.runtime.models.fused_decode import FusedDecode, layer_linears
@@ -32,14 +32,19 @@ def force_fused(model) -> FusedDecode:
     return model.fused_decode
 
 
-def loaded(model_factory, name, bf16_values=False, quant=None, **kw):
-    """A random model prepared as the engine prepares it; ``quant`` a QuantSpec to quantize it first."""
+def loaded(model_factory, name, bf16_values=False, quant=None, f32_scales=False, **kw):
+    """A random model prepared as the engine prepares it; ``quant`` a QuantSpec to quantize it first
+    (``f32_scales``: int4 scales that are no float16 values, as an engine directory of an earlier export
+    holds them: the float32 blocks)."""
     model = load_model(model_factory(name, **kw), "float32")
     if bf16_values:             # a checkpoint stored in bfloat16, served in float32: bfloat16 blocks
         for p in model.parameters():
             p.data = p.data.to(torch.bfloat16).float()
     if quant is not None:
         quantize_model(model, quant)
+    for m in model.modules() if f32_scales else ():
+        if isinstance(m, Int4Linear):
+            m.scales = torch.nextafter(m.scales, torch.full_like(m.scales, float("inf")))
     model.prepare_for_inference()
     if quant is not None:
         prepare_quantized(model)
@@ -81,11 +86,12 @@ def test_fused_step_is_bit_identical_to_the_python_forward(model_factory, arch, 
 
 QUANT = {   # hidden 192 = 128 + 64 (SmolLM2's 576 is 4 x 128 + 64): the kernels' half lines
     "int8": (QuantSpec("int8"), {"hidden": 192, "intermediate": 320}, ops.KIND_Q8),
-    "int4-g64": (QuantSpec("int4", group_size=64), {"hidden": 192, "intermediate": 320}, ops.KIND_Q4),
-    "int4-g32": (QuantSpec("int4", group_size=32), {"hidden": 192, "intermediate": 320}, ops.KIND_Q4),
+    "int4-g64": (QuantSpec("int4", group_size=64), {"hidden": 192, "intermediate": 320}, ops.KIND_Q4H),
+    "int4-g32": (QuantSpec("int4", group_size=32), {"hidden": 192, "intermediate": 320}, ops.KIND_Q4H),
+    "int4-g32-f32-scales": (QuantSpec("int4", group_size=32), {"hidden": 192, "intermediate": 320}, ops.KIND_Q4),
     "int4-g128-qkv-bias": (QuantSpec("int4", group_size=128), {"architecture": "Qwen2ForCausalLM", "hidden": 256,
                                                                 "heads": 8, "kv_heads": 2, "intermediate": 384},
-                           ops.KIND_Q4),
+                           ops.KIND_Q4H),
     "int8-untied": (QuantSpec("int8"), {"tie": False, "hidden": 128, "intermediate": 256}, ops.KIND_Q8),
 }
 
@@ -96,7 +102,7 @@ def test_quantized_fused_step_is_bit_identical_to_the_python_forward(model_facto
     """int8 and int4 layers (and the int8g head that reads the result) in the fused step: one stream,
     five streams and verification rows give the logits and pools of the layer-by-layer forward."""
     spec, kw, kind = QUANT[name]
-    model = loaded(model_factory, f"fused-{name}", quant=spec, **kw)
+    model = loaded(model_factory, f"fused-{name}", quant=spec, f32_scales=name.endswith("f32-scales"), **kw)
     assert all(isinstance(m, QuantLinear) for m in layer_linears(model))
     fused = model.fused_decode
     assert fused is not None and fused.max_rows == 16
@@ -191,20 +197,26 @@ def test_engine_output_is_the_same_with_and_without_the_fused_step(tiny_model_di
         assert (ran > 0) == (opts.get("kv_dtype") != "int8")
 
 
-def test_the_side_by_side_benchmark_runs_both_paths_and_finds_the_same_tokens():
-    """bench/bench_decode_paths.py, the source of the fused-step figures in docs/performance.md, on a short run."""
+@pytest.mark.parametrize("compare,names", [("fused", ("fused", "layer_by_layer")),
+                                           pytest.param("int4-half", ("int4_f16_blocks", "int4_f32_blocks"),
+                                                        marks=pytest.mark.slow)])     # an int4 export first
+def test_the_side_by_side_benchmark_runs_both_paths_and_finds_the_same_tokens(compare, names, tmp_path):
+    """bench/bench_decode_paths.py, the source of the fused-step figures in docs/performance.md, on a short
+    run (int4-half: a random model exported to int4 here, its float16 and float32 blocks)."""
     import json
+    import os
     import subprocess
     import sys
     from pathlib import Path
     script = Path(__file__).resolve().parents[1] / "bench" / "bench_decode_paths.py"
-    done = subprocess.run([sys.executable, str(script), "--compare", "fused", "--rounds", "1", "--gen", "4",
-                           "--streams", "3", "--prompt-len", "20"], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, str(script), "--compare", compare, "--rounds", "1", "--gen", "4",
+                           "--streams", "3", "--prompt-len", "20"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TMPDIR": str(tmp_path)})
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout)
     assert result["same_tokens"] and result["streams"] == 3
     assert result["fused_steps"] > 0                                  # the fused side really ran fused
-    assert result["fused"]["one_stream_tok_s"] > 0 and result["layer_by_layer"]["streams_tok_s"] > 0
+    assert result[names[0]]["one_stream_tok_s"] > 0 and result[names[1]]["streams_tok_s"] > 0
 
 
 @pytest.mark.parametrize("kw,kv_dtype", [

@@ -41,14 +41,23 @@ def test_int8_kernel_matches_weight_only_reference(m, n, k):
     assert ((y.double() - ref).abs() <= bound).all()
 
 
+def float32_scales(t: torch.Tensor) -> torch.Tensor:
+    """float32 values just past float16 ones (none of them a float16 value): int4's float32 blocks."""
+    return torch.nextafter(t, torch.full_like(t, float("inf")))
+
+
 @pytest.mark.parametrize("m", [1, 4, 7, 16, 70])      # 70: a chunk of 64 prompt rows, then a tile of 4 and of 2
 @pytest.mark.parametrize("group,k", [(64, 1024), (128, 1024), (256, 1024), (64, 576), (64, 192),   # 576, 192: a half line
                                      (32, 1024), (32, 576), (32, 192)])         # 32: two groups per 64 columns
 @pytest.mark.parametrize("symmetric", [False, True])
-def test_int4_kernel_matches_reference(m, group, k, symmetric):
+@pytest.mark.parametrize("half", [True, False], ids=["float16-scales", "float32-scales"])
+def test_int4_kernel_matches_reference(m, group, k, symmetric, half):
     n = 200
     q, s, z = quantize_int4(weight(n, k, group), group, symmetric)
+    if not half:
+        s, z = float32_scales(s), float32_scales(z)
     form = ops.int4_pack(q, s, z, group)
+    assert form.half == half and form.kind == (ops.KIND_Q4H if half else ops.KIND_Q4)
     x = rows(m, k, group + m)
     y = ops.packed_matvec(x, form)
     w = dequantize_int4(q, s, z).double()
@@ -137,6 +146,41 @@ def test_prompt_rows_get_the_numbers_each_row_gets_alone(make):
     assert torch.equal(together, alone)
     ref = x.double() @ layer.dense_weight().double().t() + layer.bias.double()
     assert (together.double() - ref).abs().max() < 0.05 * ref.abs().max()
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("group,k,n", [(32, 896, 200), (64, 576, 35), (128, 1024, 48), (32, 192, 16)])
+def test_float16_int4_blocks_give_the_float32_blocks_numbers_bit_for_bit(group, k, n, symmetric):
+    """The same float16 scales and zeros in float16 blocks (5 bits a weight at groups of 32) and in
+    float32 ones (6): every output of 1..16 rows and of a prompt's rows the same bit for bit, the
+    offsets z - 8 s formed in the kernel as torch forms them."""
+    q, s, z = quantize_int4(weight(n, k, n + group), group, symmetric)
+    half, full = ops.int4_pack(q, s, z, group), ops.int4_pack(q, s, z, group, half=False)
+    assert half.half and not full.half and full.data.numel() == ops.packed_bytes(n, k, group, True)
+    assert half.data.numel() == ops.packed_bytes(n, k, group, True, half=True)
+    assert half.data.numel() == (n + 15) // 16 * (64 * (k // group) + 8 * k) < full.data.numel()
+    x = rows(300, k, group)
+    for m in [*range(1, 17), 70, 300]:
+        assert torch.equal(ops.packed_matvec(x[:m], half), ops.packed_matvec(x[:m], full)), m
+
+
+def test_int4_scales_or_zeros_off_float16_keep_float32_blocks():
+    """One scale or zero that float16 does not hold (a finer value, past its range, infinite) keeps the
+    whole weight in the float32 blocks: the numbers never change."""
+    q, s, z = quantize_int4(weight(64, 256, 1), 32)
+    assert ops.int4_pack(q, s, z, 32).half
+    x = rows(3, 256, 1)
+    for which, value in [("s", None), ("z", None), ("z", 70000.0), ("z", float("inf")), ("s", float("nan"))]:
+        s2, z2 = s.clone(), z.clone()
+        t = s2 if which == "s" else z2
+        t[5, 2] = float32_scales(t[5, 2]) if value is None else value
+        form = ops.int4_pack(q, s2, z2, 32)
+        assert not form.half and form.kind == ops.KIND_Q4, (which, value)
+        assert form.data.numel() == ops.packed_bytes(64, 256, 32, True)
+        if value is None:
+            reference = dequantize_int4(q, s2, z2).double()
+            assert torch.allclose(ops.packed_matvec(x, form).double(), x.double() @ reference.t(), rtol=0.02,
+                                  atol=0.02 * (x.double().abs() @ reference.abs().t()).max().item())
 
 
 def test_int4_kernel_takes_group_32_and_declines_widths_off_its_lines():
@@ -331,7 +375,7 @@ def test_every_entry_point_is_declared_once_in_the_header_and_bound_by_it():
         assert set(re.findall(r" T (llmd_\w+)$", symbols, re.M)) == declared
     for source in kernels._SOURCES:
         assert not re.search(r"^\s*(?:int|void) llmd_\w+\([^{]*?\);", source.read_text(), re.M), source.name
-    assert len(declared) == 17
+    assert len(declared) == 19
     for name in declared:
         assert getattr(so, name).argtypes is not None, name
     assert so.llmd_q4_pack.restype is ctypes.c_int and so.llmd_rmsnorm.restype is ctypes.c_int

@@ -6,10 +6,12 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from llmd import LLM, SamplingParams
 from llmd.export.cli import ExportOptions, export_engine
 from llmd.runtime import kernels
+from llmd.runtime.model_runner import Feed
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"llmd kernels unavailable: {kernels.why()}")
 
@@ -62,3 +64,18 @@ def test_bundled_target_quantized_eight_prompts_of_128_tokens_alone_and_batched(
     assert [len(t) for t in alone] == [128] * 8
     assert together == alone
     assert fused_steps > 0
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4-g32"])
+def test_a_prompt_gets_the_same_logits_alone_and_beside_others(quant, tiny_model_dir, tmp_path_factory):
+    """A prompt of up to 16 rows alone (the fused step) and beside others in one step of more rows (the
+    Python forward: kernels for the products and for the row operations at every row count): the
+    same logits bit for bit, so greedy choices cannot part at a near tie."""
+    engine = exported(tiny_model_dir, tmp_path_factory.mktemp(f"logits-{quant}") / "engine", quant)
+    runner = LLM(str(engine), kv_memory="8MiB", prefix_cache=False, draft="none").engine.runner
+    rng = random.Random(3)
+    first, other = [rng.randrange(20, 400) for _ in range(9)], [rng.randrange(20, 400) for _ in range(30)]
+    with torch.no_grad():
+        alone = runner.run(runner.prepare_feeds([Feed(first, 0, [0, 1], 1)]))
+        beside = runner.run(runner.prepare_feeds([Feed(first, 0, [2, 3], 1), Feed(other, 0, [4, 5, 6, 7], 1)]))
+    assert torch.equal(alone[0], beside[0])

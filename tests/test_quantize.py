@@ -33,13 +33,36 @@ def test_int8_round_trip_within_half_a_step_per_channel():
 @pytest.mark.parametrize("symmetric", [False, True])
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_int4_round_trip_within_half_a_step_per_group(group, symmetric):
+    """Scales and zeros are float16 values (held in half the bytes by the kernels); the error stays
+    within half a step plus float16's rounding of the zero (and of the scale, at a clamped end)."""
     w = randw()
     q, s, z = quantize_int4(w, group, symmetric)
     assert q.max() <= 15 and s.shape == (64, 128 // group)
+    assert s.dtype == z.dtype == torch.float32
+    assert torch.equal(s.half().float(), s) and torch.equal(z.half().float(), z)
     err = (dequantize_int4(q, s, z) - w).abs().view(64, -1, group)
-    assert (err <= s[..., None] / 2 + 1e-5).all()
+    f16 = 2.0 ** -11 * (8 * s + z.abs())                  # float16's relative rounding, at most 2^-11
+    assert (err <= (s / 2 + f16)[..., None] + 1e-5).all()
     if symmetric:
         assert (z == 0).all()
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_int4_keeps_float32_scales_where_float16_would_lose_them(symmetric):
+    """A weight with a scale below float16's normal range keeps the float32 scales and zeros it always
+    had (the same numbers as before float16 rounding), so a layer of tiny weights loses nothing."""
+    w = randw()
+    w[5] *= 1e-5                                          # one row's steps below 2^-14
+    q, s, z = quantize_int4(w, 32, symmetric)
+    g = w.view(64, 4, 32)
+    lo, hi = g.amin(-1), g.amax(-1)
+    want = g.abs().amax(-1) / 7.5 if symmetric else (hi - lo) / 15
+    assert torch.equal(s, want.clamp(min=1e-12))
+    assert not torch.equal(s.half().float(), s)
+    assert torch.equal(z, torch.zeros_like(s) if symmetric else lo + 8 * s)
+    err = (dequantize_int4(q, s, z) - w).abs().view(64, 4, 32)
+    assert (err <= s[..., None] / 2 + 1e-5 * w.abs().amax()).all()
+    assert (err[5] <= s[5][..., None] * 0.5001).all()
 
 
 def test_nibbles_round_trip():

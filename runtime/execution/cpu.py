@@ -24,30 +24,29 @@ from ..models.layers import TORCH_OPS, RMSNorm, Rotary, TorchOps
 from ..models.llama import PairRope
 from .base import ExecutionBackend
 
-FEW = ops.F32_MAX_ROWS          # rows up to which a row operation takes its kernel
-
 
 class KernelOps(TorchOps):
-    """The row operations on llmd's kernels for up to ``FEW`` float32 rows (decode: one call, not
-    five), torch's beyond."""
+    """The row operations on llmd's kernels for float32 rows (decode: one call, not five), at every
+    row count: torch's rmsnorm and silu round differently, so a prompt of up to 16 rows alone and the
+    same prompt in a batch of more rows would get other numbers (and greedy tokens)."""
 
     @staticmethod
     def rmsnorm(x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
-        if x.dtype == norm.weight.dtype == torch.float32 and x.shape[0] <= FEW:
+        if x.dtype == norm.weight.dtype == torch.float32:
             y = ops.rmsnorm(x, norm.weight, norm.eps)
             if y is not None:
                 return y
         return norm(x)
 
     def add_norm(self, x: torch.Tensor, h: torch.Tensor | None, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        if (h is not None and x.dtype == norm.weight.dtype == torch.float32 and x.dim() == 2 and x.shape[0] <= FEW
+        if (h is not None and x.dtype == norm.weight.dtype == torch.float32 and x.dim() == 2
                 and (both := ops.add_rmsnorm(x, h, norm.weight, norm.eps)) is not None):
             return both
         return super().add_norm(x, h, norm)
 
     @staticmethod
     def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-        if gate_up.dtype == torch.float32 and gate_up.shape[0] <= FEW and (h := ops.silu_mul(gate_up)) is not None:
+        if gate_up.dtype == torch.float32 and (h := ops.silu_mul(gate_up)) is not None:
             return h
         return TorchOps.silu_mul(gate_up)
 

@@ -151,21 +151,34 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale[:, None]
 
 
+FLOAT16_NORMAL = 2.0 ** -14     # the smallest normal float16: scales below it would lose bits as float16
+
+
 def quantize_int4(w: torch.Tensor, group_size: int, symmetric: bool = False):
     """Group-wise: w [N,K] -> (q uint8 [N,K] in [0,15], scales [N,K/G], zeros [N,K/G]) with
     w ~ (q - 8) * s + z. Asymmetric groups span [min, max] in 15 steps; symmetric ones
-    [-8 s, 7 s] with s = max|w| / 8 clipped so that +max is representable to within s/2."""
+    [-8 s, 7 s] with s = max|w| / 8 clipped so that +max is representable to within s/2.
+
+    Scales and zeros are float32 tensors holding float16 values (the kernels then keep them in half
+    the bytes: llmd.runtime.kernels.ops.int4_pack): s rounded to float16, z = float16(min + 8 s), and q
+    rounded against those, so |w - w~| <= s/2 plus float16's rounding of z (and of s, at the clamped
+    ends). A weight with a scale below float16's normal range (or a zero past its largest value) keeps
+    its float32 scales and zeros, so tiny layers lose nothing."""
     n, k = w.shape
     g = w.float().view(n, k // group_size, group_size)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = (g.abs().amax(-1) / 7.5 if symmetric else (hi - lo) / 15).clamp(min=1e-12)
+    s16 = scale.half().float()
+    z16 = torch.zeros_like(scale) if symmetric else (lo + 8 * s16).half().float()
+    if bool((s16 >= FLOAT16_NORMAL).all() and torch.isfinite(s16).all() and torch.isfinite(z16).all()):
+        scale, zero = s16, z16
+        lo = zero - 8 * scale            # the value of q = 0, as the kernels form it (8 s is exact)
+    else:
+        zero = torch.zeros_like(scale) if symmetric else lo + 8 * scale
     if symmetric:
-        scale = (g.abs().amax(-1) / 7.5).clamp(min=1e-12)
-        zero = torch.zeros_like(scale)
         q = torch.round(g / scale[..., None]).clamp(-8, 7) + 8
     else:
-        lo, hi = g.amin(-1), g.amax(-1)
-        scale = ((hi - lo) / 15).clamp(min=1e-12)
         q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15)
-        zero = lo + 8 * scale
     return q.to(torch.uint8).view(n, k), scale, zero
 
 

@@ -1,5 +1,5 @@
 /* Every decoder layer of a decode step in one call, over float32, bfloat16-block, or packed int8, int4
- * or int8g weights (llmd_product's kinds): the same kernels, in the same order and
+ * (float32 or float16 scales) or int8g weights (llmd_product's kinds): the same kernels, in the same order and
  * with the same thread counts, as the Python forward calls one by one (llmd.runtime.models.llama),
  * so the hidden states are bit-identical; what goes is the Python between them (about 0.4 ms a
  * step for four layers here, as much as the arithmetic of one small-model token).
@@ -53,6 +53,7 @@ static int product(const float *x, int M, int K, const llmd_product *p, float *y
     case LLMD_KIND_Q8: rc = llmd_q8_x(x, M, K, 0, p->w, y, N, threads); break;
     case LLMD_KIND_Q8G: rc = llmd_q8_x(x, M, K, p->group, p->w, y, N, threads); break;
     case LLMD_KIND_Q4: rc = llmd_q4_x(x, M, K, p->group, p->w, y, N, product_threads(M, N, K / 2, nt)); break;
+    case LLMD_KIND_Q4H: rc = llmd_q4h_x(x, M, K, p->group, p->w, y, N, product_threads(M, N, K / 2, nt)); break;
     default: return -1;
     }
     if (!rc && p->bias)

@@ -33,25 +33,28 @@ typedef struct {
 /* One weight as a fused step reads it (decode.c): its kind (LLMD_KIND_* below) says what the
  * pointers hold. A bias (or NULL) is added after the product, as the layer-by-layer forward adds it. */
 typedef struct {
-    const void *w;          /* f32, bf16: blocks [N/64, K, 64] (f32.c); q8, q8g, q4: packed blocks
+    const void *w;          /* f32, bf16: blocks [N/64, K, 64] (f32.c); q8, q8g, q4, q4h: packed blocks
                                (quant.c); int8, int8g rows (token tables only): int8 [N, K]; rows: float32 [N, K] */
     const float *scales;    /* int8 rows: [N]; int8g rows: [N, K/group] */
     const float *offsets;   /* unused */
     const float *bias;
     int kind;
-    int group;              /* q8g, q4, int8g rows: the columns per scale */
+    int group;              /* q8g, q4, q4h, int8g rows: the columns per scale */
 } llmd_product;
 
 /* quant.c: AVX-512 F/BW/VL/DQ and VNNI present */
 int llmd_cpu_ok(void);
 /* quant.c: int8 w [N, K] with a scale per row (G = 0, s [N]) or per group of G columns (int8g, s [N, K/G]),
- * or int4 nibbles q [N, K] (one per byte) with scales and offsets z - 8 s [N, K/G], packed once into
- * blocks of 16 outputs (out: llmd.runtime.kernels.ops.packed_bytes's bytes; see quant.c); x [M, K]
- * times a packed weight; w8a8: x quantized per row to int8, times int8 w [N, K] as stored */
+ * or int4 nibbles q [N, K] (one per byte) with scales and offsets z - 8 s [N, K/G] (float32), or with
+ * scales and zeros z as float16 bits (q4h), packed once into blocks of 16 outputs (out:
+ * llmd.runtime.kernels.ops.packed_bytes's bytes; see quant.c); x [M, K] times a packed weight; w8a8: x
+ * quantized per row to int8, times int8 w [N, K] as stored */
 int llmd_q8_pack(const int8_t *w, const float *s, int N, int K, int G, uint8_t *out);
 int llmd_q4_pack(const uint8_t *q, const float *s, const float *off, int N, int K, int G, uint8_t *out);
+int llmd_q4h_pack(const uint8_t *q, const uint16_t *s, const uint16_t *z, int N, int K, int G, uint8_t *out);
 int llmd_q8_x(const float *x, int M, int K, int G, const uint8_t *w, float *y, int N, int nt);
 int llmd_q4_x(const float *x, int M, int K, int G, const uint8_t *w, float *y, int N, int nt);
+int llmd_q4h_x(const float *x, int M, int K, int G, const uint8_t *w, float *y, int N, int nt);
 int llmd_w8a8_x(const float *x, int M, int K, const int8_t *w, const float *s, const float *bias, float *y, int N,
                 int nt);
 /* f32.c: x [M, K] times a weight in blocks [N/64, K, 64] of float32 or (w16) bfloat16 values */
@@ -91,7 +94,7 @@ int llmd_draft2(const llmd_dims *dims, const float *const *norms, const llmd_pro
 /* llmd_product.kind (llmd.runtime.kernels.ops names them alike) */
 /* (INT8, INT8G: rows a token table is read from; KIND 3, int4 in an earlier layout, is no longer read) */
 enum { LLMD_KIND_F32, LLMD_KIND_BF16, LLMD_KIND_INT8, LLMD_KIND_INT4_ROWS, LLMD_KIND_INT8G, LLMD_KIND_ROWS,
-       LLMD_KIND_Q8, LLMD_KIND_Q8G, LLMD_KIND_Q4 };
+       LLMD_KIND_Q8, LLMD_KIND_Q8G, LLMD_KIND_Q4, LLMD_KIND_Q4H };
 
 /* max|r| / qmax over a row of K floats (never 0, so that dividing by it is safe). */
 static inline TARGET float row_scale(const float *r, int K, float qmax) {

@@ -22,13 +22,24 @@ def _threads(m: int, n: int, k: int) -> int:
     return 1 if m * n * k < _SERIAL_BELOW else torch.get_num_threads()
 
 
+def _narrowed(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """float32 ``t`` in ``dtype`` when every value is one of its values, else None."""
+    if t.dtype != torch.float32:
+        return None
+    narrow = t.to(dtype)
+    return narrow if torch.equal(narrow.float(), t) else None
+
+
 def as_bfloat16(w: torch.Tensor) -> torch.Tensor | None:
     """float32 ``w`` in bfloat16 when every value is one (a checkpoint stored in bfloat16 and loaded as
     float32), else None."""
-    if w.dtype != torch.float32:
-        return None
-    narrow = w.to(torch.bfloat16)
-    return narrow if torch.equal(narrow.float(), w) else None
+    return _narrowed(w, torch.bfloat16)
+
+
+def as_float16(t: torch.Tensor) -> torch.Tensor | None:
+    """float32 ``t`` in float16 when every value is a finite float16 value, else None."""
+    narrow = _narrowed(t, torch.float16)
+    return narrow if narrow is not None and bool(torch.isfinite(narrow).all()) else None
 
 
 def f32_blocks(w: torch.Tensor) -> torch.Tensor:
@@ -70,16 +81,20 @@ def _ptr(t: torch.Tensor | None):
 @dataclass(frozen=True, eq=False)
 class Packed:
     """A quantized weight [n, k] in the kernels' blocks of 16 outputs (quant.c): int8 (``group`` 0: a
-    scale per row), int8g (a scale per ``group`` columns) or int4 (``nibbles``), scales inside."""
+    scale per row), int8g (a scale per ``group`` columns) or int4 (``nibbles``), scales inside; int4's
+    held as float16 (``half``: q4h) where every scale and zero is a float16 value."""
     data: torch.Tensor        # uint8, packed_bytes(...) of them
     n: int
     k: int
     group: int
     nibbles: bool
+    half: bool = False
 
     @property
     def kind(self) -> int:
-        return KIND_Q4 if self.nibbles else KIND_Q8G if self.group else KIND_Q8
+        if self.nibbles:
+            return KIND_Q4H if self.half else KIND_Q4
+        return KIND_Q8G if self.group else KIND_Q8
 
     @property
     def max_rows(self) -> int:
@@ -92,11 +107,11 @@ class Packed:
                              max_rows=self.max_rows if max_rows is None else max_rows)
 
 
-def packed_bytes(n: int, k: int, group: int, nibbles: bool) -> int:
-    """Bytes of a packed weight: per block of 16 outputs, 128 per group (scales and sums) and 16 per
-    column (int4: 8)."""
+def packed_bytes(n: int, k: int, group: int, nibbles: bool, half: bool = False) -> int:
+    """Bytes of a packed weight: per block of 16 outputs, 128 per group (scales and sums; ``half``:
+    64) and 16 per column (int4: 8)."""
     groups = k // group if group else 1
-    return (n + 15) // 16 * (128 * groups + (8 if nibbles else 16) * k)
+    return (n + 15) // 16 * ((64 if half else 128) * groups + (8 if nibbles else 16) * k)
 
 
 def int8_pack(qweight: torch.Tensor, scales: torch.Tensor) -> Packed | None:
@@ -113,17 +128,28 @@ def int8_pack(qweight: torch.Tensor, scales: torch.Tensor) -> Packed | None:
     return Packed(out, n, k, group, False) if rc == 0 else None
 
 
-def int4_pack(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> Packed | None:
+def int4_pack(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+              half: bool = True) -> Packed | None:
     """uint8 [N, K] nibbles with [N, K/G] scales and zeros in the kernels' blocks, or None where they do
-    not run (not built, G not 32, 64, 128 or 256, or K not a multiple of G and of 64)."""
+    not run (not built, G not 32, 64, 128 or 256, or K not a multiple of G and of 64). Float32 scales
+    and zeros that are all float16 values are held as float16 (q4h: 5 bits a weight at groups of 32
+    where float32 takes 6; ``half=False`` keeps float32 blocks, for comparisons), and the kernel forms
+    z - 8 s as torch forms it here: the same numbers."""
     so = lib()
     n, k = q.shape
     if so is None or getattr(so, "llmd_q4_pack", None) is None:
         return None
+    q = q.to(torch.uint8).contiguous()
+    s16, z16 = (as_float16(scales), as_float16(zeros)) if half else (None, None)
+    if s16 is not None and z16 is not None and getattr(so, "llmd_q4h_pack", None) is not None:
+        out = torch.empty(packed_bytes(n, k, group_size, True, half=True), dtype=torch.uint8)
+        s16, z16 = s16.contiguous(), z16.contiguous()
+        rc = so.llmd_q4h_pack(q.data_ptr(), s16.data_ptr(), z16.data_ptr(), n, k, group_size, out.data_ptr())
+        return Packed(out, n, k, group_size, True, half=True) if rc == 0 else None
     out = torch.empty(packed_bytes(n, k, group_size, True), dtype=torch.uint8)
     offsets = (zeros - 8 * scales).float().contiguous()
-    rc = so.llmd_q4_pack(q.to(torch.uint8).contiguous().data_ptr(), scales.float().contiguous().data_ptr(),
-                         offsets.data_ptr(), n, k, group_size, out.data_ptr())
+    rc = so.llmd_q4_pack(q.data_ptr(), scales.float().contiguous().data_ptr(), offsets.data_ptr(), n, k,
+                         group_size, out.data_ptr())
     return Packed(out, n, k, group_size, True) if rc == 0 else None
 
 
@@ -137,7 +163,10 @@ def packed_matvec(x: torch.Tensor, form: Packed, bias: torch.Tensor | None = Non
     x = x.float().contiguous()
     n = form.n
     y = torch.empty(m, n)
-    fn, work = (so.llmd_q4_x, k // 2) if form.nibbles else (so.llmd_q8_x, k)
+    if form.nibbles:
+        fn, work = (so.llmd_q4h_x if form.half else so.llmd_q4_x), k // 2
+    else:
+        fn, work = so.llmd_q8_x, k
     rc = fn(x.data_ptr(), m, k, form.group, form.data.data_ptr(), y.data_ptr(), n, _threads(m, n, work))
     if rc:
         return None
@@ -159,7 +188,8 @@ def w8a8_matvec(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bi
 
 
 # kernels.h's llmd_product kinds
-KIND_F32, KIND_BF16, KIND_INT8, KIND_INT4_ROWS, KIND_INT8G, KIND_ROWS, KIND_Q8, KIND_Q8G, KIND_Q4 = range(9)
+(KIND_F32, KIND_BF16, KIND_INT8, KIND_INT4_ROWS, KIND_INT8G, KIND_ROWS, KIND_Q8, KIND_Q8G, KIND_Q4,
+ KIND_Q4H) = range(10)
 
 
 @dataclass(frozen=True, eq=False)

@@ -11,7 +11,8 @@
  *   int8:  y[m,n] = s[n] * sum_k w[n,k] x[m,k]                 w int8 [N,K], x as 16-bit integers
  *   int8g: y[m,n] = sum_g s[n,g] sum_{k in g} w[n,k] x[m,k]     x as 16-bit integers
  *   int4:  y[m,n] = sum_g s[n,g] sum_{k in g} (q[n,k] - 8) x[m,k] + z[n,g] sum_{k in g} x[m,k]
- *          q in [0,15], x as 8-bit integers per block of 128
+ *          q in [0,15], x as 8-bit integers per block of 128; s and z held as float32, or (q4h) as
+ *          float16 where every one is a float16 value: the same numbers in fewer bytes
  *   w8a8:  y[m,n] = sx[m] s[n] sum_k w[n,k] xq[m,k]            xq = round(x / sx), sx = max|x| / 127
  * The entry points (llmd_*_x) take 1..8192 rows and K a multiple of 64 (int8, int8g,
  * w8a8: below 65536; int4 and int8g: of their group size too) and return 0, -1 for a CPU or shape they
@@ -59,11 +60,15 @@ static void *scratch_for(size_t bytes) {
  *
  *   block b: outputs 16b .. 16b+15                                   bytes: 128 groups + 16 K (int8, int8g)
  *   +---------------------+---------------------+--------------------------------  128 groups +  8 K (int4)
- *   | A [groups][16]      | B [groups][16]      | weights, 64 bytes per step, lane j = output 16b+j:
- *   | int8(g): int32 128W | int8(g): float32 s  |   int8(g): step i, 4 columns 4i..4i+3: byte 4j+t = w[., 4i+t] + 128
- *   | int4: float32 s     | int4: float32 z-8s  |   int4: step i, 8 columns: byte 4j+t = q[., 8i+t] | q[., 8i+4+t] << 4
+ *   | A [groups][16]      | B [groups][16]      | weights, 64 bytes per step,         64 groups +  8 K (q4h)
+ *   | int8(g): int32 128W | int8(g): float32 s  |   lane j = output 16b+j:
+ *   | int4: float32 s     | int4: float32 z-8s  |   int8(g): step i, 4 columns 4i..4i+3: byte 4j+t = w[., 4i+t] + 128
+ *   | q4h: float16 s      | q4h: float16 z      |   int4: step i, 8 columns: byte 4j+t = q[., 8i+t] | q[., 8i+4+t] << 4
  *   +---------------------+---------------------+--------------------------------
- *   W = the group's sum of w over its columns (int8: the row's).
+ *   W = the group's sum of w over its columns (int8: the row's). The head is a whole number of 64-byte
+ *   lines, so the weight steps keep the block's alignment. q4h widens s and z exactly and forms z - 8 s
+ *   in float32 with one rounding (8 s is exact), as torch forms the int4 offsets it packs: the same
+ *   numbers as the int4 blocks of the same values.
  *
  * vpdpbusd adds, in each of 16 lanes, four products of unsigned bytes (the weights of one output)
  * and signed bytes (four columns of one x row, the same in every lane: a broadcast). One weight load
@@ -85,7 +90,10 @@ static void *scratch_for(size_t bytes) {
 #define QB 16                /* outputs per block */
 #define Q_CHUNK 64           /* rows of x per pass over the weights (their x stays in cache) */
 
-static size_t q_block_bytes(int K, int groups, int nibbles) { return (size_t)128 * groups + (size_t)(nibbles ? 8 : 16) * K; }
+/* Bytes of a block: its head (A and B, es bytes a value: 4, or 2 for q4h) and its weight steps. */
+static size_t q_block_bytes(int K, int groups, int nibbles, int es) {
+    return (size_t)32 * es * groups + (size_t)(nibbles ? 8 : 16) * K;
+}
 
 /* Groups of the int8 (G = 0: one) and int8g forms, or 0 for a shape they do not take. */
 static int q8_groups(int K, int G) {
@@ -106,10 +114,10 @@ static inline TARGET __attribute__((always_inline)) __m512i dot4(__m512i acc, __
 }
 
 /* The next block is fetched while this one is computed (by a block's first tile: the others find
- * it in cache), a line ahead of each weight line read, and its head lines (2 per group) first. */
+ * it in cache), a line ahead of each weight line read, and its head lines (2 per group; q4h: 1) first. */
 #define Q_HINT _MM_HINT_T0
-static inline void q_prefetch_head(const uint8_t *next, int groups) {
-    for (int l = 0; l < 2 * groups; l++) _mm_prefetch((const char *)next + 64 * l, Q_HINT);
+static inline void q_prefetch_head(const uint8_t *next, size_t head_bytes) {
+    for (size_t at = 0; at < head_bytes; at += 64) _mm_prefetch((const char *)next + at, Q_HINT);
 }
 
 /* int8 w [N, K] with scales s [N] (G = 0) or [N, K/G] -> the blocks above. 0, or -1 for a shape not taken. */
@@ -117,7 +125,7 @@ TARGET int llmd_q8_pack(const int8_t *w, const float *s, int N, int K, int G, ui
     const int groups = q8_groups(K, G);
     if (!groups || N < 1) return -1;
     const int width = K / groups;
-    const size_t bytes = q_block_bytes(K, groups, 0);
+    const size_t bytes = q_block_bytes(K, groups, 0, 4);
     for (int b = 0; b < (N + QB - 1) / QB; b++) {
         uint8_t *blk = out + (size_t)b * bytes, *u = blk + (size_t)128 * groups;
         int32_t *wsum = (int32_t *)blk;
@@ -137,21 +145,26 @@ TARGET int llmd_q8_pack(const int8_t *w, const float *s, int N, int K, int G, ui
     return 0;
 }
 
-/* int4 nibbles q uint8 [N, K] (values 0..15), scales s and offsets off = z - 8 s [N, K/G] -> the blocks
- * above. 0, or -1 for a shape not taken. */
-TARGET int llmd_q4_pack(const uint8_t *q, const float *s, const float *off, int N, int K, int G, uint8_t *out) {
+/* int4 nibbles q uint8 [N, K] (values 0..15) with the head's values A and B [N, K/G] (es bytes each) -> the
+ * blocks above (padding rows: zero bytes, 0.0 in either width). 0, or -1 for a shape not taken. */
+static int q4_pack(const uint8_t *q, const void *A, const void *B, int es, int N, int K, int G, uint8_t *out) {
     const int groups = q4_groups(K, G);
     if (!groups || N < 1) return -1;
-    const size_t bytes = q_block_bytes(K, groups, 1);
+    const size_t bytes = q_block_bytes(K, groups, 1, es), part = (size_t)16 * es * groups;
     for (int b = 0; b < (N + QB - 1) / QB; b++) {
-        uint8_t *blk = out + (size_t)b * bytes, *v = blk + (size_t)128 * groups;
-        float *scale = (float *)blk, *offset = scale + (size_t)QB * groups;
+        uint8_t *blk = out + (size_t)b * bytes, *v = blk + 2 * part;
         for (int j = 0; j < QB; j++) {
             const int n = QB * b + j;
             const uint8_t *r = n < N ? q + (size_t)n * K : 0;
             for (int g = 0; g < groups; g++) {
-                scale[g * QB + j] = r ? s[(size_t)n * groups + g] : 0.f;
-                offset[g * QB + j] = r ? off[(size_t)n * groups + g] : 0.f;
+                const size_t to = (size_t)es * (g * QB + j), from = (size_t)es * ((size_t)n * groups + g);
+                if (r) {
+                    memcpy(blk + to, (const uint8_t *)A + from, es);
+                    memcpy(blk + part + to, (const uint8_t *)B + from, es);
+                } else {
+                    memset(blk + to, 0, es);
+                    memset(blk + part + to, 0, es);
+                }
             }
             for (int i = 0; i < K / 8; i++)
                 for (int t = 0; t < 4; t++)
@@ -159,6 +172,16 @@ TARGET int llmd_q4_pack(const uint8_t *q, const float *s, const float *off, int 
         }
     }
     return 0;
+}
+
+/* int4: scales s and offsets off = z - 8 s [N, K/G] as float32; q4h: scales s and zeros z [N, K/G] as
+ * float16 bits. */
+TARGET int llmd_q4_pack(const uint8_t *q, const float *s, const float *off, int N, int K, int G, uint8_t *out) {
+    return q4_pack(q, s, off, 4, N, K, G, out);
+}
+
+TARGET int llmd_q4h_pack(const uint8_t *q, const uint16_t *s, const uint16_t *z, int N, int K, int G, uint8_t *out) {
+    return q4_pack(q, s, z, 2, N, K, G, out);
 }
 
 /* x float32 [M, K] -> xhl int8 [M, K/4, 8] (per 4 columns their hi bytes, then their lo - 128), sx [M],
@@ -239,7 +262,7 @@ static inline TARGET __attribute__((always_inline))
 void q8_tile(const int8_t *xhl, const int32_t *cx, const float *sx, const int MM, const int PH,
              int K, const uint8_t *blk, size_t ahead, float *y, int N, __mmask16 keep) {
     __m512i ah[8][4], al[8][4];
-    if (ahead) q_prefetch_head(blk + ahead, 1);
+    if (ahead) q_prefetch_head(blk + ahead, 128);
     q8_steps(xhl, MM, PH, K, 0, K / 4, blk + 128, ahead, ah, al);
     const __m512i wsum = _mm512_loadu_si512((const void *)blk);
     const __m512 s = _mm512_loadu_ps((const float *)(blk + 64));
@@ -255,7 +278,7 @@ static inline TARGET __attribute__((always_inline))
 void q8g_tile(const int8_t *xhl, const int32_t *cx, const float *sx, const int MM, const int PH,
               int K, int G, const uint8_t *blk, size_t ahead, float *y, int N, __mmask16 keep) {
     const int groups = K / G;
-    if (ahead) q_prefetch_head(blk + ahead, groups);
+    if (ahead) q_prefetch_head(blk + ahead, (size_t)128 * groups);
     const int32_t *wsum = (const int32_t *)blk;
     const float *scale = (const float *)(blk + (size_t)64 * groups);
     __m512i ah[8][4], al[8][4];
@@ -274,13 +297,19 @@ void q8g_tile(const int8_t *xhl, const int32_t *cx, const float *sx, const int M
     for (int m = 0; m < MM; m++) _mm512_mask_storeu_ps(y + (size_t)m * N, keep, acc[m]);
 }
 
+/* Sixteen head values at p: float32, or (H16) float16 widened exactly. */
+static inline TARGET __attribute__((always_inline)) __m512 q4_head(const uint8_t *p, const int H16) {
+    return H16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)) : _mm512_loadu_ps((const float *)p);
+}
+
+/* H16: the block's head holds float16 scales and zeros (q4h), else float32 scales and offsets. */
 static inline TARGET __attribute__((always_inline))
-void q4_tile(const int8_t *xq, const float *sx, const float *xs, const int MM, const int PH, int K, int G,
-             const uint8_t *blk, size_t ahead, float *y, int N, __mmask16 keep) {
-    const int groups = K / G, nb = (K + 127) / 128, run = G < 128 ? G : 128;
-    if (ahead) q_prefetch_head(blk + ahead, groups);
-    const float *scale = (const float *)blk, *offset = scale + (size_t)QB * groups;
-    const uint8_t *q = blk + (size_t)128 * groups;
+void q4_tile(const int8_t *xq, const float *sx, const float *xs, const int MM, const int PH, const int H16, int K,
+             int G, const uint8_t *blk, size_t ahead, float *y, int N, __mmask16 keep) {
+    const int groups = K / G, nb = (K + 127) / 128, run = G < 128 ? G : 128, es = H16 ? 2 : 4;
+    const size_t part = (size_t)16 * es * groups;        /* bytes of A (and of B) */
+    if (ahead) q_prefetch_head(blk + ahead, 2 * part);
+    const uint8_t *q = blk + 2 * part;
     const __m512i nib = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
     __m512 acc[8], oac[8];
     for (int m = 0; m < MM; m++) acc[m] = oac[m] = _mm512_setzero_ps();
@@ -300,7 +329,7 @@ void q4_tile(const int8_t *xq, const float *sx, const float *xs, const int MM, c
                 }
             }
         const int g = c / G;
-        const __m512 s = _mm512_loadu_ps(scale + QB * g);
+        const __m512 s = q4_head(blk + (size_t)es * QB * g, H16);
         for (int m = 0; m < MM; m++) {
             __m512i d = _mm512_add_epi32(a[m][0], b[m][0]);
             for (int p = 1; p < PH; p++) d = _mm512_add_epi32(d, _mm512_add_epi32(a[m][p], b[m][p]));
@@ -308,7 +337,8 @@ void q4_tile(const int8_t *xq, const float *sx, const float *xs, const int MM, c
             acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(s, bs), acc[m]);
         }
         if ((c + run) % G == 0) {
-            const __m512 o = _mm512_loadu_ps(offset + QB * g);
+            const __m512 b = q4_head(blk + part + (size_t)es * QB * g, H16);
+            const __m512 o = H16 ? _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s, b) : b;     /* z - 8 s */
             for (int m = 0; m < MM; m++)
                 oac[m] = _mm512_fmadd_ps(o, _mm512_set1_ps(xs[(size_t)m * groups + g]), oac[m]);
         }
@@ -349,8 +379,10 @@ void q4_tile(const int8_t *xq, const float *sx, const float *xs, const int MM, c
                                 ahead, yb, N, keep);
 #define Q8G_TILE(MM, PH) q8g_tile(xhl + 2 * (size_t)m * K, cx + (size_t)m * (K / G), sx + m, MM, PH, \
                                   K, G, blk, ahead, yb, N, keep);
-#define Q4_TILE(MM, PH) q4_tile(xq + (size_t)m * K, sx + (size_t)m * nb, xs + (size_t)m * (K / G), MM, PH, K, G, \
-                                blk, ahead, yb, N, keep);
+#define Q4_TILE(MM, PH) q4_tile(xq + (size_t)m * K, sx + (size_t)m * nb, xs + (size_t)m * (K / G), MM, PH, 0, K, \
+                                G, blk, ahead, yb, N, keep);
+#define Q4H_TILE(MM, PH) q4_tile(xq + (size_t)m * K, sx + (size_t)m * nb, xs + (size_t)m * (K / G), MM, PH, 1, K, \
+                                 G, blk, ahead, yb, N, keep);
 
 /* x float32 [M,K] -> xq int8 [M,K], block scales sx [M, ceil(K/128)], and the sums X of sx xq over
  * each weight group [M, K/G] (integer sums per 32 columns, exact; G = 32 scales each alone). */
@@ -397,7 +429,7 @@ TARGET int llmd_q8_x(const float *x, int M, int K, int G, const uint8_t *w, floa
     float *sx = (float *)(cx + (size_t)M * per_row);
     x16_split(x, M, K, xhl, sums, sx);
     x16_corrections(sums, M, K, G, cx);
-    const size_t bytes = q_block_bytes(K, groups, 0);
+    const size_t bytes = q_block_bytes(K, groups, 0, 4);
     if (G) {
         Q_ROWS(8, Q8G_TILE);
     } else {
@@ -406,8 +438,9 @@ TARGET int llmd_q8_x(const float *x, int M, int K, int G, const uint8_t *w, floa
     return 0;
 }
 
-/* x [M, K] times a packed int4 weight (groups of G: 32, 64, 128, 256) of N outputs -> y [M, N]. */
-TARGET int llmd_q4_x(const float *x, int M, int K, int G, const uint8_t *w, float *y, int N, int nt) {
+/* x [M, K] times a packed int4 (h16 0) or q4h (h16 1) weight (groups of G: 32, 64, 128, 256) of N outputs
+ * -> y [M, N]. */
+static TARGET int q4_x(const float *x, int M, int K, int G, const uint8_t *w, float *y, int N, int nt, int h16) {
     const int groups = q4_groups(K, G);
     if (!llmd_cpu_ok() || !groups || M < 1 || M > MANY_MAX_ROWS || N < 1) return -1;
     const int nb = (K + 127) / 128;
@@ -416,9 +449,21 @@ TARGET int llmd_q4_x(const float *x, int M, int K, int G, const uint8_t *w, floa
     float *xs = sx + (size_t)M * nb;
     int8_t *xq = (int8_t *)(xs + (size_t)M * groups);
     x8_blocks(x, M, K, G, xq, sx, xs);
-    const size_t bytes = q_block_bytes(K, groups, 1);
-    Q_ROWS(6, Q4_TILE);
+    const size_t bytes = q_block_bytes(K, groups, 1, h16 ? 2 : 4);
+    if (h16) {
+        Q_ROWS(6, Q4H_TILE);
+    } else {
+        Q_ROWS(6, Q4_TILE);
+    }
     return 0;
+}
+
+TARGET int llmd_q4_x(const float *x, int M, int K, int G, const uint8_t *w, float *y, int N, int nt) {
+    return q4_x(x, M, K, G, w, y, N, nt, 0);
+}
+
+TARGET int llmd_q4h_x(const float *x, int M, int K, int G, const uint8_t *w, float *y, int N, int nt) {
+    return q4_x(x, M, K, G, w, y, N, nt, 1);
 }
 
 /* ---- int8 weights, int8 activations (w8a8), one output row at a time ------------------------ */
