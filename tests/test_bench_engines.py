@@ -1,0 +1,42 @@
+"""bench/bench_engines.py: formats of one model side by side in one process."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+import bench_engines  # noqa: E402
+
+TARGET, DRAFT = REPO / "models" / "code-target", REPO / "models" / "code-draft"
+
+
+def test_every_engine_runs_each_round_and_ratios_are_to_the_first(capsys):
+    assert bench_engines.main([str(TARGET), str(DRAFT), "--rounds", "2", "--gen", "6", "--prompt-len", "16",
+                               "--kv-memory", "32MiB", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["models"] == [str(TARGET), str(DRAFT)]
+    assert [len(x) for x in r["rates"]] == [2, 2] and all(x > 0 for row in r["rates"] for x in row)
+    assert r["ratios"][0] == [1.0, 1.0]
+    assert r["ratios"][1] == pytest.approx([d / t for d, t in zip(r["rates"][1], r["rates"][0])])
+
+
+@pytest.mark.parametrize("argv", [[str(TARGET)], [str(TARGET), str(DRAFT), "--gen", "1"],
+                                  [str(TARGET), str(DRAFT), "--rounds", "0"]])
+def test_bad_arguments_are_refused(argv):
+    with pytest.raises(SystemExit) as e:
+        bench_engines.main(argv)
+    assert e.value.code == 2
+
+
+def test_the_collector_is_handed_back(capsys):
+    import gc
+    before = gc.get_freeze_count()
+    bench_engines.main([str(TARGET), str(TARGET), "--rounds", "1", "--gen", "3", "--prompt-len", "8",
+                        "--kv-memory", "32MiB"])
+    assert gc.get_freeze_count() == before
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and "x the first" in lines[1]
