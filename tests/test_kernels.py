@@ -207,9 +207,30 @@ def test_w8a8_kernel_matches_integer_reference(m):
 def test_kernels_refuse_rows_and_widths_they_do_not_take():
     q, s = quantize_int8(weight(16, 128, 0))
     assert ops.w8a8_matvec(rows(17, 128, 0), q, s, None) is None         # prompts go to torch._int_mm
-    assert ops.packed_matvec(rows(17, 128, 0), ops.int8_pack(q, s)) is None
+    assert ops.packed_matvec(rows(ops.MANY_MAX_ROWS + 1, 128, 0), ops.int8_pack(q, s)) is None
     q, s = quantize_int8(weight(16, 96, 0))
     assert ops.int8_pack(q, s) is None
+
+
+@pytest.mark.parametrize("m", [17, 150])
+def test_int8_prompt_rows_take_the_kernel_with_the_integer_products_numbers(m, monkeypatch):
+    """Prompt rows of an int8 layer run on the packed kernel and give exactly what the two integer
+    products (its form where the kernel cannot run) give, and what each row gives alone."""
+    layer = Int8Linear(576, 200)
+    layer.load_weight(weight(200, 576, 4))
+    layer.prepare()
+    x = rows(m, 576, 6)
+    served = []
+    product = ops.packed_matvec
+    monkeypatch.setattr(ops, "packed_matvec", lambda x, *a, **k: served.append(x.shape[0]) or product(x, *a, **k))
+    with torch.inference_mode():
+        fast = layer(x)
+        assert served == [m]                # the kernel took all the rows, in one call
+        alone = torch.cat([layer(x[i:i + 1]) for i in range(m)])
+        form, layer._kernel_form = layer._kernel_form, None
+        integer = layer(x)
+        layer._kernel_form = form
+    assert torch.equal(fast, integer) and torch.equal(fast, alone)
 
 
 @pytest.mark.parametrize("cls", [Int8Linear, W8A8Linear, Int4Linear])

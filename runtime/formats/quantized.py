@@ -4,8 +4,8 @@ Every quantized module keeps the forward signature of ``llmd.runtime.models.laye
 (x [..., in] -> [..., out], output in x's dtype) and picks its kernel by the number of rows M:
 
     method  stored (safetensors)                       M <= 16 (ops.MAX_ROWS)       more rows
-    int8    qweight int8 [N,K], scales f32 [N]         llmd int8 kernel: x as       x split the same way into two
-                                                       16-bit integers per row      int8 halves, two _int_mm
+    int8    qweight int8 [N,K], scales f32 [N]         llmd int8 kernel: x as       the same kernel; without it, x
+                                                       16-bit integers per row      split the same way, two _int_mm
     int4    qweight u8 [N,K/2] (two nibbles, low       llmd int4 kernel: x as 8-bit the same kernel up to 640 rows,
             first), scales/zeros f32 [N, K/G]          integers per 128 columns     then bf16 matmul, weight
                                                                                     dequantized once per call
@@ -297,12 +297,15 @@ class Int8Linear(QuantLinear):
         self._kernel_form = ops.int8_pack(self.qweight, self.scales) if use_kernels and kernels.available() else None
 
     def large(self, x: torch.Tensor) -> torch.Tensor:
-        """Prompt rows, eager: two integer products carry x at the decode kernel's 16-bit precision,
-        with its rounding, so a row gets the numbers it would get alone (faster than both the decode
-        kernel and dequantizing at prompt sizes: docs/performance.md). Graphs being traced keep the
-        dequantizing form."""
+        """Prompt rows, eager: the decode kernel's packed blocks, each weight load shared by a tile of
+        rows (faster than the two integer products below at every prompt size: docs/performance.md);
+        where it does not run, two integer products carry x at the kernel's 16-bit precision, with its
+        rounding: the same numbers, so a row gets what it would get alone either way. Graphs being
+        traced keep the dequantizing form."""
         if not kernels.usable(x) or x.dtype != torch.float32:
             return super().large(x)
+        if (y := self.kernel_rows(x)) is not None:
+            return y
         if self._offset is None:
             self.prepare()
         hi, lo, sx = split16(x)

@@ -10,7 +10,7 @@ import torch
 from . import lib, struct, usable
 
 MAX_ROWS = 16             # rows of x the int8 and w8a8 products run on the kernels (decode batches, verification)
-MANY_MAX_ROWS = 8192      # ... int4 and int8g (the head) up to this many (prompts too)
+MANY_MAX_ROWS = 8192      # ... the packed forms (int8, int8g, int4) up to this many (prompts too)
 F32_MAX_ROWS = 16         # rows of x the float32 kernel takes
 _SERIAL_BELOW = 1 << 18      # multiply-adds in a product below which one thread beats the parallel split
 
@@ -98,9 +98,9 @@ class Packed:
 
     @property
     def max_rows(self) -> int:
-        """Rows one call takes: int8's prompts go to torch._int_mm (the same numbers), the others' to
-        these kernels too."""
-        return MAX_ROWS if self.kind == KIND_Q8 else MANY_MAX_ROWS
+        """Rows one call takes: prompts too, for every form (the fused step still takes at most
+        MAX_ROWS)."""
+        return MANY_MAX_ROWS
 
     def product(self, max_rows: int | None = None) -> "KernelProduct":
         return KernelProduct(self.kind, self.data, group=self.group,
