@@ -9,7 +9,7 @@ import torch
 
 from . import lib, struct, usable
 
-MAX_ROWS = 16             # rows of x the int8 and w8a8 products run on the kernels (decode batches, verification)
+MAX_ROWS = 16             # rows of x the w8a8 kernel and the fused step take (decode batches, verification)
 MANY_MAX_ROWS = 8192      # ... the packed forms (int8, int8g, int4) up to this many (prompts too)
 F32_MAX_ROWS = 16         # rows of x the float32 kernel takes
 _SERIAL_BELOW = 1 << 18      # multiply-adds in a product below which one thread beats the parallel split
