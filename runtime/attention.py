@@ -26,8 +26,6 @@ from llmd.runtime import kernels
 from llmd.runtime.formats.kv_int8 import write_kv_int8
 from llmd.runtime.kernels import ops
 
-KERNEL_MAX_Q = 16       # query rows per request up to which the kernel serves it (decode, verification)
-
 
 @dataclass
 class SeqSpan:
@@ -113,9 +111,8 @@ class PagedAttention:
         if self.reference:
             return
         if self.kernel:
-            few = [s for s in spans if s.num_q <= KERNEL_MAX_Q]
-            spans = [s for s in spans if s.num_q > KERNEL_MAX_Q]
-            self.kernel_rows = KernelRows.build(few, self.block_size) if few else None
+            self.kernel_rows = KernelRows.build(spans, self.block_size) if spans else None
+            return
         self._build_groups(spans)
 
     def _build_groups(self, spans: list[SeqSpan]) -> None:

@@ -263,9 +263,10 @@ LAYOUTS = {   # (num_q, ctx_len, block ids): scattered, shared and partly filled
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 64), (14, 2, 64), (8, 2, 32), (4, 1, 128), (10, 2, 80), (6, 1, 48)])
 def test_attention_kernel_matches_reference_over_the_paged_pool(heads, kv_heads, dim, layout, pool_dtype):
-    """Decode rows, verification rows and a prompt chunk in one step: the kernel serves the first
-    two kinds, torch the chunk; every row equals the per-request reference, over float32 pools and
-    over bfloat16 ones (the values widened exactly, the arithmetic float32 either way)."""
+    """Decode rows, verification rows and a prompt chunk in one step: the kernel serves them all
+    (and torch's path, where the kernel does not run, too); every row equals the per-request
+    reference, over float32 pools and over bfloat16 ones (the values widened exactly, the arithmetic
+    float32 either way)."""
     from llmd.runtime.attention import PagedAttention, SeqSpan, reference_attention, _gatherer
     g = torch.Generator().manual_seed(heads + dim)
     bs, blocks = 16, 24
@@ -279,13 +280,17 @@ def test_attention_kernel_matches_reference_over_the_paged_pool(heads, kv_heads,
     q = torch.randn(start, heads, dim, generator=g)
     k = torch.randn(start, kv_heads, dim, generator=g)
     v = torch.randn(start, kv_heads, dim, generator=g)
-    attn = PagedAttention(kp, vp, bs)
-    attn.prepare(slots, spans)
-    kernel_rows = sum(nq for nq, _, _ in LAYOUTS[layout] if nq <= 16)        # not the 20-row chunk
-    assert attn.kernel_rows is not None and attn.kernel_rows.rows.numel() == kernel_rows
-    got = attn.attend(0, q, k, v)
-    want = reference_attention(q, _gatherer(kp[0], None, bs, q.dtype), _gatherer(vp[0], None, bs, q.dtype), spans, bs)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for kernel in (True, False):
+        attn = PagedAttention(kp.clone(), vp.clone(), bs, kernel=kernel)
+        attn.prepare(slots, spans)
+        if kernel:          # every row, the 20-row prompt chunk's too
+            assert attn.kernel_rows is not None and attn.kernel_rows.rows.numel() == start and not attn.groups
+        else:
+            assert attn.kernel_rows is None and attn.groups
+        got = attn.attend(0, q, k, v)       # writes this step's keys and values first
+        want = reference_attention(q, _gatherer(attn.k_pool[0], None, bs, q.dtype),
+                                   _gatherer(attn.v_pool[0], None, bs, q.dtype), spans, bs)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_silu_mul_and_rmsnorm_kernels_match_torch():

@@ -1,13 +1,13 @@
 #include "kernels.h"
 
-/* ---- attention of a few query rows over the paged KV pool -------------------------------- */
+/* ---- attention of query rows over the paged KV pool ---------------------------------------- */
 /* Query row r (row[r] of q [T, H, D]) attends to the first len[r] positions of its request,
  * whose keys/values live at slot table[span[r]][l / bs] * bs + l % bs of the pools [S, KVH, D]
  * (float32, or bfloat16: the same arithmetic over half the bytes, for a step that reads many streams'
  * keys and values from memory).
  * Softmax(q k / sqrt(D)) v per head in float32, heads sharing a key/value head read it once.
- * Threads take whole rows when there are enough, else (row, kv head) pairs. For decode and
- * verification rows (a few per request); long prompt chunks go to torch's blocked attention. */
+ * Threads take whole rows when there are enough, else (row, kv head) pairs. Decode and verification
+ * rows, and prompt chunks' rows alike, so a row's numbers do not depend on how its request was cut. */
 
 /* Sixteen pool values from element i of a float32 (es == 4) or bfloat16 (es == 2) pool, as float32:
  * a bfloat16 is the top half of a float32's bits. */
