@@ -5,12 +5,15 @@ The pool of one layer is a flat array of token slots, block after block:
     k_pool[layer]: [num_blocks * block_size, kv_heads, head_dim]     slot = block_id * block_size + offset
 
 Each step, every layer first writes its new keys/values at ``slot_mapping`` (one slot per packed
-token), then attends. Requests with a few query rows (decode, verification of proposals) go to
-llmd's attention kernel (llmd.runtime.kernels), which reads keys and values in place through the
-block table, for float32 or bfloat16 pools where it runs. The others (prompt chunks, or every request where
-the kernel does not run) take the torch path: padded gather indices and masks built once per step
-for at most two groups (single-token rows; multi-token rows), one scaled_dot_product_attention per
-group and layer. The reference path loops over requests with explicit softmax; tests hold both
+token), then attends. Decode and verification rows, and prompt chunks over a context of at most
+KERNEL_PROMPT_CONTEXT positions, go to llmd's attention kernel (llmd.runtime.kernels) where it runs
+(float32 or bfloat16 pools), which reads keys and values in place through the block table: such a
+row's attention is the same arithmetic in a prompt chunk as in a decode step, and faster than
+torch's there. The kernel reads a request's keys once per query row, so over longer contexts
+torch's blocked attention, which reuses them across rows, computes prompt chunks faster
+(docs/performance.md). Those, and every request where the kernel does not run (int8 pools, other
+CPUs), take the torch path: padded gather indices and masks built once per step for at most two
+groups (single-token rows; multi-token rows), one scaled_dot_product_attention per group and layer. The reference path loops over requests with explicit softmax; tests hold both
 fast paths to it.
 """
 from __future__ import annotations
@@ -25,6 +28,9 @@ import torch.nn.functional as F
 from llmd.runtime import kernels
 from llmd.runtime.formats.kv_int8 import write_kv_int8
 from llmd.runtime.kernels import ops
+
+KERNEL_MAX_Q = 16                # query rows of a request the kernel serves at any context (decode, verification)
+KERNEL_PROMPT_CONTEXT = 1536     # ... and of a prompt chunk, over at most this many positions
 
 
 @dataclass
@@ -111,8 +117,9 @@ class PagedAttention:
         if self.reference:
             return
         if self.kernel:
-            self.kernel_rows = KernelRows.build(spans, self.block_size) if spans else None
-            return
+            few = [s for s in spans if s.num_q <= KERNEL_MAX_Q or s.ctx_len <= KERNEL_PROMPT_CONTEXT]
+            spans = [s for s in spans if s.num_q > KERNEL_MAX_Q and s.ctx_len > KERNEL_PROMPT_CONTEXT]
+            self.kernel_rows = KernelRows.build(few, self.block_size) if few else None
         self._build_groups(spans)
 
     def _build_groups(self, spans: list[SeqSpan]) -> None:

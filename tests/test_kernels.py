@@ -283,7 +283,7 @@ def test_attention_kernel_matches_reference_over_the_paged_pool(heads, kv_heads,
     for kernel in (True, False):
         attn = PagedAttention(kp.clone(), vp.clone(), bs, kernel=kernel)
         attn.prepare(slots, spans)
-        if kernel:          # every row, the 20-row prompt chunk's too
+        if kernel:          # every row, the 20-row prompt chunk's too (its context is short)
             assert attn.kernel_rows is not None and attn.kernel_rows.rows.numel() == start and not attn.groups
         else:
             assert attn.kernel_rows is None and attn.groups
@@ -291,6 +291,33 @@ def test_attention_kernel_matches_reference_over_the_paged_pool(heads, kv_heads,
         want = reference_attention(q, _gatherer(attn.k_pool[0], None, bs, q.dtype),
                                    _gatherer(attn.v_pool[0], None, bs, q.dtype), spans, bs)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_long_context_prompt_chunks_take_torchs_blocked_attention():
+    """A prompt chunk over more than KERNEL_PROMPT_CONTEXT positions goes to torch (which reuses keys
+    across rows); decode rows at that context and shorter chunks stay on the kernel; all match the
+    reference."""
+    from llmd.runtime import attention as A
+    g = torch.Generator().manual_seed(7)
+    bs, heads, kvh, dim = 16, 4, 2, 64
+    long_ctx = A.KERNEL_PROMPT_CONTEXT + 40
+    blocks = -(-long_ctx // bs) * 2 + 4
+    kp = torch.randn(1, blocks * bs, kvh, dim, generator=g)
+    vp = torch.randn(1, blocks * bs, kvh, dim, generator=g)
+    per = -(-long_ctx // bs)
+    spans = [A.SeqSpan(0, 20, long_ctx, list(range(per))),                 # a long prompt chunk
+             A.SeqSpan(20, 1, long_ctx, list(range(per, 2 * per))),        # a decode row at that context
+             A.SeqSpan(21, 20, 60, [2 * per, 2 * per + 1, 2 * per + 2, 2 * per + 3])]   # a short chunk
+    slots = torch.cat([s.kv_slots(bs)[s.ctx_len - s.num_q:] for s in spans])
+    q, k, v = (torch.randn(41, h, dim, generator=g) for h in (heads, kvh, kvh))
+    attn = A.PagedAttention(kp, vp, bs)
+    attn.prepare(slots, spans)
+    assert attn.kernel_rows.rows.tolist() == list(range(20, 41))
+    assert len(attn.groups) == 1 and attn.groups[0].rows.tolist() == list(range(20))
+    got = attn.attend(0, q, k, v)
+    want = A.reference_attention(q, A._gatherer(attn.k_pool[0], None, bs, q.dtype),
+                                 A._gatherer(attn.v_pool[0], None, bs, q.dtype), spans, bs)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_silu_mul_and_rmsnorm_kernels_match_torch():
