@@ -13,8 +13,8 @@ torch's there. The kernel reads a request's keys once per query row, so over lon
 torch's blocked attention, which reuses them across rows, computes prompt chunks faster
 (docs/performance.md). Those, and every request where the kernel does not run (int8 pools, other
 CPUs), take the torch path: padded gather indices and masks built once per step for at most two
-groups (single-token rows; multi-token rows), one scaled_dot_product_attention per group and layer. The reference path loops over requests with explicit softmax; tests hold both
-fast paths to it.
+groups (single-token rows; multi-token rows), one scaled_dot_product_attention per group and layer.
+The reference path loops over requests with explicit softmax; tests hold both fast paths to it.
 """
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ from llmd.runtime import kernels
 from llmd.runtime.formats.kv_int8 import write_kv_int8
 from llmd.runtime.kernels import ops
 
-KERNEL_MAX_Q = 16                # query rows of a request the kernel serves at any context (decode, verification)
-KERNEL_PROMPT_CONTEXT = 1536     # ... and of a prompt chunk, over at most this many positions
+KERNEL_MAX_Q = 16               # query rows of a request the kernel serves at any context (decode, verification)
+KERNEL_PROMPT_CONTEXT = 1536    # ... and more rows (a prompt chunk) over at most this many positions
 
 
 @dataclass
