@@ -34,7 +34,8 @@ void value_heads(const void *vpool, const size_t *slot, int KVH, int kvh, int D,
             const size_t v = (slot[l] * KVH + kvh) * D + 16 * (size_t)d0;
             for (int d = 0; d < nd; d++) {
                 const __m512 vv = load16(vpool, v + 16 * d, es);
-                for (int g = 0; g < NG; g++) a[g][d] = _mm512_fmadd_ps(_mm512_set1_ps(p[(size_t)g * Lp + l]), vv, a[g][d]);
+                for (int g = 0; g < NG; g++)
+                    a[g][d] = _mm512_fmadd_ps(_mm512_set1_ps(p[(size_t)g * Lp + l]), vv, a[g][d]);
             }
         }
         for (int g = 0; g < NG; g++)
@@ -116,11 +117,13 @@ int attend_item(const float *q, const void *kpool, const void *vpool, const int3
         for (int kvh = h0; kvh < h1; kvh++)
             for (int g = 0; g < G; g += VALUE_HEADS) {
                 const int i = (kvh - h0) * G + g;
+                const float *pi = p + (size_t)i * Lp;
+                float *ai = acc + (size_t)i * D;
                 switch (G - g < VALUE_HEADS ? G - g : VALUE_HEADS) {
-                case 1: value_heads(vpool, slot, KVH, kvh, D, l0, l1, p + (size_t)i * Lp, Lp, acc + (size_t)i * D, 1, es); break;
-                case 2: value_heads(vpool, slot, KVH, kvh, D, l0, l1, p + (size_t)i * Lp, Lp, acc + (size_t)i * D, 2, es); break;
-                case 3: value_heads(vpool, slot, KVH, kvh, D, l0, l1, p + (size_t)i * Lp, Lp, acc + (size_t)i * D, 3, es); break;
-                default: value_heads(vpool, slot, KVH, kvh, D, l0, l1, p + (size_t)i * Lp, Lp, acc + (size_t)i * D, 4, es); break;
+                case 1: value_heads(vpool, slot, KVH, kvh, D, l0, l1, pi, Lp, ai, 1, es); break;
+                case 2: value_heads(vpool, slot, KVH, kvh, D, l0, l1, pi, Lp, ai, 2, es); break;
+                case 3: value_heads(vpool, slot, KVH, kvh, D, l0, l1, pi, Lp, ai, 3, es); break;
+                default: value_heads(vpool, slot, KVH, kvh, D, l0, l1, pi, Lp, ai, 4, es); break;
                 }
             }
     }
@@ -159,7 +162,8 @@ static TARGET int attend(const float *q, const void *kpool, const void *vpool, c
         const int r = whole_rows ? item : item / KVH;
         const int h0 = whole_rows ? 0 : item % KVH, h1 = whole_rows ? KVH : h0 + 1;
         int rc;
-#define ATTEND_ITEM(DD, ES) attend_item(q, kpool, vpool, row, span, len, r, h0, h1, table, table_width, bs, H, KVH, out, DD, ES)
+#define ATTEND_ITEM(DD, ES) \
+        attend_item(q, kpool, vpool, row, span, len, r, h0, h1, table, table_width, bs, H, KVH, out, DD, ES)
         if (es == 4)
             rc = D == 64 ? ATTEND_ITEM(64, 4) : D == 128 ? ATTEND_ITEM(128, 4) : ATTEND_ITEM(D, 4);
         else
