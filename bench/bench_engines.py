@@ -13,7 +13,6 @@ int8g one), which ``llmd bench --against`` does not compare.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import random
 import statistics
@@ -21,7 +20,7 @@ import sys
 
 import torch
 
-from llmd.bench.cli import single_stream
+from llmd.bench.cli import collector_frozen, single_stream
 from llmd.runtime.formats.gguf_import import is_gguf, resolve_model_path
 from llmd.runtime.llm import LLM
 
@@ -61,12 +60,8 @@ def main(argv=None) -> int:
         p.error("give two or more models, --rounds >= 1, --prompt-len >= 1, --gen >= 2 and --threads >= 1")
     torch.set_num_threads(args.threads)
     llms = [load(m, args.kv_memory) for m in args.models]
-    gc.collect()
-    gc.freeze()             # as the daemon runs: no full collection walks the engines mid-round
-    try:
+    with collector_frozen():
         res = compare(llms, args.rounds, args.prompt_len, args.gen)
-    finally:
-        gc.unfreeze()
     res.update(models=args.models, threads=args.threads, prompt_len=args.prompt_len, gen=args.gen)
     if args.json:
         print(json.dumps(res, indent=1))

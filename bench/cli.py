@@ -18,6 +18,7 @@ import statistics
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -172,13 +173,19 @@ def bench_model(args, model: str) -> int:
         return run_workloads(args, model, draft, opts)
     llm = LLM(model, draft="none", **opts)
     spec_llm = LLM(model, draft=draft, **opts) if (args.spec and draft) else None
-    # as `llmd serve` does with its engine: what is alive now (torch's own objects, the engines) is kept
-    # out of the collector's full passes, which would otherwise stall a round at random; handed back
-    # at the end (a caller in the same process may build engines again)
+    with collector_frozen():
+        return measure(args, model, llm, spec_llm)
+
+
+@contextmanager
+def collector_frozen():
+    """What is alive now (torch's own objects, the engines) kept out of the garbage collector's full
+    passes for the block, which would otherwise stall a round at random, as `llmd serve` keeps its
+    engine; handed back after (a caller in the same process may build engines again)."""
     gc.collect()
     gc.freeze()
     try:
-        return measure(args, model, llm, spec_llm)
+        yield
     finally:
         gc.unfreeze()
 
@@ -269,15 +276,8 @@ def decode_bytes(llm, gguf: str) -> int:
     """The weight bytes one decode step of llmd reads: its fused step's tensors and its head's kernel
     form; the GGUF file's size where the step is not fused (the same weights, as llama.cpp reads them)."""
     fused = getattr(llm.engine.runner.model, "fused_decode", None)
-    head = fused.head.kernel_product() if fused is not None else None
-    if fused is None or head is None:
-        return weight_bytes(Path(gguf))
-    seen, total = set(), 0
-    for t in [*fused._tensors, *head.tensors()]:
-        if t is not None and t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            total += t.numel() * t.element_size()
-    return total
+    read = fused.weight_bytes() if fused is not None else None
+    return weight_bytes(Path(gguf)) if read is None else read
 
 
 def bandwidth_summary(singles: list[dict], llamas: list[dict], readings: dict, llmd_bytes: int,

@@ -56,6 +56,18 @@ class FusedDecode:
         self.steps = 0           # steps served (tests check the fused path really ran)
         self.draft_steps = 0     # greedy draft forwards served by draft_greedy
 
+    def weight_bytes(self) -> int | None:
+        """Bytes of the weights one step reads: every layer's products, norms and biases, and the head's
+        kernel form, each storage once; None where the head is not on the kernels."""
+        head = self.head.kernel_product()
+        if head is None:
+            return None
+        seen: dict[int, int] = {}
+        for t in [*self._tensors, *head.tensors()]:
+            if t is not None:
+                seen[t.data_ptr()] = t.numel() * t.element_size()
+        return sum(seen.values())
+
     def __deepcopy__(self, memo):
         return None           # a copied model has its own weights: it runs the Python forward
 
