@@ -57,6 +57,15 @@ int llmd_q4_x(const float *x, int M, int K, int G, const uint8_t *w, float *y, i
 int llmd_q4h_x(const float *x, int M, int K, int G, const uint8_t *w, float *y, int N, int nt);
 int llmd_w8a8_x(const float *x, int M, int K, const int8_t *w, const float *s, const float *bias, float *y, int N,
                 int nt);
+/* quant.c: the values llmd_q8_x gives outputs idx [C] of an int8 / int8g weight, from w [N, K] as stored:
+ * y [M, C] */
+int llmd_q8_pick(const float *x, int M, int K, int G, const int8_t *w, const float *s, const int64_t *idx, int C,
+                 float *y, int nt);
+/* quant.c: the head screen's candidates: outputs whose score s [M, V] plus its bound (norms [4, V] times
+ * factors of xp, x's rows with the int4 columns first) reaches a row's floor; their count, or -3 for a
+ * score not finite */
+int llmd_screen_select(const float *xp, int M, int K, int KM, float margin, const float *s, int V,
+                       const float *norms, int64_t *out);
 /* f32.c: x [M, K] times a weight in blocks [N/64, K, 64] of float32 or (w16) bfloat16 values */
 int llmd_f32(const float *x, int M, int K, const float *w, const float *bias, float *y, int N, int nt);
 int llmd_f32_w16(const float *x, int M, int K, const uint16_t *w, const float *bias, float *y, int N, int nt);
@@ -102,6 +111,41 @@ static inline TARGET float row_scale(const float *r, int K, float qmax) {
     for (int k = 0; k < K; k += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(r + k)));
     float scale = _mm512_reduce_max_ps(mx) / qmax;
     return scale < 1e-30f ? 1e-30f : scale;
+}
+
+/* The index of the first largest of r's V values into *at and that value into *top (and, where lowest
+ * is not NULL, the smallest value into *lowest); returns 1, and sets neither, when r holds a NaN. */
+static inline TARGET int row_first_max(const float *r, int V, int64_t *at, float *top, float *lowest) {
+    __m512 mx = _mm512_set1_ps(-INFINITY), mn = _mm512_set1_ps(INFINITY);
+    __mmask16 unordered = 0;
+    int v = 0;
+    for (; v + 16 <= V; v += 16) {
+        const __m512 a = _mm512_loadu_ps(r + v);
+        unordered |= _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
+        mx = _mm512_max_ps(mx, a);
+        if (lowest) mn = _mm512_min_ps(mn, a);
+    }
+    float best = _mm512_reduce_max_ps(mx), least = _mm512_reduce_min_ps(mn);
+    for (int t = v; t < V; t++) {
+        if (r[t] != r[t]) unordered = 1;
+        else {
+            best = r[t] > best ? r[t] : best;
+            least = r[t] < least ? r[t] : least;
+        }
+    }
+    if (unordered) return 1;
+    const __m512 b = _mm512_set1_ps(best);
+    int64_t i = -1;
+    for (v = 0; v + 16 <= V && i < 0; v += 16) {
+        const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(r + v), b, _CMP_EQ_OQ);
+        if (hit) i = v + __builtin_ctz(hit);
+    }
+    for (int t = v; t < V && i < 0; t++)
+        if (r[t] == best) i = t;
+    *at = i;
+    *top = best;
+    if (lowest) *lowest = least;
+    return 0;
 }
 
 /* exp(x) for x in [-87, 88] (clamped there): 2^(x log2 e) as 2^n 2^f, f in [-1/2, 1/2], 2^f by a

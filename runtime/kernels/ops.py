@@ -173,6 +173,39 @@ def packed_matvec(x: torch.Tensor, form: Packed, bias: torch.Tensor | None = Non
     return y if bias is None else y.add_(bias)
 
 
+def q8_pick(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, idx: torch.Tensor):
+    """The values ``packed_matvec`` gives outputs ``idx`` (int64, any order) of the int8 / int8g weight
+    [N, K] with scales [N] or [N, K/G], computed from those rows alone: float32 [M, len(idx)], or None
+    where the kernel does not take the shape."""
+    so = lib()
+    m, k = x.shape
+    fn = getattr(so, "llmd_q8_pick", None) if so is not None else None
+    if fn is None or not 1 <= m <= MANY_MAX_ROWS or idx.numel() < 1 or qweight.shape[1] != k:
+        return None
+    group = 0 if scales.dim() == 1 else k // scales.shape[1]
+    x, idx = x.float().contiguous(), idx.to(torch.int64).contiguous()
+    y = torch.empty(m, idx.numel())
+    rc = fn(x.data_ptr(), m, k, group, qweight.contiguous().data_ptr(), scales.float().contiguous().data_ptr(),
+            idx.data_ptr(), idx.numel(), y.data_ptr(), _threads(m, idx.numel(), k))
+    return y if rc == 0 else None
+
+
+def screen_select(xp: torch.Tensor, km: int, margin: float, s: torch.Tensor, norms: torch.Tensor) -> torch.Tensor | None:
+    """The outputs (int64, ascending) whose screen score ``s`` [M, V] plus its bound (``norms`` [4, V] times
+    factors of ``xp``, x's rows with the screen's ``km`` int4 columns first) reaches some row's floor, the
+    lower bound of its highest score (llmd.runtime.formats.head_screen); None where the kernel does not
+    run or a score is not finite."""
+    so = lib()
+    fn = getattr(so, "llmd_screen_select", None) if so is not None else None
+    m, v = s.shape
+    if fn is None or not 1 <= m <= 64 or xp.shape[0] != m:
+        return None
+    xp, s = xp.float().contiguous(), s.float().contiguous()
+    out = torch.empty(v, dtype=torch.int64)
+    count = fn(xp.data_ptr(), m, xp.shape[1], km, margin, s.data_ptr(), v, norms.data_ptr(), out.data_ptr())
+    return out[:count] if count >= 0 else None
+
+
 def w8a8_matvec(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
     """w8a8: x quantized to int8 per row (token), int8 weight [N, K] as stored."""
     so = lib()

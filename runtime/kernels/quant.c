@@ -554,3 +554,139 @@ TARGET int llmd_w8a8_x(const float *x, int M, int K, const int8_t *w, const floa
     w8a8_rows(xa, neg, sx, M, K, w, s, bias, y, N, nt);
     return 0;
 }
+
+/* ---- chosen outputs of an int8 / int8g product --------------------------------------------- */
+/* y[m, c] = the value llmd_q8_x gives output idx[c] of row m, computed from the weight as stored (int8
+ * w [N, K] with s [N], G = 0, or s [N, K/G]) rather than from its blocks: x as the same 16-bit integers
+ * (x16_split's), each group's integer sum exactly, then the float32 steps of q8_tile / q8g_tile in
+ * their order (int8g: y = fma(D_g, sx s_g, y) group by group; int8: fma(H, 256, L) sx s). The head
+ * screen (llmd.runtime.formats.head_screen) scores the few outputs it cannot rule out with it. */
+TARGET int llmd_q8_pick(const float *x, int M, int K, int G, const int8_t *w, const float *s, const int64_t *idx,
+                        int C, float *y, int nt) {
+    const int groups = q8_groups(K, G);
+    if (!llmd_cpu_ok() || !groups || M < 1 || M > MANY_MAX_ROWS || C < 1) return -1;
+    int16_t *xi = scratch_for((size_t)M * K * 2 + (size_t)M * 4 + 64);
+    if (!xi) return -2;
+    float *sx = (float *)(xi + (size_t)M * K);
+    for (int m = 0; m < M; m++) {
+        const float *r = x + (size_t)m * K;
+        const float scale = sx[m] = row_scale(r, K, 32767.f);
+        const __m512 inv = _mm512_set1_ps(1.f / scale);
+        for (int k = 0; k < K; k += 16) {
+            __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(r + k), inv));
+            q = _mm512_max_epi32(_mm512_min_epi32(q, _mm512_set1_epi32(32767)), _mm512_set1_epi32(-32767));
+            _mm256_storeu_si256((__m256i *)(xi + (size_t)m * K + k), _mm512_cvtepi32_epi16(q));
+        }
+    }
+    const int width = K / groups;
+    const __m512i byte = _mm512_set1_epi16(255);
+    #pragma omp parallel for num_threads(nt) schedule(static) if ((size_t)C * M * K > (1u << 18))
+    for (int c = 0; c < C; c++) {
+        const int8_t *wr = w + (size_t)idx[c] * K;
+        const float *sr = s + (size_t)idx[c] * (G ? groups : 1);
+        for (int m = 0; m < M; m++) {
+            const int16_t *xr = xi + (size_t)m * K;
+            float acc = 0.f;
+            for (int g = 0; g < groups; g++) {
+                __m512i d = _mm512_setzero_si512(), h = d, l = d;
+                for (int k = g * width; k < (g + 1) * width; k += 32) {
+                    const __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(wr + k)));
+                    const __m512i xv = _mm512_loadu_si512((const void *)(xr + k));
+                    if (G) {
+                        d = _mm512_add_epi32(d, _mm512_madd_epi16(wv, xv));
+                    } else {         /* hi = xi >> 8 and lo = xi & 255, as the int8 kernel sums them */
+                        h = _mm512_add_epi32(h, _mm512_madd_epi16(wv, _mm512_srai_epi16(xv, 8)));
+                        l = _mm512_add_epi32(l, _mm512_madd_epi16(wv, _mm512_and_si512(xv, byte)));
+                    }
+                }
+                if (G) {
+                    acc = fmaf((float)_mm512_reduce_add_epi32(d), sx[m] * sr[g], acc);
+                } else {
+                    const float v = fmaf((float)_mm512_reduce_add_epi32(h), 256.f, (float)_mm512_reduce_add_epi32(l));
+                    acc = v * (sx[m] * sr[0]);
+                }
+            }
+            y[(size_t)m * C + c] = acc;
+        }
+    }
+    return 0;
+}
+
+/* The head screen's candidates (llmd.runtime.formats.head_screen). xp [M, K]: the rows of x with the
+ * screen's int4 columns first (KM of them), then its int8 ones; s [M, V] the screen's scores; norms [4, V]
+ * each output's bound norms (E_M, E_O, F_M, G). Row m's factors c = (|x_M|, |x_O|, e4, d), so that
+ * R[m, n] = sum_j norms[j, n] c[j] bounds |exact - s| (head_screen.py says why):
+ *   e4 = 0.505 / 127 sqrt(sum over x_M's blocks of 128 columns (64 at a ragged end) of width max|x|^2)
+ *   d  = 2 0.505 / 32767 sqrt(K) max|x| + margin (|x| + 1)
+ * summed in double and rounded up. Row m's floor is the lower bound s - R of its highest score (the
+ * first, on a tie); out receives every n (ascending) whose s + R reaches some row's floor. Returns their
+ * count, or -3 where a score is not finite (the caller reads the whole head). */
+TARGET int llmd_screen_select(const float *xp, int M, int K, int KM, float margin, const float *s, int V,
+                              const float *norms, int64_t *out) {
+    if (!llmd_cpu_ok() || M < 1 || M > 64 || V < 16 || KM < 64 || KM % 64 || KM >= K) return -1;
+    float floor[64], coef[64][4];
+    for (int m = 0; m < M; m++) {
+        const float *x = xp + (size_t)m * K;
+        double a = 0, b = 0, e = 0, top = 0;
+        for (int c = 0; c < KM; c += 128) {
+            const int width = KM - c < 128 ? 64 : 128;
+            double peak = 0;
+            for (int k = c; k < c + width; k++) {
+                const double v = fabs((double)x[k]);
+                a += v * v;
+                peak = v > peak ? v : peak;
+            }
+            e += width * peak * peak;
+            top = peak > top ? peak : top;
+        }
+        for (int k = KM; k < K; k++) {
+            const double v = fabs((double)x[k]);
+            b += v * v;
+            top = v > top ? v : top;
+        }
+        const double c4[4] = {sqrt(a), sqrt(b), 0.505 / 127 * sqrt(e),
+                              2 * 0.505 / 32767 * sqrt((double)K) * top + margin * (sqrt(a + b) + 1)};
+        for (int j = 0; j < 4; j++) coef[m][j] = nextafterf((float)(c4[j] * (1 + 1e-6)), INFINITY);
+    }
+    for (int m = 0; m < M; m++) {
+        int64_t at;
+        float top, lowest;
+        if (row_first_max(s + (size_t)m * V, V, &at, &top, &lowest) || !isfinite(top) || !isfinite(lowest))
+            return -3;
+        const float *c = coef[m];
+        const float reach = fmaf(norms[3 * (size_t)V + at], c[3], fmaf(norms[2 * (size_t)V + at], c[2],
+                                 fmaf(norms[(size_t)V + at], c[1], norms[at] * c[0])));
+        floor[m] = top - reach;
+    }
+    int count = 0, n = 0;
+    for (; n + 16 <= V; n += 16) {
+        __mmask16 hit = 0;
+        const __m512 n0 = _mm512_loadu_ps(norms + n), n1 = _mm512_loadu_ps(norms + V + n);
+        const __m512 n2 = _mm512_loadu_ps(norms + 2 * (size_t)V + n), n3 = _mm512_loadu_ps(norms + 3 * (size_t)V + n);
+        for (int m = 0; m < M; m++) {
+            const float *c = coef[m];
+            __m512 r = _mm512_mul_ps(n0, _mm512_set1_ps(c[0]));
+            r = _mm512_fmadd_ps(n1, _mm512_set1_ps(c[1]), r);
+            r = _mm512_fmadd_ps(n2, _mm512_set1_ps(c[2]), r);
+            r = _mm512_fmadd_ps(n3, _mm512_set1_ps(c[3]), r);
+            const __m512 up = _mm512_add_ps(_mm512_loadu_ps(s + (size_t)m * V + n), r);
+            hit |= _mm512_cmp_ps_mask(up, _mm512_set1_ps(floor[m]), _CMP_GE_OQ);
+        }
+        while (hit) {
+            const int j = __builtin_ctz(hit);
+            out[count++] = n + j;
+            hit &= hit - 1;
+        }
+    }
+    for (; n < V; n++)
+        for (int m = 0; m < M; m++) {
+            const float *c = coef[m];
+            const float r = fmaf(norms[3 * (size_t)V + n], c[3], fmaf(norms[2 * (size_t)V + n], c[2],
+                                 fmaf(norms[(size_t)V + n], c[1], norms[n] * c[0])));
+            if (s[(size_t)m * V + n] + r >= floor[m]) {
+                out[count++] = n;
+                break;
+            }
+        }
+    return count;
+}

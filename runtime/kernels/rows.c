@@ -83,30 +83,8 @@ TARGET int llmd_argmax(const float *x, int M, int V, int64_t *out, int nt) {
     int nan = 0;
     #pragma omp parallel for num_threads(nt) schedule(static) reduction(|:nan)
     for (int m = 0; m < M; m++) {
-        const float *r = x + (size_t)m * V;
-        __m512 mx = _mm512_set1_ps(-INFINITY);
-        __mmask16 unordered = 0;
-        int v = 0;
-        for (; v + 16 <= V; v += 16) {
-            const __m512 a = _mm512_loadu_ps(r + v);
-            unordered |= _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
-            mx = _mm512_max_ps(mx, a);
-        }
-        float best = _mm512_reduce_max_ps(mx);
-        for (int t = v; t < V; t++) {
-            if (r[t] != r[t]) unordered = 1;
-            else if (r[t] > best) best = r[t];
-        }
-        if (unordered) { nan = 1; continue; }
-        const __m512 b = _mm512_set1_ps(best);
-        int64_t at = -1;
-        for (v = 0; v + 16 <= V && at < 0; v += 16) {
-            const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(r + v), b, _CMP_EQ_OQ);
-            if (hit) at = v + __builtin_ctz(hit);
-        }
-        for (int t = v; t < V && at < 0; t++)
-            if (r[t] == best) at = t;
-        out[m] = at;
+        float best;
+        if (row_first_max(x + (size_t)m * V, V, out + m, &best, NULL)) nan = 1;
     }
     return nan;
 }
