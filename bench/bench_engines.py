@@ -1,6 +1,7 @@
 """One-stream decode of several engines on the same machine, side by side in one process.
 
     python bench/bench_engines.py ENGINE_A ENGINE_B [ENGINE_C ...] --rounds 5
+    python bench/bench_engines.py ENGINE ENGINE::head_screen=false     # one engine, a setting changed
 
 Each model (an engine directory, a model directory, or a GGUF file, imported as ``llmd bench`` imports
 it) is loaded once; then every round runs one stream on each in turn (the prompt's first token, then
@@ -8,7 +9,9 @@ it) is loaded once; then every round runs one stream on each in turn (the prompt
 machine falls on all of them alike. Reported: each engine's decode tokens/s per round and its median,
 and each one's per-round ratio to the first engine, with the median of those ratios. Used for the
 formats of one model against each other (int4 against bfloat16 blocks, an int4 head against an
-int8g one), which ``llmd bench --against`` does not compare.
+int8g one), which ``llmd bench --against`` does not compare, and for one engine with a setting changed:
+``PATH::name=value,...`` loads PATH with those engine settings (EngineConfig's fields; true / false
+for a flag), so the head screen can be timed against the whole head.
 """
 from __future__ import annotations
 
@@ -25,9 +28,27 @@ from llmd.runtime.formats.gguf_import import is_gguf, resolve_model_path
 from llmd.runtime.llm import LLM
 
 
-def load(path: str, kv_memory: str) -> LLM:
+def load(spec: str, kv_memory: str) -> LLM:
+    """``spec``: a model path, with ``::name=value,...`` engine settings after it."""
+    path, _, extra = spec.partition("::")
+    options = {}
+    for item in filter(None, extra.split(",")):
+        name, _, value = item.partition("=")
+        options[name.strip()] = _value(value.strip())
     model = resolve_model_path(path, "float32") if is_gguf(path) else path
-    return LLM(model, draft="none", kv_memory=kv_memory)
+    return LLM(model, **{"draft": "none", "kv_memory": kv_memory, **options})
+
+
+def _value(text: str):
+    """A setting's value as written: true / false, an integer, a number, else the text."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def compare(llms: list[LLM], rounds: int, prompt_len: int, gen: int) -> dict:
@@ -47,8 +68,8 @@ def compare(llms: list[LLM], rounds: int, prompt_len: int, gen: int) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("models", nargs="+", help="two or more engine directories, model directories or GGUF files; "
-                   "ratios are to the first")
+    p.add_argument("models", nargs="+", help="two or more engine directories, model directories or GGUF files, each "
+                   "with ::name=value,... engine settings if wanted; ratios are to the first")
     p.add_argument("--rounds", type=int, default=5, help="rounds, each running every engine once (default 5)")
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (default 128)")
     p.add_argument("--gen", type=int, default=65, help="tokens per stream, the first from the prompt (default 65)")

@@ -40,3 +40,15 @@ def test_the_collector_is_handed_back(capsys):
     assert gc.get_freeze_count() == before
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 2 and "x the first" in lines[1]
+
+
+def test_settings_after_a_path_load_that_engine_with_them(monkeypatch):
+    seen = []
+    real = bench_engines.LLM
+
+    def spy(model, **options):
+        seen.append(options)
+        return real(model, **options)
+    monkeypatch.setattr(bench_engines, "LLM", spy)
+    bench_engines.load(f"{TARGET}::head_screen=false,max_num_seqs=4", "32MiB")
+    assert seen[-1] == {"draft": "none", "kv_memory": "32MiB", "head_screen": False, "max_num_seqs": 4}
