@@ -86,6 +86,11 @@ class EngineConfig:
         help="shifted reuse, for requests that ask for it (the language server's completions): keys and values "
              "of an earlier request's text taken at new positions after an edit before them, when they missed at "
              "most this many changed tokens (approximate: the text after an edit was computed before it); 0: off")
+    head_screen: bool = setting(
+        True,
+        help="greedy rows of a quantized (int8 / int8g) head find their token through a 4-bit screen of the head "
+             "and exact scores for the few tokens it cannot rule out: the same tokens from fewer bytes a step, for "
+             "a second, smaller copy of the head built at load (llmd.runtime.formats.head_screen)")
     attention: str = setting("fast", choices=("fast", "reference"),
                              help="attention code: llmd's fast paths, or the plain reference one")
     threads: Optional[int] = setting(None, unit="threads", help="CPU threads for the engine; unset: torch's choice")

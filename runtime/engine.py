@@ -85,6 +85,8 @@ class Engine:
             k = NGRAM_K if lookup else DRAFT_K
         self.num_speculative_tokens = k         # the depth in force (the config's None resolved)
         self.runner = self._make_runner(loaded, loaded.model, k if (lookup or loaded.draft is not None) else 0)
+        # greedy steps ask for tokens, not logits, where the model has a head screen (formats/head_screen.py)
+        self._screens = getattr(self.runner, "screens_head", False)
         if config.prefix_cache and getattr(self.runner, "can_shift", False):
             self.block_manager.max_stale = config.shift_max_stale      # shifted reuse: off where keys cannot move
         self.eos_token_ids = tuple(sorted(set(self.tokenizer.eos_token_ids) | set(loaded.config.eos_token_ids)))
@@ -202,9 +204,14 @@ class Engine:
             proposals, draft_s = self._propose(sched.scheduled)
             t1 = time.perf_counter()
             batch = self.runner.prepare(sched.scheduled)
-            logits = self.runner.run(batch)
-            verify_s = time.perf_counter() - t1
-            sampled = self._sample(sched.scheduled, batch.sample_counts, logits, proposals)
+            if self._screens and all(_plain_greedy(s.request.params) for s in sched.scheduled):
+                picks = self.runner.run_greedy(batch)       # the head's screen: the tokens, not the logits
+                verify_s = time.perf_counter() - t1
+                sampled = self._greedy(sched.scheduled, batch.sample_counts, picks)
+            else:
+                logits = self.runner.run(batch)
+                verify_s = time.perf_counter() - t1
+                sampled = self._sample(sched.scheduled, batch.sample_counts, logits, proposals)
         except Exception as e:   # a failed forward fails its batch, never the engine
             log.exception("model step failed")
             for s in sched.scheduled:
@@ -294,7 +301,7 @@ class Engine:
         on_device = getattr(self.runner, "samples_on_device", False)     # the CUDA runner's logits stay there
         if on_device and any(s.request.params.logprobs is not None or s.num_spec_tokens for s in scheduled):
             p = [s.request.params for s in scheduled]
-            if all(x.greedy and not x.needs_penalties and x.logprobs is None for x in p):
+            if all(_plain_greedy(x) for x in p):
                 return self._greedy(scheduled, counts, logits.argmax(-1).tolist())   # one copy: the ids
             logits, on_device = logits.cpu(), False    # sampled verification and logprobs read them on the host
         plain_rows, plain_idx, plain_at = [], [], []
@@ -423,7 +430,22 @@ class Engine:
             "kv_dtype": self.kv_dtype,
             "kv_pool_dtype": str(self.runner.k_pool.dtype).removeprefix("torch."),
             "max_model_len": self.max_model_len,
+            **self._screen_stats(),
             # decode steps by the deepest speculation they verified (the controller's choices)
             **({"spec_depth_steps": {str(k): n for k, n in sorted(self.spec.depth_steps.items())}}
                if self.spec is not None else {}),
         }
+
+    def _screen_stats(self) -> dict:
+        """The head screen's counters: greedy rows it served, the head rows it scored exactly per row,
+        and rows that read the whole head instead."""
+        if not self._screens:
+            return {}
+        st = self.runner.model.head_screen.stats
+        return {"head_screen_on": st.on, "head_screen_rows": st.rows, "head_screen_whole": st.whole,
+                "head_screen_candidates_mean": round(st.candidates / st.rows, 1) if st.rows else None}
+
+
+def _plain_greedy(params: SamplingParams) -> bool:
+    """A row whose token is its logits' argmax: greedy, without penalties or logprobs."""
+    return params.greedy and not params.needs_penalties and params.logprobs is None

@@ -15,6 +15,7 @@ from .formats.engine_dir import engine_draft_dir, load_engine_draft, load_engine
 from .formats.manifest import read_manifest
 from .execution import backend_class, choose
 from .formats.gguf_import import resolve_model_path
+from .formats.head_screen import HeadScreen
 from .model_runner import kv_bytes_per_block
 from .models.config import ModelConfig
 from .models.llama import LlamaForCausalLM
@@ -65,6 +66,8 @@ def load_for_engine(config: EngineConfig, progress=None) -> LoadedModel:
         raise EngineDirError(f"{draft_path}: a draft from an engine directory runs on the CPU only; with "
                              "--device cuda give a Hugging Face directory as --draft, or 'ngram'")
     execution = own_execution(config, device) if backend is None else choose(config.execution, backend)
+    if config.head_screen and backend is None and execution == "cpu":
+        model.head_screen = HeadScreen.build(model.lm_head, model.norm.weight)
     draft = draft_cfg = None
     if draft_path is not None:
         draft, draft_cfg = load_draft(draft_path, config, tokenizer, own_execution(config, device))

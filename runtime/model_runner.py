@@ -167,3 +167,12 @@ class ModelRunner:
     def run(self, batch: StepBatch) -> torch.Tensor:
         """Forward the packed step; returns float32 logits [len(sample_rows), vocab]."""
         return self.execution.run(batch)
+
+    @property
+    def screens_head(self) -> bool:
+        """Greedy steps find their tokens through the head's screen (``run_greedy``)."""
+        return self.backend is None and self.model.head_screen is not None
+
+    def run_greedy(self, batch: StepBatch) -> list[int]:
+        """Forward the packed step whose sampled rows are all greedy; returns each row's token."""
+        return self.execution.run_greedy(batch)

@@ -12,6 +12,8 @@ over the paged pool, MLPs, norms, the head. A backend says how, and is chosen on
                        step.rope(model, positions, dtype)       its rotary form (once per step)
                        step.attend(layer, q, k, v)              KV store into the pool, then attention
         model.compute_logits(rows)    the head, for the sampled rows only
+    backend.run_greedy(batch)         the same step where every sampled row is greedy: its tokens, through
+                                      the head's screen where the model has one (formats.head_screen)
     backend.greedy(logits)            the argmax on the device (engine and draft)
     backend.greedy_rounds(...)        a draft's greedy rounds fused into calls, where it can
 
@@ -61,13 +63,32 @@ class ExecutionBackend(ABC):
     @torch.inference_mode()
     def run(self, batch) -> torch.Tensor:
         """One step (the ModelRunner's StepBatch) -> float32 logits [len(sample_rows), vocab]."""
+        hidden = self._sampled_hidden(batch)
+        if hidden.shape[0] == 0:
+            return hidden.new_empty(0, self.model.config.vocab_size, dtype=torch.float32)
+        return self.model.compute_logits(hidden).float()
+
+    @torch.inference_mode()
+    def run_greedy(self, batch) -> list[int]:
+        """One step whose sampled rows are all greedy -> each row's token, the first largest of its logits:
+        through the head's screen where the model has one (llmd.runtime.formats.head_screen), which reads
+        fewer bytes and finds the same token, else from the whole head's logits."""
+        screen = self.model.head_screen
+        if screen is None:
+            return self.greedy(self.run(batch)).tolist()
+        hidden = self._sampled_hidden(batch)
+        if hidden.shape[0] == 0:
+            return []
+        ids = screen.argmax(hidden)
+        return ids if ids is not None else self.greedy(self.model.compute_logits(hidden).float()).tolist()
+
+    def _sampled_hidden(self, batch) -> torch.Tensor:
+        """The step's final hidden states of its sampled rows only."""
         self.attn.prepare(batch.slot_mapping, batch.spans)
         hidden = self.forward(batch)
-        if batch.sample_rows.numel() == 0:
-            return hidden.new_empty(0, self.model.config.vocab_size, dtype=torch.float32)
         if batch.sample_rows.numel() != hidden.shape[0]:
             hidden = hidden.index_select(0, batch.sample_rows)
-        return self.model.compute_logits(hidden).float()
+        return hidden
 
     def forward(self, batch) -> torch.Tensor:
         """Final hidden states [T, hidden] of the step's packed rows: the whole-step hook a fused

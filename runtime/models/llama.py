@@ -153,6 +153,7 @@ class LlamaForCausalLM(nn.Module):
         self._tied_head: Linear | None = None      # the tied embedding, once prepared (see below)
         self._interleaved = False
         self.fused_decode: FusedDecode | None = None   # every layer in one kernel call, once prepared
+        self.head_screen = None     # greedy rows' tokens from a screen of a quantized head (formats.head_screen)
 
     @classmethod
     def empty(cls, cfg: ModelConfig, dtype: torch.dtype) -> "LlamaForCausalLM":
