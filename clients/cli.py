@@ -309,6 +309,14 @@ def _pct(v) -> str:
     return "-" if v is None else f"{100 * v:.1f}%"
 
 
+def _screen(e: dict) -> str:
+    """The head screen's line: on or off (its trial's verdict), greedy rows served, exact scores a row."""
+    state = "on" if e.get("head_screen_on") else "off (no faster than the whole head)"
+    mean = e.get("head_screen_candidates_mean")
+    return (f"{state}, {e.get('head_screen_rows', 0)} rows screened, "
+            f"{'-' if mean is None else mean} tokens scored exactly a row, {e.get('head_screen_whole', 0)} read whole")
+
+
 def format_status(s: dict) -> str:
     e = s.get("engine") or {}
     lat = s.get("latency_ms", {})
@@ -327,6 +335,7 @@ def format_status(s: dict) -> str:
         f"kv cache:     {_pct(e.get('kv_usage'))} used ({e.get('kv_blocks_used', '-')}/{e.get('kv_blocks_total', '-')} blocks)",
         f"prefix hits:  {_pct(e.get('prefix_hit_rate'))}",
         f"spec accept:  {_pct(acceptance)}",
+        *([f"head screen:  {_screen(e)}"] if "head_screen_on" in e else []),
         f"ttft ms:      {row('ttft')}   (p50 / p90 / p99)",
         f"e2e ms:       {row('e2e')}",
         f"finished:     {', '.join(f'{k} {v}' for k, v in sorted(s.get('finished', {}).items())) or 'none'}",

@@ -394,6 +394,17 @@ def test_llmd_status_prints_the_daemon_state(daemon):
     assert absent.returncode == 1 and "start one with `llmd serve`" in absent.stderr
 
 
+def test_llmd_status_shows_the_head_screen_where_the_engine_has_one():
+    from llmd.clients.cli import format_status
+    engine = {"head_screen_on": True, "head_screen_rows": 114, "head_screen_candidates_mean": 854.4,
+              "head_screen_whole": 2}
+    lines = dict(line.split(":", 1) for line in format_status({"engine": engine}).splitlines())
+    assert lines["head screen"].split() == "on, 114 rows screened, 854.4 tokens scored exactly a row, 2 read whole".split()
+    off = format_status({"engine": {**engine, "head_screen_on": False}})
+    assert "off (no faster than the whole head)" in off
+    assert "head screen" not in format_status({"engine": {"running": 0}})
+
+
 def test_a_client_that_stops_reading_is_dropped(tiny_model_dir, tmp_path):
     settings = daemon_settings(tiny_model_dir, tmp_path, send_hwm=8, send_buffer_bytes=4096)
     with running_daemon(settings) as server:
