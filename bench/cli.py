@@ -274,9 +274,14 @@ def llama_bench_summary(singles: list[dict], llamas: list[dict], gguf: str) -> d
 
 def decode_bytes(llm, gguf: str) -> int:
     """The weight bytes one decode step of llmd reads: its fused step's tensors and its head's kernel
-    form; the GGUF file's size where the step is not fused (the same weights, as llama.cpp reads them)."""
-    fused = getattr(llm.engine.runner.model, "fused_decode", None)
+    form, or the head screen's reads where it ran (its parts and its exact rows, per row); the GGUF
+    file's size where the step is not fused (the same weights, as llama.cpp reads them)."""
+    model = llm.engine.runner.model
+    fused = getattr(model, "fused_decode", None)
     read = fused.weight_bytes() if fused is not None else None
+    screen = getattr(model, "head_screen", None)
+    if read is not None and screen is not None and screen.stats.on and screen.stats.rows:
+        read += screen.bytes_per_row() - screen.head_bytes()
     return weight_bytes(Path(gguf)) if read is None else read
 
 

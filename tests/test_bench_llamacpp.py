@@ -114,6 +114,29 @@ def test_decode_bytes_counts_the_fused_steps_weights_once():
     assert 0.9 * stored < n < 1.01 * stored
 
 
+def test_decode_bytes_counts_the_head_screens_reads_where_it_ran():
+    from types import SimpleNamespace
+
+    import torch
+
+    from llmd.runtime import kernels
+    from llmd.runtime.formats.head_screen import HeadScreen
+    from llmd.runtime.formats.quantized import Int8GroupLinear
+    if not kernels.available():
+        pytest.skip("llmd's kernels are not built here: no head screen")
+    head = Int8GroupLinear(256, 5000)
+    head.load_weight(torch.randn(5000, 256) * 0.02)
+    head.prepare()
+    screen = HeadScreen.build(head, torch.ones(256))
+    model = SimpleNamespace(fused_decode=SimpleNamespace(weight_bytes=lambda: 10_000_000), head_screen=screen)
+    llm = SimpleNamespace(engine=SimpleNamespace(runner=SimpleNamespace(model=model)))
+    assert cli.decode_bytes(llm, "unused.gguf") == 10_000_000          # nothing screened yet: the whole head
+    screen.stats.rows, screen.stats.candidates = 4, 400                  # 100 exact rows a screened row
+    row = 256 + 4 * (256 // 64)                                          # int8 values and float32 scales
+    want = 10_000_000 - head._kernel_form.data.numel() + screen.nbytes() + 100 * row
+    assert cli.decode_bytes(llm, "unused.gguf") == pytest.approx(want)
+
+
 def test_load_config_bounds_and_request_counts():
     cfg = load_test.LoadConfig(levels=(1, 4, 16), requests_per_client=3, min_requests=8)
     assert [cfg.requests(n) for n in cfg.levels] == [8, 12, 48] and cfg.slots == 16

@@ -124,6 +124,16 @@ class HeadScreen:
     def __deepcopy__(self, memo):
         return None           # a copied model has its own head: it reads it whole
 
+    def head_bytes(self) -> int:
+        """Bytes the whole head's product reads (its packed form)."""
+        return self.head._kernel_form.data.numel()
+
+    def bytes_per_row(self) -> float:
+        """Bytes a screened row has read on average: the screen's parts, and its exact rows as stored."""
+        head, st = self.head, self.stats
+        row = head.in_features + 4 * (head.scales.numel() // head.out_features)
+        return self.nbytes() + (row * st.candidates / st.rows if st.rows else 0)
+
     def nbytes(self) -> int:
         """Bytes a screened row reads (the packed parts and the norms), not counting its candidates."""
         return sum(t.numel() * t.element_size() for t in (self.int4.data, self.int8.data, self.norms))
