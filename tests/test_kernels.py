@@ -444,3 +444,28 @@ def test_the_dims_struct_keeps_the_order_of_the_array_it_replaced():
         "table_width", "block_size", "pool_bytes", "vocab"]
     d = dims(layers=4, rows=2, vocab=8192)
     assert list((ctypes.c_int * 13).from_buffer_copy(d)) == [4, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 8192]
+
+
+def test_the_avx2_library_gives_the_same_bits_as_the_one_loaded(tmp_path):
+    """``LLMD_KERNELS=avx2`` loads the library for CPUs with AVX2, FMA and F16C only; every kind of call
+    (each product form at 1, 4 and 9 rows, the picked int8 outputs, norms, the activation, argmax with a
+    tie, attention over float32 and bfloat16 pools) gives the same bits from it as from the library this
+    process loaded: on a CPU with AVX-512 that is the AVX-512 library, so its pairs of 256-bit operations
+    are shown to stand exactly for the 512-bit ones."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from safetensors import safe_open
+    from kernel_outputs import outputs
+
+    out = tmp_path / "avx2.safetensors"
+    env = {**os.environ, "LLMD_KERNELS": "avx2"}
+    subprocess.run([sys.executable, str(Path(__file__).parent / "kernel_outputs.py"), str(out)], env=env,
+                   check=True, timeout=300)
+    here = outputs()
+    with safe_open(str(out), "pt") as f:
+        assert f.metadata()["variant"] == "avx2"
+        assert sorted(f.keys()) == sorted(here)
+        for name in here:
+            assert torch.equal(f.get_tensor(name), here[name]), f"{name}: the {kernels.variant()} library differs"

@@ -2,7 +2,7 @@
 made of, torch's ops for the rest, and the whole step in one kernel call where every part of it has
 a kernel form (llmd.runtime.models.fused_decode).
 
-Where the kernels are not built (no compiler, no AVX-512 VNNI, ``LLMD_KERNELS=0``) it is decided
+Where the kernels are not built (no compiler, neither AVX-512 VNNI nor AVX2, ``LLMD_KERNELS=0``) it is decided
 once, when the backend is built: the step runs torch's ops and never asks again.
 
     rows of a step   norms, silu*mul, rotary     attention                      whole step

@@ -17,7 +17,7 @@ the product. Each row of x is quantized alone, and the int8 and w8a8 sums are ex
 kernel and the _int_mm form give the same numbers; int4 runs one kernel, whose per-row sums keep one
 order whatever M is. A request's greedy tokens are the same alone and in a batch.
 
-The llmd kernels (llmd.runtime.kernels, AVX-512 VNNI) read int8, int8g and int4 weights from a copy
+The llmd kernels (llmd.runtime.kernels: AVX-512 VNNI, or AVX2) read int8, int8g and int4 weights from a copy
 packed at ``prepare()`` into blocks of 16 outputs (quant.c; the stored tensors stay for prompts, token
 rows and saving): each weight load serves every row of a tile with one vpdpbusd per row (int8: two),
 fewer instructions per weight and row than the bfloat16 blocks' FMAs (docs/performance.md, "Blocked

@@ -7,9 +7,14 @@ The C sources are compiled once per machine with the system C compiler into a ca
 this user and writable by no one else, so nobody can plant a library there; else a fresh private
 temporary directory) and loaded with ctypes, each entry point bound by its declaration in kernels.h
 (read with cffi's C parser); it links the OpenMP runtime torch has already loaded, so both share one
-thread pool. ``available()`` is False, with ``why()`` saying why, when there is no
-compiler, the CPU lacks AVX-512 (with VNNI), or ``LLMD_KERNELS=0``: every caller then uses
-torch's ops, slower but the same formulas.
+thread pool.
+
+Two libraries come from the same sources: one for AVX-512 with VNNI, and (``LLMD_AVX2`` defined,
+avx2.h) one for CPUs with AVX2, FMA and F16C only, whose every 512-bit operation is a pair of 256-bit
+ones giving the same numbers. ``lib()`` loads the first this CPU runs; ``variant()`` names it, and
+``LLMD_KERNELS=avx2`` asks for the AVX2 one where both run. ``available()`` is False, with ``why()``
+saying why, when there is no compiler, the CPU has neither, or ``LLMD_KERNELS=0``: every caller then
+uses torch's ops, slower but the same formulas.
 """
 from __future__ import annotations
 
@@ -34,6 +39,8 @@ _HEADER = _HERE / "kernels.h"
 _lib: ctypes.CDLL | None = None
 _why = ""
 _tried = False
+_variant = ""
+VARIANTS = ("avx512", "avx2")         # the libraries lib() tries, the faster first
 
 def _private(d: Path) -> bool:
     """Ours and writable by nobody else: a shared directory could hold a planted library."""
@@ -62,9 +69,10 @@ def compiler() -> str:
     return cc
 
 
-def compile_command(cc: str, sources: list[Path], out: Path) -> list[str]:
+def compile_command(cc: str, sources: list[Path], out: Path, variant: str = "avx512") -> list[str]:
     """How the kernel library is built (also used to build another revision's sources for an A/B)."""
-    return [cc, "-O3", "-fopenmp", "-shared", "-fPIC", "-o", str(out), *map(str, sources), "-lm"]
+    defines = ["-DLLMD_AVX2"] if variant == "avx2" else []
+    return [cc, "-O3", "-fopenmp", "-shared", "-fPIC", *defines, "-o", str(out), *map(str, sources), "-lm"]
 
 
 _API_BEGIN, _API_END = "/* llmd API begin", "/* llmd API end */"
@@ -113,15 +121,15 @@ def struct(name: str) -> type[ctypes.Structure]:
     return type(name, (ctypes.Structure,), {"_fields_": [(f, _ctype(t.type)) for f, t in fields]})
 
 
-def _build() -> Path:
-    src = b"".join(p.read_bytes() for p in [*_SOURCES, _HEADER])
+def _build(variant: str = "avx512") -> Path:
+    src = b"".join(p.read_bytes() for p in [*_SOURCES, _HEADER, _HERE / "avx2.h"])
     cc = compiler()
-    tag = hashlib.sha256(src + cc.encode()).hexdigest()[:16]
-    out = _cache_dir() / f"kernels-{tag}.so"
+    tag = hashlib.sha256(src + cc.encode() + variant.encode()).hexdigest()[:16]
+    out = _cache_dir() / f"kernels-{variant}-{tag}.so"
     if out.exists() and _private(out):
         return out
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    done = subprocess.run(compile_command(cc, _SOURCES, tmp), capture_output=True, text=True)
+    done = subprocess.run(compile_command(cc, _SOURCES, tmp, variant), capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"compiling llmd's kernels failed: {done.stderr.strip()[-400:]}")
     os.replace(tmp, out)          # atomic: a concurrent build never loads a half-written file
@@ -130,30 +138,47 @@ def _build() -> Path:
 
 def lib() -> ctypes.CDLL | None:
     """The loaded library, or None (see ``why()``). Built at most once per process."""
-    global _lib, _why, _tried
+    global _lib, _why, _tried, _variant
     if _tried:
         return _lib
     _tried = True
-    if os.environ.get("LLMD_KERNELS", "1") == "0":
+    wanted = os.environ.get("LLMD_KERNELS", "1")
+    if wanted == "0":
         _why = "turned off by LLMD_KERNELS=0"
         return None
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        _why = f"llmd's kernels are written for x86-64 (AVX-512), not {platform.machine()}"
+        _why = f"llmd's kernels are written for x86-64 (AVX-512 or AVX2), not {platform.machine()}"
         log.info("%s; torch's kernels are used", _why)
         return None
-    try:
-        so = bind(ctypes.CDLL(str(_build())))
-    except (OSError, RuntimeError) as e:
-        _why = str(e)
-        log.warning("llmd's CPU kernels are unavailable (%s); decoding uses torch's kernels, which are slower "
-                    "here. Install a C compiler (gcc) to build them.", _why)
-        return None
-    if not so.llmd_cpu_ok():
-        _why = "this CPU lacks AVX-512 with VNNI"
-        log.info("llmd's CPU kernels need AVX-512 with VNNI; this CPU lacks it, so torch's kernels are used")
-        return None
-    _lib = so
-    return _lib
+    for name in [wanted] if wanted in VARIANTS else VARIANTS:
+        try:
+            so = load(name)
+        except (OSError, RuntimeError) as e:
+            _why = str(e)
+            log.warning("llmd's CPU kernels are unavailable (%s); decoding uses torch's kernels, which are "
+                        "much slower. Install a C compiler (gcc) to build them.", _why)
+            return None
+        if so is not None:
+            _lib, _variant = so, name
+            log.info("llmd's CPU kernels: the %s library", name)
+            return _lib
+    _why = "this CPU has neither AVX-512 with VNNI nor AVX2 with FMA and F16C"
+    log.warning("llmd's CPU kernels need AVX-512 with VNNI, or AVX2 with FMA and F16C; this CPU has neither, "
+                "so torch's kernels are used (much slower)")
+    return None
+
+
+def load(variant: str) -> ctypes.CDLL | None:
+    """The ``variant`` library (built if need be), bound; None where this CPU cannot run it. Raises
+    RuntimeError or OSError when it cannot be built or loaded. Tests load both where both run."""
+    so = bind(ctypes.CDLL(str(_build(variant))))
+    return so if so.llmd_cpu_ok() else None
+
+
+def variant() -> str:
+    """The library loaded: "avx512", "avx2", or "" (none)."""
+    lib()
+    return _variant
 
 
 def available() -> bool:

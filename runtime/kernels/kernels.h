@@ -1,5 +1,6 @@
 /* Shared by llmd's CPU kernels (quant.c, f32.c, attention.c, rows.c): built together into one
- * library by llmd.runtime.kernels, x86-64 with AVX-512 (VNNI). Each file's entry points return 0,
+ * library by llmd.runtime.kernels, x86-64 with AVX-512 (VNNI), or with LLMD_AVX2 defined a second
+ * library of the same code for CPUs with AVX2, FMA and F16C (avx2.h). Each file's entry points return 0,
  * or -1 when the CPU or the shape is not one they take (the caller then uses torch's kernels). */
 #ifndef LLMD_KERNELS_H
 #define LLMD_KERNELS_H
@@ -10,7 +11,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#ifdef LLMD_AVX2
+#include "avx2.h"           /* the same kernels on AVX2, FMA and F16C: each 512-bit operation as two halves */
+#else
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
+#endif
 
 /* llmd API begin: the entry points, declared here alone. llmd.runtime.kernels reads this block with
  * cffi's C parser and binds each function of a library by it, so it holds plain declarations only (no
@@ -42,7 +47,7 @@ typedef struct {
     int group;              /* q8g, q4, q4h, int8g rows: the columns per scale */
 } llmd_product;
 
-/* quant.c: AVX-512 F/BW/VL/DQ and VNNI present */
+/* quant.c: AVX-512 F/BW/VL/DQ and VNNI present (the AVX2 library: AVX2, FMA and F16C) */
 int llmd_cpu_ok(void);
 /* quant.c: int8 w [N, K] with a scale per row (G = 0, s [N]) or per group of G columns (int8g, s [N, K/G]),
  * or int4 nibbles q [N, K] (one per byte) with scales and offsets z - 8 s [N, K/G] (float32), or with

@@ -29,9 +29,13 @@ int llmd_cpu_ok(void) {
     static int ok = -1;                     /* asked once: every entry point checks it */
     if (ok < 0) {
         __builtin_cpu_init();
+#ifdef LLMD_AVX2
+        ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#else
         ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
             && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")
             && __builtin_cpu_supports("avx512vnni");
+#endif
     }
     return ok;
 }
@@ -108,10 +112,34 @@ static int q4_groups(int K, int G) {
 
 /* acc += w (unsigned bytes) times the four signed bytes at p in every lane, p read by the instruction
  * itself (an embedded broadcast: no separate load and broadcast per row). */
+#ifndef LLMD_AVX2
 static inline TARGET __attribute__((always_inline)) __m512i dot4(__m512i acc, __m512i w, const int8_t *p) {
     __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t *)p));
     return acc;
 }
+#define dot4_nibbles dot4
+#else
+/* AVX2: the four signed bytes at p as two 16-bit pairs (columns 0 and 2, 1 and 3) in every lane; w's even
+ * and odd bytes widened against them, each pair of products summed exactly in 32 bits */
+static inline TARGET __attribute__((always_inline)) __m256i dot4_half(__m256i acc, __m256i w, __m256i xe, __m256i xo) {
+    const __m256i we = _mm256_and_si256(w, _mm256_set1_epi16(0x00FF)), wo = _mm256_srli_epi16(w, 8);
+    return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(we, xe), _mm256_madd_epi16(wo, xo)));
+}
+static inline TARGET __attribute__((always_inline)) __m512i dot4(__m512i acc, __m512i w, const int8_t *p) {
+    const __m256i xe = _mm256_set1_epi32((int)((uint16_t)(int16_t)p[0] | (uint32_t)(uint16_t)(int16_t)p[2] << 16));
+    const __m256i xo = _mm256_set1_epi32((int)((uint16_t)(int16_t)p[1] | (uint32_t)(uint16_t)(int16_t)p[3] << 16));
+    return (__m512i){dot4_half(acc.lo, w.lo, xe, xo), dot4_half(acc.hi, w.hi, xe, xo)};
+}
+/* int4's weights are nibbles (0..15): a pair of products stays within 16 bits (15 * 128 * 2), so
+ * vpmaddubsw sums them exactly, then vpmaddwd the two pairs */
+static inline TARGET __attribute__((always_inline)) __m512i dot4_nibbles(__m512i acc, __m512i w, const int8_t *p) {
+    int32_t four;
+    memcpy(&four, p, 4);
+    const __m256i x = _mm256_set1_epi32(four), one = _mm256_set1_epi16(1);
+    return (__m512i){_mm256_add_epi32(acc.lo, _mm256_madd_epi16(_mm256_maddubs_epi16(w.lo, x), one)),
+                     _mm256_add_epi32(acc.hi, _mm256_madd_epi16(_mm256_maddubs_epi16(w.hi, x), one))};
+}
+#endif
 
 /* The next block is fetched while this one is computed (by a block's first tile: the others find
  * it in cache), a line ahead of each weight line read, and its head lines (2 per group; q4h: 1) first. */
@@ -324,8 +352,8 @@ void q4_tile(const int8_t *xq, const float *sx, const float *xs, const int MM, c
                 const __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
                 for (int m = 0; m < MM; m++) {
                     const int8_t *xr = xq + (size_t)m * K + 8 * (size_t)(i + p);
-                    a[m][p] = dot4(a[m][p], lo, xr);
-                    b[m][p] = dot4(b[m][p], hi, xr + 4);
+                    a[m][p] = dot4_nibbles(a[m][p], lo, xr);
+                    b[m][p] = dot4_nibbles(b[m][p], hi, xr + 4);
                 }
             }
         const int g = c / G;
