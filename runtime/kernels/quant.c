@@ -112,22 +112,30 @@ static int q4_groups(int K, int G) {
 
 /* acc += w (unsigned bytes) times the four signed bytes at p in every lane, p read by the instruction
  * itself (an embedded broadcast: no separate load and broadcast per row). */
+/* XB: bytes of the int8 kernel's x (xhl) per column and part: AVX-512 reads four signed bytes per
+ * vpdpbusd, AVX2 (below) each byte widened to 16 bits and paired for vpmaddwd */
 #ifndef LLMD_AVX2
+#define XB 1
 static inline TARGET __attribute__((always_inline)) __m512i dot4(__m512i acc, __m512i w, const int8_t *p) {
     __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t *)p));
     return acc;
 }
 #define dot4_nibbles dot4
 #else
+#define XB 2
 /* AVX2: the four signed bytes at p as two 16-bit pairs (columns 0 and 2, 1 and 3) in every lane; w's even
  * and odd bytes widened against them, each pair of products summed exactly in 32 bits */
 static inline TARGET __attribute__((always_inline)) __m256i dot4_half(__m256i acc, __m256i w, __m256i xe, __m256i xo) {
     const __m256i we = _mm256_and_si256(w, _mm256_set1_epi16(0x00FF)), wo = _mm256_srli_epi16(w, 8);
     return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(we, xe), _mm256_madd_epi16(wo, xo)));
 }
+/* p: the four signed bytes as x16_split lays them out for AVX2 (XB 4): columns 0 and 2 as two 16-bit
+ * values, then 1 and 3, each pair read as one broadcast */
 static inline TARGET __attribute__((always_inline)) __m512i dot4(__m512i acc, __m512i w, const int8_t *p) {
-    const __m256i xe = _mm256_set1_epi32((int)((uint16_t)(int16_t)p[0] | (uint32_t)(uint16_t)(int16_t)p[2] << 16));
-    const __m256i xo = _mm256_set1_epi32((int)((uint16_t)(int16_t)p[1] | (uint32_t)(uint16_t)(int16_t)p[3] << 16));
+    int32_t even, odd;
+    memcpy(&even, p, 4);
+    memcpy(&odd, p + 4, 4);
+    const __m256i xe = _mm256_set1_epi32(even), xo = _mm256_set1_epi32(odd);
     return (__m512i){dot4_half(acc.lo, w.lo, xe, xo), dot4_half(acc.hi, w.hi, xe, xo)};
 }
 /* int4's weights are nibbles (0..15): a pair of products stays within 16 bits (15 * 128 * 2), so
@@ -212,7 +220,8 @@ TARGET int llmd_q4h_pack(const uint8_t *q, const uint16_t *s, const uint16_t *z,
     return q4_pack(q, s, z, 2, N, K, G, out);
 }
 
-/* x float32 [M, K] -> xhl int8 [M, K/4, 8] (per 4 columns their hi bytes, then their lo - 128), sx [M],
+/* x float32 [M, K] -> xhl int8 [M, K/4, 8] (per 4 columns their hi bytes, then their lo - 128; AVX2:
+ * int16 [M, K/4, 8], each byte widened, columns 0, 2, 1, 3), sx [M],
  * and per 64 columns the sums of hi and of lo - 128 (int32 [M, K/64, 2]); xi and its split as llmd.runtime.formats.quantized.split16 makes them. */
 static TARGET void x16_split(const float *x, int M, int K, int8_t *xhl, int32_t *sums, float *sx) {
     for (int m = 0; m < M; m++) {
@@ -228,10 +237,22 @@ static TARGET void x16_split(const float *x, int M, int K, int8_t *xhl, int32_t 
                 const __m512i l = _mm512_sub_epi32(_mm512_and_si512(q, _mm512_set1_epi32(255)), _mm512_set1_epi32(128));
                 sh = _mm512_add_epi32(sh, h);
                 sl = _mm512_add_epi32(sl, l);
+                int8_t *to = xhl + 2 * XB * ((size_t)m * K + k + 16 * j);
+#ifndef LLMD_AVX2
                 const __m128i hb = _mm512_cvtepi32_epi8(h), lb = _mm512_cvtepi32_epi8(l);
-                int8_t *to = xhl + 2 * ((size_t)m * K + k + 16 * j);
                 _mm_storeu_si128((__m128i *)to, _mm_unpacklo_epi32(hb, lb));
                 _mm_storeu_si128((__m128i *)(to + 16), _mm_unpackhi_epi32(hb, lb));
+#else
+                /* per 4 columns: hi of columns 0, 2, 1, 3 as 16-bit values, then lo - 128 alike */
+                int32_t hv[16], lv[16];
+                memcpy(hv, &h, sizeof hv);
+                memcpy(lv, &l, sizeof lv);
+                int16_t *t16 = (int16_t *)to;
+                for (int c = 0; c < 16; c += 4, t16 += 8) {
+                    t16[0] = (int16_t)hv[c]; t16[1] = (int16_t)hv[c + 2]; t16[2] = (int16_t)hv[c + 1]; t16[3] = (int16_t)hv[c + 3];
+                    t16[4] = (int16_t)lv[c]; t16[5] = (int16_t)lv[c + 2]; t16[6] = (int16_t)lv[c + 1]; t16[7] = (int16_t)lv[c + 3];
+                }
+#endif
             }
             int32_t *to = sums + ((size_t)m * (K / 64) + k / 64) * 2;
             to[0] = _mm512_reduce_add_epi32(sh);
@@ -260,7 +281,7 @@ static void x16_corrections(const int32_t *sums, int M, int K, int G, int32_t *c
         }
 }
 
-/* MM rows of x (xhl at stride 2 K: per 4 columns their four hi bytes, then the four lo - 128) times block blk, PH sums per row and part taken in turn over the
+/* MM rows of x (xhl at stride 2 XB K: per 4 columns their four hi bytes, then the four lo - 128) times block blk, PH sums per row and part taken in turn over the
  * steps (independent chains for few rows; exact, so the split changes nothing): y[m, 0..15] at
  * stride N, the lanes of keep. */
 static inline TARGET __attribute__((always_inline))
@@ -274,9 +295,9 @@ void q8_steps(const int8_t *xhl, const int MM, const int PH, int K, int i0, int 
             const __m512i wv = _mm512_loadu_si512((const void *)(u + (size_t)(i + p) * 64));
             if (ahead) _mm_prefetch((const char *)u + (size_t)(i + p) * 64 + ahead, Q_HINT);
             for (int m = 0; m < MM; m++) {
-                const int8_t *xr = xhl + 2 * (size_t)m * K + 8 * (size_t)(i + p);
+                const int8_t *xr = xhl + 2 * XB * ((size_t)m * K + 4 * (size_t)(i + p));
                 ah[m][p] = dot4(ah[m][p], wv, xr);
-                al[m][p] = dot4(al[m][p], wv, xr + 4);
+                al[m][p] = dot4(al[m][p], wv, xr + 4 * XB);
             }
         }
     for (int m = 0; m < MM; m++)
@@ -403,9 +424,9 @@ void q4_tile(const int8_t *xq, const float *sx, const float *xs, const int MM, c
         } \
     }
 
-#define Q8_TILE(MM, PH) q8_tile(xhl + 2 * (size_t)m * K, cx + 2 * (size_t)m, sx + m, MM, PH, K, blk, \
+#define Q8_TILE(MM, PH) q8_tile(xhl + 2 * XB * (size_t)m * K, cx + 2 * (size_t)m, sx + m, MM, PH, K, blk, \
                                 ahead, yb, N, keep);
-#define Q8G_TILE(MM, PH) q8g_tile(xhl + 2 * (size_t)m * K, cx + (size_t)m * (K / G), sx + m, MM, PH, \
+#define Q8G_TILE(MM, PH) q8g_tile(xhl + 2 * XB * (size_t)m * K, cx + (size_t)m * (K / G), sx + m, MM, PH, \
                                   K, G, blk, ahead, yb, N, keep);
 #define Q4_TILE(MM, PH) q4_tile(xq + (size_t)m * K, sx + (size_t)m * nb, xs + (size_t)m * (K / G), MM, PH, 0, K, \
                                 G, blk, ahead, yb, N, keep);
@@ -451,9 +472,9 @@ TARGET int llmd_q8_x(const float *x, int M, int K, int G, const uint8_t *w, floa
     const int groups = q8_groups(K, G);
     if (!llmd_cpu_ok() || !groups || M < 1 || M > MANY_MAX_ROWS || N < 1) return -1;
     const int per_row = G ? groups : 2;
-    int8_t *xhl = scratch_for((size_t)M * K * 2 + (size_t)M * (K / 64) * 8 + (size_t)M * per_row * 4 + (size_t)M * 4);
+    int8_t *xhl = scratch_for((size_t)M * K * 2 * XB + (size_t)M * (K / 64) * 8 + (size_t)M * per_row * 4 + (size_t)M * 4);
     if (!xhl) return -2;
-    int32_t *sums = (int32_t *)(xhl + 2 * (size_t)M * K), *cx = sums + (size_t)M * (K / 64) * 2;
+    int32_t *sums = (int32_t *)(xhl + 2 * XB * (size_t)M * K), *cx = sums + (size_t)M * (K / 64) * 2;
     float *sx = (float *)(cx + (size_t)M * per_row);
     x16_split(x, M, K, xhl, sums, sx);
     x16_corrections(sums, M, K, G, cx);
