@@ -3,6 +3,7 @@ single-stream and 16-stream decode on one random model, rounds alternating betwe
 
     .venv/bin/python bench/bench_kernels.py --against HEAD~1 --shape tiny --threads 2 --rounds 7
     .venv/bin/python bench/bench_kernels.py --against HEAD~1 --products 1,4,5,9,16    # the products alone
+    .venv/bin/python bench/bench_kernels.py --against HEAD~1 --products 1,4,64 --form int4 --shape qwen2-0.5b
 
 The kernels of ``--against`` are compiled from that revision's sources (``git show``) with the flags
 llmd uses; the engine is built once and each round swaps the loaded library, so the model, the KV pool
@@ -27,6 +28,7 @@ from pathlib import Path
 import torch
 
 from llmd.runtime import kernels
+from llmd.runtime.formats.quantized import quantize_int4, quantize_int8
 from llmd.runtime.kernels import ops
 from llmd.runtime.llm import LLM
 from llmd.runtime.models.random_model import SHAPES, write_random_model
@@ -40,7 +42,7 @@ def build_at(rev: str, out_dir: Path) -> Path:
     src = out_dir / "src"
     src.mkdir()
     sources = []
-    for name in [p.name for p in kernels._SOURCES] + [kernels._HEADER.name]:
+    for name in [p.name for p in kernels._SOURCES] + [kernels._HEADER.name, "avx2.h"]:
         shown = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:runtime/kernels/{name}"],
                                capture_output=True, text=True)
         if shown.returncode:        # a source that revision did not have yet (its entry points stay unbound)
@@ -48,7 +50,8 @@ def build_at(rev: str, out_dir: Path) -> Path:
         (src / name).write_text(shown.stdout)
         sources += [src / name] if name.endswith(".c") else []
     lib = out_dir / "kernels.so"
-    subprocess.run(kernels.compile_command(kernels.compiler(), sources, lib), check=True)
+    # the library this process runs (AVX-512 or AVX2); a revision before avx2.h builds the AVX-512 one only
+    subprocess.run(kernels.compile_command(kernels.compiler(), sources, lib, kernels.variant()), check=True)
     return lib
 
 
@@ -80,14 +83,35 @@ def layer_shapes(shape: str) -> list[tuple[int, int]]:
             (c["intermediate_size"], h), (h, c["vocab_size"])]
 
 
-def products(builds: dict, shape: str, rows: list[int], rounds: int) -> dict:
-    """Microseconds for one pass of float32 products of each row count over the shape's layer and head
-    weights (bfloat16-valued random weights, stored as llmd stores such weights), per build, rounds
-    alternating; and whether both builds gave the same bits."""
-    weights = [ops.f32_blocks(torch.randn(n, k).to(torch.bfloat16).float()) for k, n in layer_shapes(shape)]
+FORMS = ("bf16", "int8", "int4")
+
+
+def weight_forms(shape: str, form: str) -> list[tuple[int, callable]]:
+    """(in, product of x) per weight of the shape's layer and head: bfloat16-valued float32 blocks (as llmd
+    stores such weights), int8 with a scale per row, or int4 in groups of 32 (float16 scales), packed."""
+    out = []
+    for k, n in layer_shapes(shape):
+        w = torch.randn(n, k) * 0.05
+        if form == "bf16":
+            blocks = ops.f32_blocks(w.to(torch.bfloat16).float())
+            out.append((k, lambda x, b=blocks: ops.f32_matvec(x, b, None)))
+        elif form == "int8":
+            packed = ops.int8_pack(*quantize_int8(w))
+            out.append((k, lambda x, p=packed: ops.packed_matvec(x, p)))
+        else:
+            q, s, z = quantize_int4(w, 32)
+            packed = ops.int4_pack(q, s, z, 32)
+            out.append((k, lambda x, p=packed: ops.packed_matvec(x, p)))
+    return out
+
+
+def products(builds: dict, shape: str, rows: list[int], rounds: int, form: str = "bf16") -> dict:
+    """Microseconds for one pass of the products of each row count over the shape's layer and head
+    weights in ``form``, per build, rounds alternating; and whether both builds gave the same bits."""
+    weights = weight_forms(shape, form)
     out = {}
     for m in rows:
-        xs = [torch.randn(m, w.shape[1]) for w in weights]
+        xs = [torch.randn(m, k) for k, _ in weights]
         times = {name: [] for name in builds}
         ys = {}
         for _ in range(rounds):
@@ -95,7 +119,7 @@ def products(builds: dict, shape: str, rows: list[int], rounds: int) -> dict:
                 kernels._lib = so
                 t0 = time.perf_counter()
                 for _ in range(20):
-                    ys[name] = [ops.f32_matvec(x, w, None) for x, w in zip(xs, weights)]
+                    ys[name] = [fn(x) for x, (_, fn) in zip(xs, weights)]
                 times[name].append((time.perf_counter() - t0) / 20)
         now, base = (statistics.median(v) for v in times.values())
         same = all(a is not None and b is not None and torch.equal(a, b) for a, b in zip(*ys.values()))
@@ -107,8 +131,11 @@ def products(builds: dict, shape: str, rows: list[int], rounds: int) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--against", default="HEAD", help="git revision whose kernels are the baseline (default HEAD)")
-    ap.add_argument("--products", help="instead of decoding, time the float32 products of these row counts "
+    ap.add_argument("--products", help="instead of decoding, time the products of these row counts "
                     "(e.g. 1,4,5,9,16) over the shape's layer and head weights")
+    ap.add_argument("--form", choices=FORMS, default="bf16",
+                    help="the weights --products multiplies: bfloat16-valued float32 blocks, int8, or int4 "
+                    "groups of 32 (default bf16)")
     add_decode_args(ap)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -118,9 +145,11 @@ def main() -> int:
         baseline = kernels.bind(ctypes.CDLL(str(build_at(args.against, Path(tmp)))))
         builds = {"now": kernels.lib(), args.against: baseline}
         if args.products:
-            result = products(builds, args.shape, [int(r) for r in args.products.split(",")], args.rounds)
+            result = products(builds, args.shape, [int(r) for r in args.products.split(",")], args.rounds,
+                              args.form)
             kernels._lib = builds["now"]
-            print(json.dumps({"shape": args.shape, "threads": args.threads, "rows": result}, indent=1))
+            print(json.dumps({"shape": args.shape, "form": args.form, "threads": args.threads,
+                              "library": kernels.variant(), "rows": result}, indent=1))
             return 0 if all(r["same_bits"] for r in result.values()) else 1
         model = write_random_model(Path(tmp) / "model", args.shape)
         llm = LLM(str(model), dtype="float32", kv_memory="1GiB", draft="none")

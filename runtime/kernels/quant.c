@@ -138,15 +138,6 @@ static inline TARGET __attribute__((always_inline)) __m512i dot4(__m512i acc, __
     const __m256i xe = _mm256_set1_epi32(even), xo = _mm256_set1_epi32(odd);
     return (__m512i){dot4_half(acc.lo, w.lo, xe, xo), dot4_half(acc.hi, w.hi, xe, xo)};
 }
-/* int4's weights are nibbles (0..15): a pair of products stays within 16 bits (15 * 128 * 2), so
- * vpmaddubsw sums them exactly, then vpmaddwd the two pairs */
-static inline TARGET __attribute__((always_inline)) __m512i dot4_nibbles(__m512i acc, __m512i w, const int8_t *p) {
-    int32_t four;
-    memcpy(&four, p, 4);
-    const __m256i x = _mm256_set1_epi32(four), one = _mm256_set1_epi16(1);
-    return (__m512i){_mm256_add_epi32(acc.lo, _mm256_madd_epi16(_mm256_maddubs_epi16(w.lo, x), one)),
-                     _mm256_add_epi32(acc.hi, _mm256_madd_epi16(_mm256_maddubs_epi16(w.hi, x), one))};
-}
 #endif
 
 /* The next block is fetched while this one is computed (by a block's first tile: the others find
@@ -346,6 +337,70 @@ void q8g_tile(const int8_t *xhl, const int32_t *cx, const float *sx, const int M
     for (int m = 0; m < MM; m++) _mm512_mask_storeu_ps(y + (size_t)m * N, keep, acc[m]);
 }
 
+/* The exact integer sums d[m] = sum q xq of MM rows over weight steps i0..i1 (8 columns each) of an int4
+ * block: PH sums per row and nibble taken in turn over the steps (independent chains), added at the end. */
+#ifndef LLMD_AVX2
+static inline TARGET __attribute__((always_inline))
+void q4_run(const int8_t *xq, const int MM, const int PH, int K, int i0, int i1, const uint8_t *q, size_t ahead,
+            __m512i d[]) {
+    const __m512i nib = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
+    __m512i a[8][4], b[8][4];
+    for (int m = 0; m < MM; m++)
+        for (int p = 0; p < PH; p++) a[m][p] = b[m][p] = zero;
+    for (int i = i0; i < i1; i += PH)
+        for (int p = 0; p < PH; p++) {
+            const __m512i v = _mm512_loadu_si512((const void *)(q + (size_t)(i + p) * 64));
+            if (ahead) _mm_prefetch((const char *)q + (size_t)(i + p) * 64 + ahead, Q_HINT);
+            const __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+            for (int m = 0; m < MM; m++) {
+                const int8_t *xr = xq + (size_t)m * K + 8 * (size_t)(i + p);
+                a[m][p] = dot4_nibbles(a[m][p], lo, xr);
+                b[m][p] = dot4_nibbles(b[m][p], hi, xr + 4);
+            }
+        }
+    for (int m = 0; m < MM; m++) {
+        d[m] = _mm512_add_epi32(a[m][0], b[m][0]);
+        for (int p = 1; p < PH; p++) d[m] = _mm512_add_epi32(d[m], _mm512_add_epi32(a[m][p], b[m][p]));
+    }
+}
+#else
+/* AVX2: both nibbles' vpmaddubsw pairs of a step added in 16 bits, over four steps (each pair at most
+ * 2 * 15 * 127, so four steps of two stay below 2^15), then widened once by vpmaddwd: exact, as above. */
+static inline TARGET __attribute__((always_inline)) __m256i q4_pairs(__m256i v, const __m256i x4lo, const __m256i x4hi) {
+    const __m256i nib = _mm256_set1_epi8(0x0F);
+    return _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(v, nib), x4lo),
+                            _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), nib), x4hi));
+}
+static inline TARGET __attribute__((always_inline))
+void q4_run(const int8_t *xq, const int MM, const int PH, int K, int i0, int i1, const uint8_t *q, size_t ahead,
+            __m512i d[]) {
+    (void)PH;
+    const __m256i one = _mm256_set1_epi16(1);
+    for (int m = 0; m < MM; m++) d[m] = _mm512_setzero_si512();
+    for (int i4 = i0; i4 < i1; i4 += 4) {
+        __m256i s[8][2];
+        for (int m = 0; m < MM; m++) s[m][0] = s[m][1] = _mm256_setzero_si256();
+        for (int i = i4; i < i4 + 4 && i < i1; i++) {
+            const uint8_t *at = q + (size_t)i * 64;
+            if (ahead) _mm_prefetch((const char *)at + ahead, Q_HINT);
+            const __m256i v0 = _mm256_loadu_si256((const __m256i *)at), v1 = _mm256_loadu_si256((const __m256i *)at + 1);
+            for (int m = 0; m < MM; m++) {
+                const int8_t *xr = xq + (size_t)m * K + 8 * (size_t)i;
+                int32_t lo4, hi4;
+                memcpy(&lo4, xr, 4);
+                memcpy(&hi4, xr + 4, 4);
+                const __m256i xl = _mm256_set1_epi32(lo4), xh = _mm256_set1_epi32(hi4);
+                s[m][0] = _mm256_add_epi16(s[m][0], q4_pairs(v0, xl, xh));
+                s[m][1] = _mm256_add_epi16(s[m][1], q4_pairs(v1, xl, xh));
+            }
+        }
+        for (int m = 0; m < MM; m++)
+            d[m] = (__m512i){_mm256_add_epi32(d[m].lo, _mm256_madd_epi16(s[m][0], one)),
+                             _mm256_add_epi32(d[m].hi, _mm256_madd_epi16(s[m][1], one))};
+    }
+}
+#endif
+
 /* Sixteen head values at p: float32, or (H16) float16 widened exactly. */
 static inline TARGET __attribute__((always_inline)) __m512 q4_head(const uint8_t *p, const int H16) {
     return H16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)) : _mm512_loadu_ps((const float *)p);
@@ -359,31 +414,16 @@ void q4_tile(const int8_t *xq, const float *sx, const float *xs, const int MM, c
     const size_t part = (size_t)16 * es * groups;        /* bytes of A (and of B) */
     if (ahead) q_prefetch_head(blk + ahead, 2 * part);
     const uint8_t *q = blk + 2 * part;
-    const __m512i nib = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
     __m512 acc[8], oac[8];
     for (int m = 0; m < MM; m++) acc[m] = oac[m] = _mm512_setzero_ps();
     for (int c = 0; c < K; c += run) {
-        __m512i a[8][4], b[8][4];
-        for (int m = 0; m < MM; m++)
-            for (int p = 0; p < PH; p++) a[m][p] = b[m][p] = zero;
-        for (int i = c / 8; i < (c + run) / 8; i += PH)
-            for (int p = 0; p < PH; p++) {
-                const __m512i v = _mm512_loadu_si512((const void *)(q + (size_t)(i + p) * 64));
-                if (ahead) _mm_prefetch((const char *)q + (size_t)(i + p) * 64 + ahead, Q_HINT);
-                const __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-                for (int m = 0; m < MM; m++) {
-                    const int8_t *xr = xq + (size_t)m * K + 8 * (size_t)(i + p);
-                    a[m][p] = dot4_nibbles(a[m][p], lo, xr);
-                    b[m][p] = dot4_nibbles(b[m][p], hi, xr + 4);
-                }
-            }
+        __m512i d[8];
+        q4_run(xq, MM, PH, K, c / 8, (c + run) / 8, q, ahead, d);
         const int g = c / G;
         const __m512 s = q4_head(blk + (size_t)es * QB * g, H16);
         for (int m = 0; m < MM; m++) {
-            __m512i d = _mm512_add_epi32(a[m][0], b[m][0]);
-            for (int p = 1; p < PH; p++) d = _mm512_add_epi32(d, _mm512_add_epi32(a[m][p], b[m][p]));
             const __m512 bs = _mm512_set1_ps(sx[(size_t)m * nb + c / 128]);
-            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(s, bs), acc[m]);
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[m]), _mm512_mul_ps(s, bs), acc[m]);
         }
         if ((c + run) % G == 0) {
             const __m512 b = q4_head(blk + part + (size_t)es * QB * g, H16);
