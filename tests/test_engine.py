@@ -287,3 +287,22 @@ def test_loading_a_model_does_not_import_torch_compiler_machinery(tiny_model_dir
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_bfloat16_on_a_cpu_without_bfloat16_arithmetic_says_what_to_use(tiny_model_dir, tmp_path, monkeypatch, caplog):
+    """``cpu_bf16`` reads the CPU's flags; where they lack AVX-512 BF16 and AMX, loading with
+    ``dtype=bfloat16`` warns that torch widens every product and names the faster equivalent."""
+    import logging
+    from llmd.runtime import loading
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx2 fma f16c\n")
+    assert loading.cpu_bf16(str(info)) is False
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16\n")
+    assert loading.cpu_bf16(str(info)) is True
+    assert loading.cpu_bf16(str(tmp_path / "missing")) is None
+    for has, warned in ((False, True), (True, False)):
+        monkeypatch.setattr(loading, "cpu_bf16", lambda has=has: has)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="llmd.loading"):
+            LLM(str(tiny_model_dir), kv_memory="4MiB", dtype="bfloat16", draft="none")
+        assert any("--dtype float32" in r.getMessage() for r in caplog.records) is warned
