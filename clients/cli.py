@@ -317,6 +317,11 @@ def _screen(e: dict) -> str:
             f"{'-' if mean is None else mean} tokens scored exactly a row, {e.get('head_screen_whole', 0)} read whole")
 
 
+def _kernels(name: str) -> str:
+    return {"avx512": "AVX-512 VNNI", "avx2": "AVX2 (same numbers as AVX-512, slower)",
+            "none": "none: torch's ops (no compiler, or neither AVX-512 VNNI nor AVX2)"}.get(name, name)
+
+
 def format_status(s: dict) -> str:
     e = s.get("engine") or {}
     lat = s.get("latency_ms", {})
@@ -336,6 +341,7 @@ def format_status(s: dict) -> str:
         f"prefix hits:  {_pct(e.get('prefix_hit_rate'))}",
         f"spec accept:  {_pct(acceptance)}",
         *([f"head screen:  {_screen(e)}"] if "head_screen_on" in e else []),
+        *([f"cpu kernels:  {_kernels(e['cpu_kernels'])}"] if "cpu_kernels" in e else []),
         f"ttft ms:      {row('ttft')}   (p50 / p90 / p99)",
         f"e2e ms:       {row('e2e')}",
         f"finished:     {', '.join(f'{k} {v}' for k, v in sorted(s.get('finished', {}).items())) or 'none'}",

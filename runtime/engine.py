@@ -18,6 +18,7 @@ from .block_manager import BlockManager
 from .config import DRAFT_K, NGRAM_K, EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .errors import CapacityError, EngineDirError, InvalidRequest
+from . import kernels
 from .execution import choose
 from .loading import LoadedModel, load_for_engine
 from .model_runner import ModelRunner
@@ -430,11 +431,18 @@ class Engine:
             "kv_dtype": self.kv_dtype,
             "kv_pool_dtype": str(self.runner.k_pool.dtype).removeprefix("torch."),
             "max_model_len": self.max_model_len,
+            **self._kernel_stats(),
             **self._screen_stats(),
             # decode steps by the deepest speculation they verified (the controller's choices)
             **({"spec_depth_steps": {str(k): n for k, n in sorted(self.spec.depth_steps.items())}}
                if self.spec is not None else {}),
         }
+
+    def _kernel_stats(self) -> dict:
+        """Which of llmd's CPU kernel libraries the cpu backend runs: avx512, avx2, or none (torch's ops)."""
+        if not hasattr(self.runner.execution, "kernels"):
+            return {}
+        return {"cpu_kernels": kernels.variant() if self.runner.execution.kernels else "none"}
 
     def _screen_stats(self) -> dict:
         """The head screen's counters: greedy rows it served, the head rows it scored exactly per row,

@@ -405,6 +405,16 @@ def test_llmd_status_shows_the_head_screen_where_the_engine_has_one():
     assert "head screen" not in format_status({"engine": {"running": 0}})
 
 
+def test_llmd_status_names_the_cpu_kernels_the_engine_runs(tiny_model_dir):
+    from llmd.clients.cli import format_status
+    from llmd.runtime import kernels
+    from llmd.runtime.llm import LLM
+    stats = LLM(str(tiny_model_dir), kv_memory="4MiB", draft="none").engine.stats()
+    assert stats["cpu_kernels"] == (kernels.variant() if kernels.available() else "none")
+    line = dict(x.split(":", 1) for x in format_status({"engine": stats}).splitlines())["cpu kernels"]
+    assert {"avx512": "AVX-512", "avx2": "AVX2", "none": "torch's ops"}[stats["cpu_kernels"]] in line
+
+
 def test_a_client_that_stops_reading_is_dropped(tiny_model_dir, tmp_path):
     settings = daemon_settings(tiny_model_dir, tmp_path, send_hwm=8, send_buffer_bytes=4096)
     with running_daemon(settings) as server:
