@@ -127,7 +127,9 @@ class DaemonTarget:
         if self.client is None:
             self.client = AsyncClient(self.socket, timeout=600)
         n = 0
-        stream = await self.client.generate(token_ids=ids, max_tokens=gen, ignore_eos=True, temperature=0.0)
+        # whole answers, as llama-server's /completion is asked for them (stream false): no event per token
+        stream = await self.client.generate(token_ids=ids, max_tokens=gen, ignore_eos=True, temperature=0.0,
+                                            stream=False)
         async for ev in stream:
             if isinstance(ev, Token):
                 n += len(ev.token_ids)

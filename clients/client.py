@@ -139,6 +139,10 @@ class _Base:
 
     @staticmethod
     def _work(kind, rid, max_tokens, priority, deadline, sentences, sampling, **fields):
+        """``stream=False`` among the keyword arguments asks for the whole output as one token event
+        just before ``done`` (no event per token); the rest are sampling parameters."""
+        if not sampling.pop("stream", True):
+            fields["stream"] = False
         return work_message(kind, rid, {"max_tokens": max_tokens, **sampling}, priority, deadline, sentences, **fields)
 
 

@@ -261,10 +261,11 @@ class HttpBackend:
 
     @staticmethod
     def _sampling(max_tokens: int, sampling: dict) -> dict:
-        """The request's sampling keys, with llmd's defaults where the servers' differ (greedy)."""
+        """The request's sampling keys, with llmd's defaults where the servers' differ (greedy). ``stream``
+        is the daemon's (whole answers in one event); over HTTP the client always streams."""
         body = {"max_tokens": max_tokens, "temperature": 0.0}
         for k, v in sampling.items():
-            if v is None or (k == "stop" and not v) or (k == "ignore_eos" and not v):
+            if v is None or k == "stream" or (k == "stop" and not v) or (k == "ignore_eos" and not v):
                 continue
             body[k] = list(v) if isinstance(v, tuple) else v
         return body

@@ -206,7 +206,7 @@ class Front:
     async def _openai(self, request: web.Request, work: Work, kind: str, prefix: str) -> web.StreamResponse:
         if self.model is None:
             await self._models()
-        stream = await self._start(work)
+        stream = await self._start(work, whole=not work.stream)
         shaper = Shaper(kind, self.model or "llmd", f"{prefix}-{stream.id}")
         lp = chat_logprobs if shaper.chat else completion_logprobs
         async with stream:
@@ -244,7 +244,9 @@ class Front:
             await response.write_eof()
             return response
 
-    async def _start(self, work: Work, priority: Optional[str] = None):
+    async def _start(self, work: Work, priority: Optional[str] = None, whole: bool = False):
+        """The daemon stream of ``work``; ``whole``: the daemon sends the output in one event at the end
+        (a non-streamed answer needs no event per token)."""
         start = {"generate": self.client.generate, "chat": self.client.chat, "infill": self.client.infill}[work.kind]
         fields = dict(work.fields)
         if work.kind == "chat":
@@ -256,7 +258,7 @@ class Front:
         else:
             args = (fields.pop("prompt", None),)
         try:
-            return await start(*args, priority=priority, **fields, **work.sampling)
+            return await start(*args, priority=priority, **fields, **work.sampling, **({"stream": False} if whole else {}))
         except RequestTooLarge as e:
             raise HttpError(413, str(e), code="too_large") from None
         except ClientError as e:

@@ -28,6 +28,10 @@ class Flight:
     tokens: int = 0
     first_token_at: Optional[float] = None
     last_sent: float = field(default_factory=time.monotonic)
+    stream: bool = True              # False: the output is held here and sent whole before done
+    held_text: list = field(default_factory=list)
+    held_ids: list = field(default_factory=list)
+    held_logprobs: Optional[list] = None
 
 
 class FlightTable:

@@ -266,7 +266,8 @@ class Server:
         now = time.monotonic()
         f = Flight(ident, req.id, submit.engine_id, req.type, arrival=now,
                    deadline=now + req.deadline_ms / 1000 if req.deadline_ms else None,
-                   replace_key=replace_key, splitter=SentenceSplitter() if req.sentences else None)
+                   replace_key=replace_key, splitter=SentenceSplitter() if req.sentences else None,
+                   stream=req.stream)
         self.flights.add(f)
         self.engine.submit(submit)
 
@@ -361,11 +362,13 @@ class Server:
         timings = {"queued_ms": None, "prompt_ms": None, "decode_ms": None,
                    "total_ms": round((now - f.arrival) * 1000, 3)}
         self.stats.record_end(f, reason)
+        self._send_held(f)               # a non-streamed request's output so far: nothing is lost
         self._send(f.ident, Done(f.client_id, reason, usage, timings).to_wire())
 
     def _fail(self, f: Flight, code: str, message: str) -> None:
         self.flights.remove(f)
         self.stats.record_end(f, "error")
+        self._send_held(f)
         self._send(f.ident, Error(f.client_id, code, message).to_wire())
 
     def _finish_all(self, reason: str) -> None:
@@ -454,8 +457,10 @@ class Server:
             if f.first_token_at is None:
                 f.first_token_at = now
             f.tokens += len(out.new_token_ids)
-            if not self._send(f.ident, Token(f.client_id, f.seq, out.text_delta, list(out.new_token_ids),
-                                             plain(out.logprobs)).to_wire()):
+            if not f.stream:
+                self._hold(f, out)
+            elif not self._send(f.ident, Token(f.client_id, f.seq, out.text_delta, list(out.new_token_ids),
+                                               plain(out.logprobs)).to_wire()):
                 return
             f.seq += 1
             f.last_sent = now
@@ -465,8 +470,22 @@ class Server:
         if out.finished:
             self._on_finished(f, out)
 
+    def _hold(self, f: Flight, out) -> None:
+        """A non-streamed request's output, kept until it finishes."""
+        f.held_text.append(out.text_delta)
+        f.held_ids.extend(out.new_token_ids)
+        if out.logprobs is not None:
+            f.held_logprobs = (f.held_logprobs or []) + list(plain(out.logprobs))
+
+    def _send_held(self, f: Flight) -> None:
+        """A non-streamed request's whole output as its one token event (none for an empty output)."""
+        if not f.stream and (f.held_ids or any(f.held_text)):
+            self._send(f.ident, Token(f.client_id, 0, "".join(f.held_text), f.held_ids, f.held_logprobs).to_wire())
+            f.held_text, f.held_ids, f.held_logprobs = [], [], None
+
     def _on_finished(self, f: Flight, out) -> None:
         if out.finish_reason in ("stop", "length"):
+            self._send_held(f)
             self.flights.remove(f)
             self._flush_sentences(f)
             self.stats.record_end(f, out.finish_reason, out.metrics)

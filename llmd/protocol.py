@@ -108,6 +108,15 @@ class _Work(_Message):
     deadline_ms: Optional[Annotated[int, Field(ge=1, le=MAX_DEADLINE_MS)]] = None
     sentences: bool = False
     cache_salt: Optional[Id] = None
+    # False: no token event while the request runs; one with the whole output just before ``done``
+    # (whole answers: batch jobs, non-streamed HTTP), which spares a message per token on both sides
+    stream: bool = True
+
+    @model_validator(mode="after")
+    def _sentences_stream(self):
+        if self.sentences and not self.stream:
+            raise ValueError("sentences come while the output streams: they need stream true")
+        return self
 
 
 class Generate(_Work):

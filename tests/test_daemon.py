@@ -87,6 +87,27 @@ def test_eight_concurrent_clients_match_the_offline_engine(daemon, offline):
         assert done.timings["total_ms"] > 0
 
 
+def test_a_non_streamed_request_gets_its_whole_output_in_one_event_before_done(daemon, offline):
+    """``stream=False``: one token event (seq 0) with every token and the whole text, the same as the
+    streamed request's, then done; a deadline that ends it early still delivers what was made; and
+    asking for sentences without streaming is refused alone, with a typed error."""
+    expected = offline_greedy(offline, PROMPTS[:3], max_tokens=12)
+    with client(daemon) as c:
+        for p in PROMPTS[:3]:
+            events, ids, text = collect(c.generate(p, max_tokens=12, stream=False))
+            assert (ids, text) == expected[p]
+            assert [type(e) for e in events] == [Token, Done] and events[0].seq == 0
+            assert events[1].usage["completion_tokens"] == len(ids)
+        events, ids, _ = collect(c.generate("a long story begins", max_tokens=100000, ignore_eos=True,
+                                            stream=False, deadline=0.5))
+        assert isinstance(events[-1], Done) and events[-1].finish_reason == "deadline"
+        assert [type(e) for e in events] == [Token, Done] and len(ids) == events[-1].usage["completion_tokens"] > 0
+        refused = list(c.generate("x", max_tokens=4, stream=False, sentences=True))
+        assert [type(e) for e in refused] == [Error]
+        assert refused[0].code == "invalid_request" and "stream" in refused[0].message
+        assert collect(c.generate(PROMPTS[0], max_tokens=12))[1:] == expected[PROMPTS[0]]
+
+
 def test_one_client_interleaves_many_streams(daemon, offline):
     expected = offline_greedy(offline, PROMPTS[:4], max_tokens=6)
     with client(daemon) as c:
