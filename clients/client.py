@@ -99,6 +99,7 @@ class _Base:
         self.connect_timeout = connect_timeout
         self._ids = itertools.count()
         self._prefix = f"c{os.getpid()}-{id(self) & 0xffff:x}"
+        self.heard = time.monotonic()       # the daemon's last message, keepalives included
         self.server_info: dict = {}
 
     def _next_id(self) -> str:
@@ -107,6 +108,7 @@ class _Base:
     def _route_frame(self, frame: bytes) -> None:
         """Decode one received message and hand it to ``_route``; one that cannot be read (a newer or
         broken peer) is logged and skipped, so the streams around it go on."""
+        self.heard = time.monotonic()
         try:
             event = from_wire(codec.unpack(frame, codec.MAX_MESSAGE_BYTES * 4))
         except (codec.CodecError, ValueError, KeyError, TypeError, AttributeError) as e:
@@ -149,12 +151,21 @@ class _Base:
 # -- blocking ----------------------------------------------------------------------------------
 
 
+def _waited_from(stream, start: float) -> float:
+    """When a stream's wait for its next event began, as its client's timeout counts it: the call's
+    start, or for a request with stream false, which has no event until its output is done, the
+    daemon's latest message of any kind (its keepalives show it is still there). A stalled engine
+    under a live daemon is then the systemd watchdog's to catch, not the client's."""
+    return max(start, stream._client.heard) if stream.whole else start
+
+
 class Stream:
     """The events of one request. Iterate it; ``close()`` (or leaving ``with``) cancels it."""
 
-    def __init__(self, client: "Client", rid: str):
+    def __init__(self, client: "Client", rid: str, whole: bool = False):
         self.id = rid
         self._client = client
+        self.whole = whole                    # stream false: no event until the output is done
         self._events: collections.deque = collections.deque()
         self._failure: Optional[Exception] = None
         self._closed = False
@@ -166,11 +177,11 @@ class Stream:
     def __next__(self):
         if self.final is not None and not self._events:
             raise StopIteration
-        deadline = time.monotonic() + self._client.timeout
+        start = time.monotonic()
         while not self._events:
             if self._failure is not None:
                 raise self._failure
-            remaining = deadline - time.monotonic()
+            remaining = _waited_from(self, start) + self._client.timeout - time.monotonic()
             if remaining <= 0:
                 self.close()
                 raise Timeout(f"no event for request {self.id} within {self._client.timeout}s")
@@ -335,7 +346,7 @@ class Client(_Base):
     def _start(self, message: dict) -> Stream:
         if message["id"] in self._streams:
             raise ClientError(f"request id {message['id']!r} is already in use by an open stream of this client")
-        stream = Stream(self, message["id"])
+        stream = Stream(self, message["id"], whole=message.get("stream") is False)
         self._connect()
         self._streams[stream.id] = stream
         try:
@@ -403,9 +414,10 @@ class Client(_Base):
 class AsyncStream:
     """Async iterator of one request's events; ``aclose()`` or leaving ``async with`` cancels it."""
 
-    def __init__(self, client: "AsyncClient", rid: str):
+    def __init__(self, client: "AsyncClient", rid: str, whole: bool = False):
         self.id = rid
         self._client = client
+        self.whole = whole                    # stream false: no event until the output is done
         self._queue: asyncio.Queue = asyncio.Queue()
         self.final: Optional[Any] = None
 
@@ -415,14 +427,19 @@ class AsyncStream:
     async def __anext__(self):
         if self.final is not None:
             raise StopAsyncIteration
-        try:
-            # asyncio.timeout, not wait_for: on Python 3.11 wait_for returns the event and drops a cancel
-            # that lands as the event arrives, so a barge-in or aclose() mid-stream was lost
-            async with asyncio.timeout(self._client.timeout):
-                event = await self._queue.get()
-        except TimeoutError:
-            await self.aclose()
-            raise Timeout(f"no event for request {self.id} within {self._client.timeout}s") from None
+        start, wait = time.monotonic(), self._client.timeout
+        while True:
+            try:
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for returns the event and drops a cancel
+                # that lands as the event arrives, so a barge-in or aclose() mid-stream was lost
+                async with asyncio.timeout(wait):
+                    event = await self._queue.get()
+                break
+            except TimeoutError:
+                wait = _waited_from(self, start) + self._client.timeout - time.monotonic()
+                if wait <= 0:
+                    await self.aclose()
+                    raise Timeout(f"no event for request {self.id} within {self._client.timeout}s") from None
         if isinstance(event, Exception):
             raise event
         if isinstance(event, TERMINAL):
@@ -546,7 +563,7 @@ class AsyncClient(_Base):
 
     async def _start(self, message: dict) -> AsyncStream:
         await self._connect()
-        stream = AsyncStream(self, message["id"])
+        stream = AsyncStream(self, message["id"], whole=message.get("stream") is False)
         self._streams[stream.id] = stream
         await self._send(message)
         return stream

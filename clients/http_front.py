@@ -206,7 +206,8 @@ class Front:
     async def _openai(self, request: web.Request, work: Work, kind: str, prefix: str) -> web.StreamResponse:
         if self.model is None:
             await self._models()
-        stream = await self._start(work, whole=not work.stream)
+        # whole answers come in one event, but logprobs name each token's own text, which needs its event
+        stream = await self._start(work, whole=not work.stream and work.logprobs is None)
         shaper = Shaper(kind, self.model or "llmd", f"{prefix}-{stream.id}")
         lp = chat_logprobs if shaper.chat else completion_logprobs
         async with stream:

@@ -29,9 +29,7 @@ class Flight:
     first_token_at: Optional[float] = None
     last_sent: float = field(default_factory=time.monotonic)
     stream: bool = True              # False: the output is held here and sent whole before done
-    held_text: list = field(default_factory=list)
-    held_ids: list = field(default_factory=list)
-    held_logprobs: Optional[list] = None
+    held: list = field(default_factory=list)     # (text, token ids, logprobs) per engine step
 
 
 class FlightTable:

@@ -35,6 +35,7 @@ from .stats import ServerStats, plain
 
 log = logging.getLogger("llmd.daemon")
 _ids = itertools.count()
+HELD_TOKENS = 1024       # most tokens in one token event of a non-streamed request (stream false)
 
 
 MAX_STATS_WAITERS = 256       # stats requests waiting for the engine's one answer
@@ -458,34 +459,44 @@ class Server:
                 f.first_token_at = now
             f.tokens += len(out.new_token_ids)
             if not f.stream:
-                self._hold(f, out)
+                f.held.append((out.text_delta, list(out.new_token_ids), plain(out.logprobs)))
             elif not self._send(f.ident, Token(f.client_id, f.seq, out.text_delta, list(out.new_token_ids),
                                                plain(out.logprobs)).to_wire()):
                 return
-            f.seq += 1
-            f.last_sent = now
+            else:
+                f.seq += 1
+                f.last_sent = now        # a held output sends nothing: keepalives go on meanwhile
             if f.splitter is not None:
                 for text in f.splitter.feed(out.text_delta):
                     self._send_sentence(f, text)
         if out.finished:
             self._on_finished(f, out)
 
-    def _hold(self, f: Flight, out) -> None:
-        """A non-streamed request's output, kept until it finishes."""
-        f.held_text.append(out.text_delta)
-        f.held_ids.extend(out.new_token_ids)
-        if out.logprobs is not None:
-            f.held_logprobs = (f.held_logprobs or []) + list(plain(out.logprobs))
-
-    def _send_held(self, f: Flight) -> None:
-        """A non-streamed request's whole output as its one token event (none for an empty output)."""
-        if not f.stream and (f.held_ids or any(f.held_text)):
-            self._send(f.ident, Token(f.client_id, 0, "".join(f.held_text), f.held_ids, f.held_logprobs).to_wire())
-            f.held_text, f.held_ids, f.held_logprobs = [], [], None
+    def _send_held(self, f: Flight) -> bool:
+        """A non-streamed request's output, held until now, as token events of at most HELD_TOKENS
+        tokens each (one, but for long outputs: each message stays well under a client's size limit).
+        False where the client is gone (it is dropped with its requests)."""
+        held, f.held = f.held, []
+        at = 0
+        while at < len(held):
+            text, ids, logprobs = [], [], None
+            while at < len(held) and (not ids or len(ids) + len(held[at][1]) <= HELD_TOKENS):
+                step_text, step_ids, step_logprobs = held[at]
+                text.append(step_text)
+                ids.extend(step_ids)
+                if step_logprobs is not None:
+                    logprobs = (logprobs or [])
+                    logprobs.extend(step_logprobs)
+                at += 1
+            if not self._send(f.ident, Token(f.client_id, f.seq, "".join(text), ids, logprobs).to_wire()):
+                return False
+            f.seq += 1
+        return True
 
     def _on_finished(self, f: Flight, out) -> None:
         if out.finish_reason in ("stop", "length"):
-            self._send_held(f)
+            if not self._send_held(f):
+                return                   # the client is gone: dropped with its requests
             self.flights.remove(f)
             self._flush_sentences(f)
             self.stats.record_end(f, out.finish_reason, out.metrics)

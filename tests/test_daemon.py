@@ -108,6 +108,35 @@ def test_a_non_streamed_request_gets_its_whole_output_in_one_event_before_done(d
         assert collect(c.generate(PROMPTS[0], max_tokens=12))[1:] == expected[PROMPTS[0]]
 
 
+def test_a_long_non_streamed_request_outlasts_the_clients_timeout_and_comes_in_bounded_events(daemon, offline,
+                                                                                              monkeypatch):
+    """While a non-streamed request runs the daemon's keepalives extend the client's wait (its timeout
+    is per silence, not per request), and a long output comes in token events of at most HELD_TOKENS
+    tokens each, seq counting up, together the streamed output."""
+    from llmd.daemon import server as server_module
+    from llmd.clients.client import AsyncClient
+    import asyncio
+    monkeypatch.setattr(server_module, "HELD_TOKENS", 5)
+    expected = offline_greedy(offline, PROMPTS[:1], max_tokens=12)[PROMPTS[0]]
+    with Client(daemon.settings.socket, timeout=0.3) as c:
+        events, ids, text = collect(c.generate(PROMPTS[0], max_tokens=12, stream=False))
+        assert (ids, text) == expected
+        tokens = [e for e in events if isinstance(e, Token)]
+        assert [e.seq for e in tokens] == list(range(len(tokens))) and all(len(e.token_ids) <= 5 for e in tokens)
+        started = time.monotonic()
+        events, ids, _ = collect(c.generate("a long story begins", max_tokens=100000, ignore_eos=True,
+                                            stream=False, deadline=1.2))
+        assert time.monotonic() - started > 1.0 and events[-1].finish_reason == "deadline" and ids
+
+    async def run_async():
+        async with AsyncClient(daemon.settings.socket, timeout=0.3) as ac:
+            stream = await ac.generate("a long story begins", max_tokens=100000, ignore_eos=True, stream=False,
+                                       deadline=1.2)
+            return [e async for e in stream]
+    events = asyncio.run(run_async())
+    assert isinstance(events[-1], Done) and events[-1].finish_reason == "deadline"
+
+
 def test_one_client_interleaves_many_streams(daemon, offline):
     expected = offline_greedy(offline, PROMPTS[:4], max_tokens=6)
     with client(daemon) as c:

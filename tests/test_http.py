@@ -99,6 +99,9 @@ def test_completion_greedy_text_usage_and_logprobs(oai, daemon):
     assert len(r.choices[0].logprobs.token_logprobs) == r.usage.completion_tokens
     assert all(lp <= 0 for lp in r.choices[0].logprobs.token_logprobs)
     assert all(len(top) == 2 for top in r.choices[0].logprobs.top_logprobs)
+    # each entry names its own token's text (a non-streamed answer with logprobs streams from the daemon)
+    assert "".join(r.choices[0].logprobs.tokens) == expected
+    assert sum(1 for t in r.choices[0].logprobs.tokens if t) >= min(3, r.usage.completion_tokens)
 
 
 def test_stop_strings_cut_the_text(oai, daemon):

@@ -150,21 +150,28 @@ def lib() -> ctypes.CDLL | None:
         _why = f"llmd's kernels are written for x86-64 (AVX-512 or AVX2), not {platform.machine()}"
         log.info("%s; torch's kernels are used", _why)
         return None
+    failed = []                  # a library that did not build goes on to the next (an older assembler)
     for name in [wanted] if wanted in VARIANTS else VARIANTS:
         try:
             so = load(name)
         except (OSError, RuntimeError) as e:
-            _why = str(e)
-            log.warning("llmd's CPU kernels are unavailable (%s); decoding uses torch's kernels, which are "
-                        "much slower. Install a C compiler (gcc) to build them.", _why)
-            return None
+            failed.append(f"{name}: {e}")
+            continue
         if so is not None:
             _lib, _variant = so, name
             log.info("llmd's CPU kernels: the %s library", name)
             return _lib
-    _why = "this CPU has neither AVX-512 with VNNI nor AVX2 with FMA and F16C"
-    log.warning("llmd's CPU kernels need AVX-512 with VNNI, or AVX2 with FMA and F16C; this CPU has neither, "
-                "so torch's kernels are used (much slower)")
+    if failed:
+        _why = "; ".join(failed)
+        log.warning("llmd's CPU kernels are unavailable (%s); decoding uses torch's kernels, which are much "
+                    "slower. Install a C compiler (gcc) to build them.", _why)
+    elif wanted in VARIANTS:
+        _why = f"the {wanted} library (LLMD_KERNELS={wanted}) does not run on this CPU"
+        log.warning("%s; torch's kernels are used (much slower)", _why)
+    else:
+        _why = "this CPU has neither AVX-512 with VNNI nor AVX2 with FMA and F16C"
+        log.warning("llmd's CPU kernels need AVX-512 with VNNI, or AVX2 with FMA and F16C; this CPU has "
+                    "neither, so torch's kernels are used (much slower)")
     return None
 
 

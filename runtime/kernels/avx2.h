@@ -75,7 +75,7 @@ V_INLINE __m512 _llmd_abs_ps(__m512 a) {
     const __m256 m = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     return V_F(_mm256_and_ps(a.lo, m), _mm256_and_ps(a.hi, m));
 }
-/* the exponents exp_ps passes (integers in [-127, 128]): 2^n built exactly, one rounding in the product */
+/* the exponents exp_ps passes (integers in [-126, 127]): 2^n built exactly, one rounding in the product */
 V_INLINE __m512 _llmd_scalef_ps(__m512 p, __m512 n) {
     const __m256i lo = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(n.lo), _mm256_set1_epi32(127)),
                                         _mm256_set1_epi32(-126));

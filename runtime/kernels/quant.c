@@ -129,7 +129,7 @@ static inline TARGET __attribute__((always_inline)) __m256i dot4_half(__m256i ac
     const __m256i we = _mm256_and_si256(w, _mm256_set1_epi16(0x00FF)), wo = _mm256_srli_epi16(w, 8);
     return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(we, xe), _mm256_madd_epi16(wo, xo)));
 }
-/* p: the four signed bytes as x16_split lays them out for AVX2 (XB 4): columns 0 and 2 as two 16-bit
+/* p: the four signed bytes as x16_split lays them out for AVX2 (XB 2): columns 0 and 2 as two 16-bit
  * values, then 1 and 3, each pair read as one broadcast */
 static inline TARGET __attribute__((always_inline)) __m512i dot4(__m512i acc, __m512i w, const int8_t *p) {
     int32_t even, odd;
