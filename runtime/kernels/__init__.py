@@ -72,7 +72,10 @@ def compiler() -> str:
 def compile_command(cc: str, sources: list[Path], out: Path, variant: str = "avx512") -> list[str]:
     """How the kernel library is built (also used to build another revision's sources for an A/B)."""
     defines = ["-DLLMD_AVX2"] if variant == "avx2" else []
-    return [cc, "-O3", "-fopenmp", "-shared", "-fPIC", *defines, "-o", str(out), *map(str, sources), "-lm"]
+    # no contraction of a product and a sum into one FMA: the kernels write their FMAs out, and the
+    # compiler fuses differently for 512 and 256 bits, so the two libraries would round differently
+    return [cc, "-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", *defines, "-o", str(out),
+            *map(str, sources), "-lm"]
 
 
 _API_BEGIN, _API_END = "/* llmd API begin", "/* llmd API end */"
@@ -124,7 +127,7 @@ def struct(name: str) -> type[ctypes.Structure]:
 def _build(variant: str = "avx512") -> Path:
     src = b"".join(p.read_bytes() for p in [*_SOURCES, _HEADER, _HERE / "avx2.h"])
     cc = compiler()
-    tag = hashlib.sha256(src + cc.encode() + variant.encode()).hexdigest()[:16]
+    tag = hashlib.sha256(src + " ".join(compile_command(cc, [], Path("-"), variant)).encode()).hexdigest()[:16]
     out = _cache_dir() / f"kernels-{variant}-{tag}.so"
     if out.exists() and _private(out):
         return out
