@@ -110,33 +110,26 @@ static int q4_groups(int K, int G) {
     return K >= 64 && K % 64 == 0 && (G == 32 || G == 64 || G == 128 || G == 256) && K % G == 0 ? K / G : 0;
 }
 
-/* acc += w (unsigned bytes) times the four signed bytes at p in every lane, p read by the instruction
- * itself (an embedded broadcast: no separate load and broadcast per row). */
 /* XB: bytes of the int8 kernel's x (xhl) per column and part: AVX-512 reads four signed bytes per
  * vpdpbusd, AVX2 (below) each byte widened to 16 bits and paired for vpmaddwd */
 #ifndef LLMD_AVX2
 #define XB 1
+/* acc += w (unsigned bytes) times the four signed bytes at p in every lane, p read by the instruction
+ * itself (an embedded broadcast: no separate load and broadcast per row). */
 static inline TARGET __attribute__((always_inline)) __m512i dot4(__m512i acc, __m512i w, const int8_t *p) {
     __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t *)p));
     return acc;
 }
-#define dot4_nibbles dot4
 #else
 #define XB 2
-/* AVX2: the four signed bytes at p as two 16-bit pairs (columns 0 and 2, 1 and 3) in every lane; w's even
- * and odd bytes widened against them, each pair of products summed exactly in 32 bits */
-static inline TARGET __attribute__((always_inline)) __m256i dot4_half(__m256i acc, __m256i w, __m256i xe, __m256i xo) {
-    const __m256i we = _mm256_and_si256(w, _mm256_set1_epi16(0x00FF)), wo = _mm256_srli_epi16(w, 8);
-    return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(we, xe), _mm256_madd_epi16(wo, xo)));
-}
-/* p: the four signed bytes as x16_split lays them out for AVX2 (XB 2): columns 0 and 2 as two 16-bit
- * values, then 1 and 3, each pair read as one broadcast */
+/* AVX2, p: the four signed bytes as x16_split lays them out (XB 2): columns 0 and 2 as two 16-bit values,
+ * then 1 and 3, each pair read as one broadcast, against w's even and odd bytes (avx2.h's vpdpbusd) */
 static inline TARGET __attribute__((always_inline)) __m512i dot4(__m512i acc, __m512i w, const int8_t *p) {
     int32_t even, odd;
     memcpy(&even, p, 4);
     memcpy(&odd, p + 4, 4);
     const __m256i xe = _mm256_set1_epi32(even), xo = _mm256_set1_epi32(odd);
-    return (__m512i){dot4_half(acc.lo, w.lo, xe, xo), dot4_half(acc.hi, w.hi, xe, xo)};
+    return (__m512i){v_dpbusd_pairs(acc.lo, w.lo, xe, xo), v_dpbusd_pairs(acc.hi, w.hi, xe, xo)};
 }
 #endif
 
@@ -354,8 +347,8 @@ void q4_run(const int8_t *xq, const int MM, const int PH, int K, int i0, int i1,
             const __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
             for (int m = 0; m < MM; m++) {
                 const int8_t *xr = xq + (size_t)m * K + 8 * (size_t)(i + p);
-                a[m][p] = dot4_nibbles(a[m][p], lo, xr);
-                b[m][p] = dot4_nibbles(b[m][p], hi, xr + 4);
+                a[m][p] = dot4(a[m][p], lo, xr);
+                b[m][p] = dot4(b[m][p], hi, xr + 4);
             }
         }
     for (int m = 0; m < MM; m++) {
