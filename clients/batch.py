@@ -217,14 +217,14 @@ class BatchRunner:
     async def _run_one(self, client: AsyncClient, item: BatchItem) -> dict:
         start = {"generate": client.generate, "chat": client.chat, "infill": client.infill}[item.kind]
         args = dict(item.fields)
-        whole = {"stream": False}          # the answer is written whole: no event per token
+        # stream=False: the answer is written whole, so the daemon sends it in one event, not one per token
         if item.kind == "chat":
-            stream = await start(args.pop("messages"), priority="batch", **args, **item.sampling, **whole)
+            stream = await start(args.pop("messages"), priority="batch", **args, **item.sampling, stream=False)
         elif item.kind == "infill":
             stream = await start(args.pop("prefix"), args.pop("suffix", ""), priority="batch", **args, **item.sampling,
-                                 **whole)
+                                 stream=False)
         else:
-            stream = await start(args.pop("prompt"), priority="batch", **item.sampling, **whole)
+            stream = await start(args.pop("prompt"), priority="batch", **item.sampling, stream=False)
         parts = [ev.text async for ev in stream if isinstance(ev, Token)]
         final = stream.final
         if isinstance(final, Error):

@@ -259,7 +259,7 @@ class Front:
         else:
             args = (fields.pop("prompt", None),)
         try:
-            return await start(*args, priority=priority, **fields, **work.sampling, **({"stream": False} if whole else {}))
+            return await start(*args, priority=priority, **fields, **work.sampling, stream=not whole)
         except RequestTooLarge as e:
             raise HttpError(413, str(e), code="too_large") from None
         except ClientError as e:
