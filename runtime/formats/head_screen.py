@@ -39,7 +39,7 @@ import torch
 
 from llmd.runtime.kernels import ops
 
-from .quantized import FLOAT16_NORMAL, Int8Linear, dequantize_int4, quantize_int4, quantize_int8
+from .quantized import FLOAT16_NORMAL, Int8Linear, dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
 
 log = logging.getLogger("llmd.head_screen")
 
@@ -211,12 +211,7 @@ class HeadScreen:
 
 def _exact_rows(head: Int8Linear, lo: int, hi: int) -> torch.Tensor:
     """Rows lo..hi of an int8 / int8g head as float64: the products of its integers and scales, exactly."""
-    q = head.qweight[lo:hi].double()
-    s = head.scales[lo:hi].double()
-    if s.dim() == 1:
-        return q * s[:, None]
-    n, k = q.shape
-    return (q.view(n, s.shape[1], -1) * s[..., None]).view(n, k)
+    return dequantize_int8(head.qweight[lo:hi], head.scales[lo:hi], torch.float64)
 
 
 def _int4_half(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -144,11 +144,13 @@ def quantize_int8(w: torch.Tensor, group_size: int | None = None) -> tuple[torch
     return q, scale if group_size else scale.view(n)
 
 
-def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """q times its scales (per row [N], or per group [N, K/G]) in ``dtype`` (float64: exactly)."""
+    q, scale = q.to(dtype), scale.to(dtype)
     if scale.dim() == 2:
         n, k = q.shape
-        return (q.float().view(n, scale.shape[1], -1) * scale[..., None]).view(n, k)
-    return q.float() * scale[:, None]
+        return (q.view(n, scale.shape[1], -1) * scale[..., None]).view(n, k)
+    return q * scale[:, None]
 
 
 FLOAT16_NORMAL = 2.0 ** -14     # the smallest normal float16: scales below it would lose bits as float16
