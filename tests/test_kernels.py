@@ -79,10 +79,36 @@ def test_int8_blocks_give_the_integer_forms_numbers_bit_for_bit(n):
     x = rows(16, k, 2)
     hi, lo, sx = split16(x)
     wt = q.long().t()
-    ref = ((hi.long() @ wt).float() * 256 + ((lo.long() + 128) @ wt).float()) * (sx * s)
+    ref = ((hi.long() @ wt) * 256 + (lo.long() + 128) @ wt).float() * (sx * s)
     form = ops.int8_pack(q, s)
     for m in range(1, 17):
         assert torch.equal(ops.packed_matvec(x[:m], form), ref[:m]), m
+
+
+@pytest.mark.parametrize("k", [1536, 4864])
+def test_int8_sums_past_float32_precision_are_rounded_once(k):
+    """Where sum w xi needs more than float32's 24 bits (a long row of weights and x at their largest, as
+    an outlier channel can make them), the kernel rounds the exact sum once: the numbers of the prompt
+    rows' integer form, and no longer the sum of separately rounded high and low parts. K of several
+    runs of 256 columns, and not a multiple of it."""
+    n = 40
+    w = weight(n, k, 7)
+    w[:8] = w[:8].abs().amax(1, keepdim=True)            # rows of one value: every q at 127
+    w[8:16] = -w[8:16].abs().amax(1, keepdim=True)
+    q, s = quantize_int8(w)
+    x = rows(9, k, 3)
+    x[:4] = x[:4].abs().amax(1, keepdim=True)            # rows of one value: every xi at 32767
+    x[4] = -x[4].abs().amax()
+    hi, lo, sx = split16(x)
+    wt = q.long().t()
+    exact = (hi.long() @ wt) * 256 + (lo.long() + 128) @ wt
+    assert exact.abs().max() >= 2 ** 32                  # past int32, and past 24 bits in each part
+    ref = exact.float() * (sx * s)
+    assert torch.equal(ops.packed_matvec(x, ops.int8_pack(q, s)), ref)
+    layer = Int8Linear(k, n)
+    layer.qweight, layer.scales = q, s
+    layer.prepare(use_kernels=False)
+    assert torch.equal(layer.large(x), ref)
 
 
 @pytest.mark.parametrize("m", [1, 5, 16])

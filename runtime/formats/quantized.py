@@ -312,9 +312,9 @@ class Int8Linear(QuantLinear):
             self.prepare()
         hi, lo, sx = split16(x)
         wt = self.qweight.t()
-        acc_hi = torch._int_mm(hi, wt).float()
-        acc_lo = (torch._int_mm(lo, wt) + self._offset).float()      # lo entered shifted by -128
-        return (acc_hi * 256 + acc_lo) * (sx * self.scales)
+        acc_hi = torch._int_mm(hi, wt).double()
+        acc_lo = (torch._int_mm(lo, wt) + self._offset).double()     # lo entered shifted by -128
+        return (acc_hi * 256 + acc_lo).float() * (sx * self.scales)   # sum w xi exact, rounded once
 
     def kernel_rows(self, x: torch.Tensor) -> torch.Tensor | None:
         return None if self._kernel_form is None else ops.packed_matvec(x, self._kernel_form)

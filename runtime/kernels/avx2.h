@@ -146,6 +146,10 @@ V_INLINE __m512 _llmd_cvtepi32_ps(__m512i a) { return V_F(_mm256_cvtepi32_ps(a.l
 V_INLINE __m512i _llmd_cvtps_epi32(__m512 a) {
     return (__m512i){_mm256_cvtps_epi32(a.lo), _mm256_cvtps_epi32(a.hi)};
 }
+/* eight doubles to float32 each half, rounded as vcvtpd2ps; the halves of a vector put together */
+V_INLINE __m256 _llmd_cvtpd_ps(__m512d a) { return _mm256_set_m128(_mm256_cvtpd_ps(a.hi), _mm256_cvtpd_ps(a.lo)); }
+V_INLINE __m512 _llmd_castps256_ps512(__m256 a) { return V_F(a, _mm256_setzero_ps()); }
+V_INLINE __m512 _llmd_insertf32x8(__m512 a, __m256 b, const int upper) { return upper ? V_F(a.lo, b) : V_F(b, a.hi); }
 V_INLINE __m512 _llmd_cvtph_ps(__m256i h) {
     return V_F(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)));
 }
@@ -259,6 +263,9 @@ V_INLINE __m512i _llmd_dpbusd_epi32(__m512i acc, __m512i a, __m512i b) {
 #define _mm512_cvtepi32_ps _llmd_cvtepi32_ps
 #define _mm512_cvtps_epi32 _llmd_cvtps_epi32
 #define _mm512_cvtph_ps _llmd_cvtph_ps
+#define _mm512_cvtpd_ps _llmd_cvtpd_ps
+#define _mm512_castps256_ps512 _llmd_castps256_ps512
+#define _mm512_insertf32x8 _llmd_insertf32x8
 #define _mm512_setzero_si512 _llmd_setzero_si512
 #define _mm512_set1_epi32 _llmd_set1_epi32
 #define _mm512_set1_epi16 _llmd_set1_epi16

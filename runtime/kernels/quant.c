@@ -83,8 +83,9 @@ static void *scratch_for(size_t bytes) {
  *   int8:  x as 16-bit integers per row, xi = round(x / sx), sx = max|x| / 32767, xi = 256 hi + lo with
  *          hi = xi >> 8 and lo in [0, 255] (lo enters as lo - 128, a signed byte). With u = w + 128:
  *            H = sum w hi = sum u hi - 128 sum hi,   L = sum w lo = sum u (lo - 128) - 128 sum (lo - 128) + 128 W
- *          exact in int32 (K < 2^16), and y = (256 H + L) sx s, rounded as llmd.runtime.formats.quantized
- *          rounds its prompt rows (Int8Linear.large): the same numbers at every row count.
+ *          exact in int32 (K < 2^16), and y = (float)(256 H + L) sx s: sum w xi formed exactly (in double)
+ *          and rounded once, as llmd.runtime.formats.quantized rounds its prompt rows (Int8Linear.large):
+ *          the same numbers at every row count, and from the AVX2 library's other exact sums.
  *   int8g: per group the exact sum 256 H + L (|.| < 2^31 for G <= 256), then y += that sx s[g].
  *   int4:  x as 8-bit integers per block of 128 columns (x8_blocks); per run of min(G, 128) columns the
  *          exact sum of q xq, then y += that s[g] sx[block], and per group y += (z - 8 s) X[g].
@@ -110,26 +111,12 @@ static int q4_groups(int K, int G) {
     return K >= 64 && K % 64 == 0 && (G == 32 || G == 64 || G == 128 || G == 256) && K % G == 0 ? K / G : 0;
 }
 
-/* XB: bytes of the int8 kernel's x (xhl) per column and part: AVX-512 reads four signed bytes per
- * vpdpbusd, AVX2 (below) each byte widened to 16 bits and paired for vpmaddwd */
 #ifndef LLMD_AVX2
-#define XB 1
 /* acc += w (unsigned bytes) times the four signed bytes at p in every lane, p read by the instruction
  * itself (an embedded broadcast: no separate load and broadcast per row). */
 static inline TARGET __attribute__((always_inline)) __m512i dot4(__m512i acc, __m512i w, const int8_t *p) {
     __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t *)p));
     return acc;
-}
-#else
-#define XB 2
-/* AVX2, p: the four signed bytes as x16_split lays them out (XB 2): columns 0 and 2 as two 16-bit values,
- * then 1 and 3, each pair read as one broadcast, against w's even and odd bytes (avx2.h's vpdpbusd) */
-static inline TARGET __attribute__((always_inline)) __m512i dot4(__m512i acc, __m512i w, const int8_t *p) {
-    int32_t even, odd;
-    memcpy(&even, p, 4);
-    memcpy(&odd, p + 4, 4);
-    const __m256i xe = _mm256_set1_epi32(even), xo = _mm256_set1_epi32(odd);
-    return (__m512i){v_dpbusd_pairs(acc.lo, w.lo, xe, xo), v_dpbusd_pairs(acc.hi, w.hi, xe, xo)};
 }
 #endif
 
@@ -221,21 +208,14 @@ static TARGET void x16_split(const float *x, int M, int K, int8_t *xhl, int32_t 
                 const __m512i l = _mm512_sub_epi32(_mm512_and_si512(q, _mm512_set1_epi32(255)), _mm512_set1_epi32(128));
                 sh = _mm512_add_epi32(sh, h);
                 sl = _mm512_add_epi32(sl, l);
-                int8_t *to = xhl + 2 * XB * ((size_t)m * K + k + 16 * j);
+                int8_t *to = xhl + 2 * ((size_t)m * K + k + 16 * j);
 #ifndef LLMD_AVX2
                 const __m128i hb = _mm512_cvtepi32_epi8(h), lb = _mm512_cvtepi32_epi8(l);
                 _mm_storeu_si128((__m128i *)to, _mm_unpacklo_epi32(hb, lb));
                 _mm_storeu_si128((__m128i *)(to + 16), _mm_unpackhi_epi32(hb, lb));
 #else
-                /* per 4 columns: hi of columns 0, 2, 1, 3 as 16-bit values, then lo - 128 alike */
-                int32_t hv[16], lv[16];
-                memcpy(hv, &h, sizeof hv);
-                memcpy(lv, &l, sizeof lv);
-                int16_t *t16 = (int16_t *)to;
-                for (int c = 0; c < 16; c += 4, t16 += 8) {
-                    t16[0] = (int16_t)hv[c]; t16[1] = (int16_t)hv[c + 2]; t16[2] = (int16_t)hv[c + 1]; t16[3] = (int16_t)hv[c + 3];
-                    t16[4] = (int16_t)lv[c]; t16[5] = (int16_t)lv[c + 2]; t16[6] = (int16_t)lv[c + 1]; t16[7] = (int16_t)lv[c + 3];
-                }
+                /* AVX2: xi itself, in column order (q8w_run reads four columns at a time) */
+                _mm256_storeu_si256((__m256i *)to, _mm512_cvtepi32_epi16(q));
 #endif
             }
             int32_t *to = sums + ((size_t)m * (K / 64) + k / 64) * 2;
@@ -265,9 +245,17 @@ static void x16_corrections(const int32_t *sums, int M, int K, int G, int32_t *c
         }
 }
 
-/* MM rows of x (xhl at stride 2 XB K: per 4 columns their four hi bytes, then the four lo - 128) times block blk, PH sums per row and part taken in turn over the
- * steps (independent chains for few rows; exact, so the split changes nothing): y[m, 0..15] at
- * stride N, the lanes of keep. */
+/* int8's one rounding: y = (float)(256 H + L) sx s, where H = sum w hi and L = sum w lo are the exact
+ * integer sums and 256 H + L = sum w xi is formed exactly in double (below 2^53) before it is rounded once
+ * to float32, so the same value comes from any exact way of summing w xi (the AVX2 library's below). */
+static inline TARGET __attribute__((always_inline)) __m512 q8_round(__m512d lo, __m512d hi) {
+    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm512_cvtpd_ps(lo)), _mm512_cvtpd_ps(hi), 1);
+}
+
+#ifndef LLMD_AVX2
+/* MM rows of x (xhl at stride 2 K: per 4 columns their four hi bytes, then the four lo - 128) times
+ * block blk, PH sums per row and part taken in turn over the steps (independent chains for few rows;
+ * exact, so the split changes nothing): y[m, 0..15] at stride N, the lanes of keep. */
 static inline TARGET __attribute__((always_inline))
 void q8_steps(const int8_t *xhl, const int MM, const int PH, int K, int i0, int i1,
               const uint8_t *u, size_t ahead, __m512i ah[][4], __m512i al[][4]) {
@@ -279,9 +267,9 @@ void q8_steps(const int8_t *xhl, const int MM, const int PH, int K, int i0, int 
             const __m512i wv = _mm512_loadu_si512((const void *)(u + (size_t)(i + p) * 64));
             if (ahead) _mm_prefetch((const char *)u + (size_t)(i + p) * 64 + ahead, Q_HINT);
             for (int m = 0; m < MM; m++) {
-                const int8_t *xr = xhl + 2 * XB * ((size_t)m * K + 4 * (size_t)(i + p));
+                const int8_t *xr = xhl + 2 * ((size_t)m * K + 4 * (size_t)(i + p));
                 ah[m][p] = dot4(ah[m][p], wv, xr);
-                al[m][p] = dot4(al[m][p], wv, xr + 4 * XB);
+                al[m][p] = dot4(al[m][p], wv, xr + 4);
             }
         }
     for (int m = 0; m < MM; m++)
@@ -299,11 +287,16 @@ void q8_tile(const int8_t *xhl, const int32_t *cx, const float *sx, const int MM
     q8_steps(xhl, MM, PH, K, 0, K / 4, blk + 128, ahead, ah, al);
     const __m512i wsum = _mm512_loadu_si512((const void *)blk);
     const __m512 s = _mm512_loadu_ps((const float *)(blk + 64));
+    const __m512d k256 = _mm512_set1_pd(256.0);
     for (int m = 0; m < MM; m++) {
         const __m512i h = _mm512_sub_epi32(ah[m][0], _mm512_set1_epi32(cx[2 * m]));
         const __m512i l = _mm512_add_epi32(_mm512_sub_epi32(al[m][0], _mm512_set1_epi32(cx[2 * m + 1])), wsum);
-        const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(h), _mm512_set1_ps(256.f), _mm512_cvtepi32_ps(l));
-        _mm512_mask_storeu_ps(y + (size_t)m * N, keep, _mm512_mul_ps(v, _mm512_mul_ps(_mm512_set1_ps(sx[m]), s)));
+        const __m512d lo = _mm512_add_pd(_mm512_mul_pd(_mm512_cvtepi32_pd(_mm512_castsi512_si256(h)), k256),
+                                         _mm512_cvtepi32_pd(_mm512_castsi512_si256(l)));
+        const __m512d hi = _mm512_add_pd(_mm512_mul_pd(_mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(h, 1)), k256),
+                                         _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(l, 1)));
+        _mm512_mask_storeu_ps(y + (size_t)m * N, keep,
+                              _mm512_mul_ps(q8_round(lo, hi), _mm512_mul_ps(_mm512_set1_ps(sx[m]), s)));
     }
 }
 
@@ -329,6 +322,104 @@ void q8g_tile(const int8_t *xhl, const int32_t *cx, const float *sx, const int M
     }
     for (int m = 0; m < MM; m++) _mm512_mask_storeu_ps(y + (size_t)m * N, keep, acc[m]);
 }
+#else
+/* AVX2: no byte products to split xi over, so the weights are widened instead. Each step's 64 bytes
+ * (u = w + 128) become four vectors of 16-bit values (vpmovzxbw), and x is xi itself at 16 bits, a step's
+ * four columns one 64-bit broadcast: vpmaddwd sums u xi over a pair of columns, two lanes per output.
+ * That is one product per pair of columns and row where the byte form takes two per byte part of xi.
+ * Over a run of at most Q8W_RUN steps a lane is at most Q8W_RUN 2 255 32767 and an output's two lanes
+ * together below 2^31, so a run's S_u = sum u xi is exact in int32; with S_w = S_u - 128 sum xi (xi's
+ * sums from x16_split) these are the byte form's exact sums: int8g's per group as int32, int8's whole
+ * row added up over runs in double (exact), then q8_round. */
+#define Q8W_RUN 64
+
+/* S_u of RR (1 or 2) rows over weight steps i0..i1 (i1 - i0 <= Q8W_RUN) of a block's weights u: d[m][0]
+ * holds outputs 0..7, d[m][1] outputs 8..15. */
+static inline TARGET __attribute__((always_inline))
+void q8w_rows(const int16_t *xi, const int RR, int K, int i0, int i1, const uint8_t *u, size_t ahead,
+              __m256i d[][2]) {
+    __m256i a[2][4];
+    for (int m = 0; m < RR; m++)
+        for (int j = 0; j < 4; j++) a[m][j] = _mm256_setzero_si256();
+    for (int i = i0; i < i1; i++) {
+        const uint8_t *at = u + (size_t)i * 64;
+        if (ahead) _mm_prefetch((const char *)at + ahead, Q_HINT);
+        __m256i w[4];
+        for (int j = 0; j < 4; j++) w[j] = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)at + j));
+        for (int m = 0; m < RR; m++) {
+            int64_t four;
+            memcpy(&four, xi + (size_t)m * K + 4 * (size_t)i, 8);
+            const __m256i xb = _mm256_set1_epi64x(four);
+            for (int j = 0; j < 4; j++) a[m][j] = _mm256_add_epi32(a[m][j], _mm256_madd_epi16(w[j], xb));
+        }
+    }
+    /* lanes (2j, 2j + 1) of a[m][v] are output 4v + j's: hadd gives outputs 0, 1, 4, 5 | 2, 3, 6, 7 */
+    for (int m = 0; m < RR; m++) {
+        d[m][0] = _mm256_permute4x64_epi64(_mm256_hadd_epi32(a[m][0], a[m][1]), 0xD8);
+        d[m][1] = _mm256_permute4x64_epi64(_mm256_hadd_epi32(a[m][2], a[m][3]), 0xD8);
+    }
+}
+
+/* The same for MM rows, two at a time (what sixteen 256-bit registers hold): the run's weights, read
+ * for the first pair, come from the first level cache for the others. */
+static inline TARGET __attribute__((always_inline))
+void q8w_run(const int16_t *xi, const int MM, int K, int i0, int i1, const uint8_t *u, size_t ahead,
+             __m256i d[][2]) {
+    for (int m = 0; m + 1 < MM; m += 2)
+        q8w_rows(xi + (size_t)m * K, 2, K, i0, i1, u, m ? 0 : ahead, d + m);
+    if (MM & 1) q8w_rows(xi + (size_t)(MM - 1) * K, 1, K, i0, i1, u, MM > 1 ? 0 : ahead, d + MM - 1);
+}
+
+static inline TARGET __attribute__((always_inline))
+void q8_tile(const int8_t *xhl, const int32_t *cx, const float *sx, const int MM, const int PH,
+             int K, const uint8_t *blk, size_t ahead, float *y, int N, __mmask16 keep) {
+    (void)PH;
+    if (ahead) q_prefetch_head(blk + ahead, 128);
+    __m256d t[8][4];
+    for (int m = 0; m < MM; m++)
+        for (int j = 0; j < 4; j++) t[m][j] = _mm256_setzero_pd();
+    for (int i = 0; i < K / 4; i += Q8W_RUN) {
+        __m256i d[8][2];
+        q8w_run((const int16_t *)xhl, MM, K, i, i + Q8W_RUN < K / 4 ? i + Q8W_RUN : K / 4, blk + 128, ahead, d);
+        for (int m = 0; m < MM; m++)
+            for (int j = 0; j < 4; j++)
+                t[m][j] = _mm256_add_pd(t[m][j], _mm256_cvtepi32_pd(j & 1 ? _mm256_extracti128_si256(d[m][j / 2], 1)
+                                                                         : _mm256_castsi256_si128(d[m][j / 2])));
+    }
+    const __m512 s = _mm512_loadu_ps((const float *)(blk + 64));
+    for (int m = 0; m < MM; m++) {
+        /* 128 sum xi = 128 (256 sum hi + sum (lo - 128) + 128 K), exact in double */
+        const __m256d c = _mm256_set1_pd(256.0 * cx[2 * m] + cx[2 * m + 1] + 16384.0 * K);
+        const __m512d lo = {_mm256_sub_pd(t[m][0], c), _mm256_sub_pd(t[m][1], c)};
+        const __m512d hi = {_mm256_sub_pd(t[m][2], c), _mm256_sub_pd(t[m][3], c)};
+        _mm512_mask_storeu_ps(y + (size_t)m * N, keep,
+                              _mm512_mul_ps(q8_round(lo, hi), _mm512_mul_ps(_mm512_set1_ps(sx[m]), s)));
+    }
+}
+
+static inline TARGET __attribute__((always_inline))
+void q8g_tile(const int8_t *xhl, const int32_t *cx, const float *sx, const int MM, const int PH,
+              int K, int G, const uint8_t *blk, size_t ahead, float *y, int N, __mmask16 keep) {
+    (void)PH;
+    const int groups = K / G;
+    if (ahead) q_prefetch_head(blk + ahead, (size_t)128 * groups);
+    const float *scale = (const float *)(blk + (size_t)64 * groups);
+    __m512 acc[8];
+    for (int m = 0; m < MM; m++) acc[m] = _mm512_setzero_ps();
+    for (int g = 0; g < groups; g++) {
+        __m256i d[8][2];
+        q8w_run((const int16_t *)xhl, MM, K, g * G / 4, (g + 1) * G / 4, blk + (size_t)128 * groups, ahead, d);
+        const __m512 s = _mm512_loadu_ps(scale + QB * g);
+        for (int m = 0; m < MM; m++) {
+            /* 128 sum xi over the group = cx + 128 128 G, below 2^31 */
+            const __m256i c = _mm256_set1_epi32(cx[(size_t)m * groups + g] + 16384 * G);
+            const __m512i e = {_mm256_sub_epi32(d[m][0], c), _mm256_sub_epi32(d[m][1], c)};
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(e), _mm512_mul_ps(_mm512_set1_ps(sx[m]), s), acc[m]);
+        }
+    }
+    for (int m = 0; m < MM; m++) _mm512_mask_storeu_ps(y + (size_t)m * N, keep, acc[m]);
+}
+#endif
 
 /* The exact integer sums d[m] = sum q xq of MM rows over weight steps i0..i1 (8 columns each) of an int4
  * block: PH sums per row and nibble taken in turn over the steps (independent chains), added at the end. */
@@ -457,9 +548,9 @@ void q4_tile(const int8_t *xq, const float *sx, const float *xs, const int MM, c
         } \
     }
 
-#define Q8_TILE(MM, PH) q8_tile(xhl + 2 * XB * (size_t)m * K, cx + 2 * (size_t)m, sx + m, MM, PH, K, blk, \
+#define Q8_TILE(MM, PH) q8_tile(xhl + 2 * (size_t)m * K, cx + 2 * (size_t)m, sx + m, MM, PH, K, blk, \
                                 ahead, yb, N, keep);
-#define Q8G_TILE(MM, PH) q8g_tile(xhl + 2 * XB * (size_t)m * K, cx + (size_t)m * (K / G), sx + m, MM, PH, \
+#define Q8G_TILE(MM, PH) q8g_tile(xhl + 2 * (size_t)m * K, cx + (size_t)m * (K / G), sx + m, MM, PH, \
                                   K, G, blk, ahead, yb, N, keep);
 #define Q4_TILE(MM, PH) q4_tile(xq + (size_t)m * K, sx + (size_t)m * nb, xs + (size_t)m * (K / G), MM, PH, 0, K, \
                                 G, blk, ahead, yb, N, keep);
@@ -505,9 +596,9 @@ TARGET int llmd_q8_x(const float *x, int M, int K, int G, const uint8_t *w, floa
     const int groups = q8_groups(K, G);
     if (!llmd_cpu_ok() || !groups || M < 1 || M > MANY_MAX_ROWS || N < 1) return -1;
     const int per_row = G ? groups : 2;
-    int8_t *xhl = scratch_for((size_t)M * K * 2 * XB + (size_t)M * (K / 64) * 8 + (size_t)M * per_row * 4 + (size_t)M * 4);
+    int8_t *xhl = scratch_for((size_t)M * K * 2 + (size_t)M * (K / 64) * 8 + (size_t)M * per_row * 4 + (size_t)M * 4);
     if (!xhl) return -2;
-    int32_t *sums = (int32_t *)(xhl + 2 * XB * (size_t)M * K), *cx = sums + (size_t)M * (K / 64) * 2;
+    int32_t *sums = (int32_t *)(xhl + 2 * (size_t)M * K), *cx = sums + (size_t)M * (K / 64) * 2;
     float *sx = (float *)(cx + (size_t)M * per_row);
     x16_split(x, M, K, xhl, sums, sx);
     x16_corrections(sums, M, K, G, cx);
@@ -641,7 +732,7 @@ TARGET int llmd_w8a8_x(const float *x, int M, int K, const int8_t *w, const floa
 /* y[m, c] = the value llmd_q8_x gives output idx[c] of row m, computed from the weight as stored (int8
  * w [N, K] with s [N], G = 0, or s [N, K/G]) rather than from its blocks: x as the same 16-bit integers
  * (x16_split's), each group's integer sum exactly, then the float32 steps of q8_tile / q8g_tile in
- * their order (int8g: y = fma(D_g, sx s_g, y) group by group; int8: fma(H, 256, L) sx s). The head
+ * their order (int8g: y = fma(D_g, sx s_g, y) group by group; int8: (float)(256 H + L) sx s, q8_round's). The head
  * screen (llmd.runtime.formats.head_screen) scores the few outputs it cannot rule out with it. */
 TARGET int llmd_q8_pick(const float *x, int M, int K, int G, const int8_t *w, const float *s, const int64_t *idx,
                         int C, float *y, int nt) {
@@ -684,7 +775,7 @@ TARGET int llmd_q8_pick(const float *x, int M, int K, int G, const int8_t *w, co
                 if (G) {
                     acc = fmaf((float)_mm512_reduce_add_epi32(d), sx[m] * sr[g], acc);
                 } else {
-                    const float v = fmaf((float)_mm512_reduce_add_epi32(h), 256.f, (float)_mm512_reduce_add_epi32(l));
+                    const float v = (float)(256.0 * _mm512_reduce_add_epi32(h) + _mm512_reduce_add_epi32(l));
                     acc = v * (sx[m] * sr[0]);
                 }
             }
