@@ -324,7 +324,7 @@ void q8g_tile(const int8_t *xhl, const int32_t *cx, const float *sx, const int M
 }
 #else
 /* AVX2: no byte products to split xi over, so the weights are widened instead. Each step's 64 bytes
- * (u = w + 128) become four vectors of 16-bit values (vpmovzxbw), and x is xi itself at 16 bits, a step's
+ * (u = w + 128) become four vectors of 16-bit values (interleaved with zeros), and x is xi itself at 16 bits, a step's
  * four columns one 64-bit broadcast: vpmaddwd sums u xi over a pair of columns, two lanes per output.
  * That is one product per pair of columns and row where the byte form takes two per byte part of xi.
  * Over a run of at most Q8W_RUN steps a lane is at most Q8W_RUN 2 255 32767 and an output's two lanes
@@ -339,24 +339,34 @@ static inline TARGET __attribute__((always_inline))
 void q8w_rows(const int16_t *xi, const int RR, int K, int i0, int i1, const uint8_t *u, size_t ahead,
               __m256i d[][2]) {
     __m256i a[2][4];
-    for (int m = 0; m < RR; m++)
+    for (int m = 0; m < 2; m++)
         for (int j = 0; j < 4; j++) a[m][j] = _mm256_setzero_si256();
-    for (int i = i0; i < i1; i++) {
-        const uint8_t *at = u + (size_t)i * 64;
-        if (ahead) _mm_prefetch((const char *)at + ahead, Q_HINT);
-        __m256i w[4];
-        for (int j = 0; j < 4; j++) w[j] = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)at + j));
-        for (int m = 0; m < RR; m++) {
-            int64_t four;
-            memcpy(&four, xi + (size_t)m * K + 4 * (size_t)i, 8);
-            const __m256i xb = _mm256_set1_epi64x(four);
-            for (int j = 0; j < 4; j++) a[m][j] = _mm256_add_epi32(a[m][j], _mm256_madd_epi16(w[j], xb));
+    /* one row: its odd steps into the second set of sums (i1 - i0 is even: K is a multiple of 64), two
+     * steps' loads in flight */
+    const int S = RR == 1 ? 2 : 1;
+    for (int i = i0; i < i1; i += S)
+        for (int h = 0; h < S; h++) {
+            const uint8_t *at = u + (size_t)(i + h) * 64;
+            if (ahead) _mm_prefetch((const char *)at + ahead, Q_HINT);
+            /* bytes 0..7 | 16..23 of each half (outputs 0, 1 | 4, 5 of the first), 8..15 | 24..31 next */
+            const __m256i v0 = _mm256_loadu_si256((const __m256i *)at), v1 = _mm256_loadu_si256((const __m256i *)at + 1);
+            const __m256i z = _mm256_setzero_si256();
+            const __m256i w[4] = {_mm256_unpacklo_epi8(v0, z), _mm256_unpackhi_epi8(v0, z),
+                                  _mm256_unpacklo_epi8(v1, z), _mm256_unpackhi_epi8(v1, z)};
+            for (int m = 0; m < RR; m++) {
+                int64_t four;
+                memcpy(&four, xi + (size_t)m * K + 4 * (size_t)(i + h), 8);
+                const __m256i xb = _mm256_set1_epi64x(four);
+                for (int j = 0; j < 4; j++) a[m + h][j] = _mm256_add_epi32(a[m + h][j], _mm256_madd_epi16(w[j], xb));
+            }
         }
-    }
-    /* lanes (2j, 2j + 1) of a[m][v] are output 4v + j's: hadd gives outputs 0, 1, 4, 5 | 2, 3, 6, 7 */
+    if (RR == 1)
+        for (int j = 0; j < 4; j++) a[0][j] = _mm256_add_epi32(a[0][j], a[1][j]);
+    /* an output's two lanes side by side: a[m][0] holds outputs 0, 1 | 4, 5 and a[m][1] 2, 3 | 6, 7, so
+     * hadd gives 0..3 | 4..7 (a[m][2], a[m][3]: 8..15) */
     for (int m = 0; m < RR; m++) {
-        d[m][0] = _mm256_permute4x64_epi64(_mm256_hadd_epi32(a[m][0], a[m][1]), 0xD8);
-        d[m][1] = _mm256_permute4x64_epi64(_mm256_hadd_epi32(a[m][2], a[m][3]), 0xD8);
+        d[m][0] = _mm256_hadd_epi32(a[m][0], a[m][1]);
+        d[m][1] = _mm256_hadd_epi32(a[m][2], a[m][3]);
     }
 }
 
