@@ -5,7 +5,8 @@
  * 16-bit mask a plain integer, and every operation the same lane-wise arithmetic as the instruction
  * it stands for: float lanes round alike, horizontal sums add in the order GCC's AVX-512 reductions
  * do, and vpdpbusd's byte products are summed exactly. So the kernels give the same numbers from
- * either library; only their speed differs. Only the forms the kernels use are here: a new use of an
+ * either library; only their speed differs. (int8's products have their own AVX2 loop in quant.c,
+ * whose different exact sums give the same numbers.) Only the forms the kernels use are here: a new use of an
  * AVX-512 operation needs its pair below before the AVX2 library compiles. */
 #ifndef LLMD_AVX2_H
 #define LLMD_AVX2_H
