@@ -19,7 +19,8 @@ order whatever M is. A request's greedy tokens are the same alone and in a batch
 
 The llmd kernels (llmd.runtime.kernels: AVX-512 VNNI, or AVX2) read int8, int8g and int4 weights from a copy
 packed at ``prepare()`` into blocks of 16 outputs (quant.c; the stored tensors stay for prompts, token
-rows and saving): each weight load serves every row of a tile with one vpdpbusd per row (int8: two),
+rows and saving): each weight load serves every row of a tile with one vpdpbusd per row (int8: two;
+the AVX2 library's int8 one vpmaddwd per pair of columns),
 fewer instructions per weight and row than the bfloat16 blocks' FMAs (docs/performance.md, "Blocked
 quantized products"). They stream the weights at memory speed; where
 they cannot run (other CPUs, no compiler, a graph being compiled, int4 groups under 32, widths not

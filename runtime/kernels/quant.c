@@ -3,7 +3,8 @@
  * llmd's decode step reads every weight once per token, so its speed is the rate at which weights
  * stream from memory; with several rows (a batch of streams, a verification) it is also the
  * arithmetic per weight and row. int8, int8g and int4 weights are packed once into blocks of 16
- * outputs (below) whose every load serves all rows of a tile with one vpdpbusd per row; w8a8
+ * outputs (below) whose every load serves all rows of a tile with one vpdpbusd per row (the AVX2
+ * library's int8: its own loop, q8w_run); w8a8
  * keeps its weights as stored, one output row at a time. Rows of the output (blocks) are split
  * across threads with OpenMP (the same runtime torch uses, loaded once per process). Built and
  * loaded by llmd.runtime.kernels.
