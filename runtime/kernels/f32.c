@@ -17,7 +17,25 @@
 static inline TARGET __attribute__((always_inline)) __m512 weights16(const void *w, size_t at, const int wide) {
     if (wide) return _mm512_loadu_ps((const float *)w + at);
     const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + at));
+#ifdef LLMD_AVX2
+    /* each value under a zero half: one unpack per eight, the halves holding weights 0-3, 8-11 and
+     * 4-7, 12-15 (lanes_ordered puts the sums back in order) */
+    const __m256i z = _mm256_setzero_si256();
+    return (__m512){_mm256_castsi256_ps(_mm256_unpacklo_epi16(z, h)), _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, h))};
+#else
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+#endif
+}
+
+/* Sixteen lanes in the order weights16 gives bfloat16 weights in (wide 0, AVX2), or back: the same swap
+ * of the middle two quarters both ways. */
+static inline TARGET __attribute__((always_inline)) __m512 lanes_ordered(__m512 v, const int wide) {
+#ifdef LLMD_AVX2
+    if (!wide) return (__m512){_mm256_permute2f128_ps(v.lo, v.hi, 0x20), _mm256_permute2f128_ps(v.lo, v.hi, 0x31)};
+#else
+    (void)wide;
+#endif
+    return v;
 }
 
 static inline TARGET __attribute__((always_inline))
@@ -26,7 +44,7 @@ void f32_block(const float *x, const int MM, int K, const void *w, const float *
     const int es = wide ? 4 : 2;
     __m512 acc[F32_GROUP][4];
     for (int m = 0; m < MM; m++)
-        for (int j = 0; j < 4; j++) acc[m][j] = bias ? _mm512_loadu_ps(bias + 16 * j) : _mm512_setzero_ps();
+        for (int j = 0; j < 4; j++) acc[m][j] = bias ? lanes_ordered(_mm512_loadu_ps(bias + 16 * j), wide) : _mm512_setzero_ps();
     for (int k = 0; k < K; k++) {
         /* the next block's row k, fetched into L2 by one of this block's row groups, so memory
          * keeps streaming while the later groups compute from cache */
@@ -40,7 +58,7 @@ void f32_block(const float *x, const int MM, int K, const void *w, const float *
         }
     }
     for (int m = 0; m < MM; m++)
-        for (int j = 0; j < 4; j++) _mm512_storeu_ps(y + (size_t)m * N + 16 * j, acc[m][j]);
+        for (int j = 0; j < 4; j++) _mm512_storeu_ps(y + (size_t)m * N + 16 * j, lanes_ordered(acc[m][j], wide));
 }
 
 #define F32_CASE(MM) f32_block(x + (size_t)m0 * K, MM, K, (const char *)w + (size_t)b * K * 64 * es, \
