@@ -218,8 +218,8 @@ V_INLINE __m256i _llmd_cvtepi32_epi16(__m512i a) {
 }
 
 /* acc + per 32-bit lane the four products of unsigned bytes of a and signed bytes of b, exactly
- * (vpdpbusd): even and odd bytes widened to 16 bits, each pair of products summed in 32 bits. The signed
- * side comes already widened (be: its even bytes, bo: its odd ones), as the int8 kernel lays out its x. */
+ * (vpdpbusd): even and odd bytes widened to 16 bits, each pair of products summed in 32 bits; the signed
+ * side is passed widened (be: its even bytes, bo: its odd ones). */
 V_INLINE __m256i v_dpbusd_pairs(__m256i acc, __m256i a, __m256i be, __m256i bo) {
     const __m256i ae = _mm256_and_si256(a, _mm256_set1_epi16(0x00FF)), ao = _mm256_srli_epi16(a, 8);
     return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(ae, be), _mm256_madd_epi16(ao, bo)));

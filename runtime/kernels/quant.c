@@ -193,7 +193,7 @@ TARGET int llmd_q4h_pack(const uint8_t *q, const uint16_t *s, const uint16_t *z,
 }
 
 /* x float32 [M, K] -> xhl int8 [M, K/4, 8] (per 4 columns their hi bytes, then their lo - 128; AVX2:
- * int16 [M, K/4, 8], each byte widened, columns 0, 2, 1, 3), sx [M],
+ * xi itself, int16 [M, K] in column order), sx [M],
  * and per 64 columns the sums of hi and of lo - 128 (int32 [M, K/64, 2]); xi and its split as llmd.runtime.formats.quantized.split16 makes them. */
 static TARGET void x16_split(const float *x, int M, int K, int8_t *xhl, int32_t *sums, float *sx) {
     for (int m = 0; m < M; m++) {
