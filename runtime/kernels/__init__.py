@@ -11,8 +11,9 @@ thread pool.
 
 Two libraries come from the same sources: one for AVX-512 with VNNI, and (``LLMD_AVX2`` defined,
 avx2.h) one for CPUs with AVX2, FMA and F16C only, whose every 512-bit operation is a pair of 256-bit
-ones giving the same numbers (int8's products have an AVX2 loop of their own, with the same exact sums). ``lib()`` loads the first this CPU runs; ``variant()`` names it, and
-``LLMD_KERNELS=avx2`` asks for the AVX2 one where both run. ``available()`` is False, with ``why()``
+ones giving the same numbers (int8's products have an AVX2 loop of their own, with the same exact
+sums). ``lib()`` loads the first this CPU runs; ``variant()`` names it, and ``LLMD_KERNELS=avx2``
+asks for the AVX2 one where both run. ``available()`` is False, with ``why()``
 saying why, when there is no compiler, the CPU has neither, or ``LLMD_KERNELS=0``: every caller then
 uses torch's ops, slower but the same formulas.
 """

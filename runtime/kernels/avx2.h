@@ -6,8 +6,8 @@
  * it stands for: float lanes round alike, horizontal sums add in the order GCC's AVX-512 reductions
  * do, and vpdpbusd's byte products are summed exactly. So the kernels give the same numbers from
  * either library; only their speed differs. (int8's products have their own AVX2 loop in quant.c,
- * whose different exact sums give the same numbers.) Only the forms the kernels use are here: a new use of an
- * AVX-512 operation needs its pair below before the AVX2 library compiles. */
+ * whose different exact sums give the same numbers.) Only the forms the kernels use are here: a new
+ * use of an AVX-512 operation needs its pair below before the AVX2 library compiles. */
 #ifndef LLMD_AVX2_H
 #define LLMD_AVX2_H
 
@@ -218,14 +218,11 @@ V_INLINE __m256i _llmd_cvtepi32_epi16(__m512i a) {
 }
 
 /* acc + per 32-bit lane the four products of unsigned bytes of a and signed bytes of b, exactly
- * (vpdpbusd): even and odd bytes widened to 16 bits, each pair of products summed in 32 bits; the signed
- * side is passed widened (be: its even bytes, bo: its odd ones). */
-V_INLINE __m256i v_dpbusd_pairs(__m256i acc, __m256i a, __m256i be, __m256i bo) {
-    const __m256i ae = _mm256_and_si256(a, _mm256_set1_epi16(0x00FF)), ao = _mm256_srli_epi16(a, 8);
-    return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(ae, be), _mm256_madd_epi16(ao, bo)));
-}
+ * (vpdpbusd): even and odd bytes widened to 16 bits, each pair of products summed in 32 bits. */
 V_INLINE __m256i v_dpbusd(__m256i acc, __m256i a, __m256i b) {
-    return v_dpbusd_pairs(acc, a, _mm256_srai_epi16(_mm256_slli_epi16(b, 8), 8), _mm256_srai_epi16(b, 8));
+    const __m256i ae = _mm256_and_si256(a, _mm256_set1_epi16(0x00FF)), ao = _mm256_srli_epi16(a, 8);
+    const __m256i be = _mm256_srai_epi16(_mm256_slli_epi16(b, 8), 8), bo = _mm256_srai_epi16(b, 8);
+    return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(ae, be), _mm256_madd_epi16(ao, bo)));
 }
 V_INLINE __m512i _llmd_dpbusd_epi32(__m512i acc, __m512i a, __m512i b) {
     return V_I(v_dpbusd(acc.lo, a.lo, b.lo), v_dpbusd(acc.hi, a.hi, b.hi));
