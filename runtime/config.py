@@ -88,9 +88,10 @@ class EngineConfig:
              "most this many changed tokens (approximate: the text after an edit was computed before it); 0: off")
     head_screen: bool = setting(
         True,
-        help="greedy rows of a quantized (int8 / int8g) head find their token through a 4-bit screen of the head "
-             "and exact scores for the few tokens it cannot rule out: the same tokens from fewer bytes a step, for "
-             "a second, smaller copy of the head built at load (llmd.runtime.formats.head_screen)")
+        help="greedy rows find their token through a screen of the output head (4-bit for an int8 / int8g head, "
+             "8-bit for a float32 or bfloat16 one) and exact scores for the few tokens it cannot rule out: the same "
+             "tokens from fewer bytes a step, for a second, smaller copy of the head built at load "
+             "(llmd.runtime.formats.head_screen)")
     attention: str = setting("fast", choices=("fast", "reference"),
                              help="attention code: llmd's fast paths, or the plain reference one")
     threads: Optional[int] = setting(None, unit="threads", help="CPU threads for the engine; unset: torch's choice")

@@ -75,7 +75,8 @@ def load_for_engine(config: EngineConfig, progress=None) -> LoadedModel:
                     "weights in bfloat16 blocks (the same bytes) with float32 arithmetic, and --kv-dtype "
                     "bfloat16 halves the cache as well")
     if config.head_screen and backend is None and execution == "cpu":
-        model.head_screen = HeadScreen.build(model.lm_head, model.norm.weight)
+        head = model.lm_head if model.lm_head is not None else model._tied_head
+        model.head_screen = HeadScreen.build(head, model.norm.weight)
     draft = draft_cfg = None
     if draft_path is not None:
         draft, draft_cfg = load_draft(draft_path, config, tokenizer, own_execution(config, device))

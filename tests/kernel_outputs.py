@@ -40,6 +40,7 @@ def outputs() -> dict[str, torch.Tensor]:
     for name, blocks in (("f32", ops.f32_blocks(wf)), ("bf16", ops.f32_blocks(wf.bfloat16().float()))):
         for m in rows:
             out[f"{name}_{m}"] = ops.f32_matvec(x[:m], blocks, None)
+        out[f"{name}_pick"] = ops.f32_pick(x[:4], blocks, torch.tensor([7, 0, 127, 64, 7]))
     h, norm = torch.randn(9, 576, generator=g), torch.rand(576, generator=g) + 0.5
     out["rmsnorm"] = ops.rmsnorm(x, norm, 1e-5)
     out["add_rmsnorm"] = torch.cat(ops.add_rmsnorm(x, h, norm, 1e-5))

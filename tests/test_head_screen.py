@@ -14,6 +14,7 @@ from llmd.runtime.formats import head_screen
 from llmd.runtime.formats.head_screen import HeadScreen
 from llmd.runtime.formats.quantized import Int8GroupLinear, Int8Linear, dequantize_int4, quantize_int8
 from llmd.runtime.kernels import ops
+from llmd.runtime.models.layers import Linear
 
 pytestmark = [pytest.mark.skipif(not kernels.available(), reason=f"llmd kernels unavailable: {kernels.why()}"),
               pytest.mark.usefixtures("no_grad")]
@@ -99,7 +100,7 @@ def test_the_bound_holds_for_every_output_and_the_kernel_keeps_every_candidate()
     x = hidden_rows(6, k, seed=4, gamma=gamma)
     exact = ops.packed_matvec(x, head._kernel_form).double()
     xp = x.index_select(1, screen.order)
-    s = screen.scores(xp[:, :screen.int4.k], xp[:, screen.int4.k:])
+    s = screen.scores(xp[:, :screen.main.k], xp[:, screen.main.k:])
     r = reference_radius(screen, head, x)
     gap = (exact - s.double()).abs()
     assert torch.all(gap <= r)                     # the bound holds for every output of every row
@@ -144,16 +145,106 @@ def test_heads_it_does_not_serve_get_no_screen():
     assert HeadScreen.build(make_head(5000, 256, seed=9), None) is None
 
 
+def make_float_head(n: int, k: int, seed: int, bfloat16: bool = False) -> Linear:
+    """A float head on llmd's blocked kernel (float32 blocks, or bfloat16 ones where every value is a
+    bfloat16), of an embedding-like table, with an exact tie between rows 123 and n - 100."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.02
+    w[torch.randint(0, n, (n // 50,), generator=g)] *= 8
+    w[n - 100] = w[123]
+    if bfloat16:
+        w = w.bfloat16().float()
+    head = Linear(k, n)
+    with torch.no_grad():
+        head.weight.copy_(w)
+    head.prepare()
+    assert head.plan.layout == "blocked"
+    assert head.stored.dtype == (torch.bfloat16 if bfloat16 else torch.float32)
+    return head
+
+
+def float_radius(screen: HeadScreen, head: Linear, x: torch.Tensor) -> torch.Tensor:
+    """R [M, V] for a float head's int8 screen, as the module's docstring states it, in float64."""
+    k = head.in_features
+    w = head.dense_weight().double()
+    cols, outl = screen.cols, screen.outliers
+    qm, sm = quantize_int8(w[:, cols].float())
+    wm = qm.double() * sm.double()[:, None]
+    qo, so = quantize_int8(w[:, outl].float())
+    wo = qo.double() * so.double()[:, None]
+    norms = torch.stack(((w[:, cols] - wm).norm(dim=1), (w[:, outl] - wo).norm(dim=1), torch.zeros(w.shape[0]),
+                         w.norm(dim=1) + wm.norm(dim=1) + wo.norm(dim=1)), 1)
+    assert torch.all(screen.norms.double() >= norms)
+    assert torch.allclose(screen.norms.double(), norms, rtol=1e-6, atol=1e-12)
+    xd = x.double()
+    d = 2 * 0.505 / 32767 * math.sqrt(k) * xd.abs().amax(1) + screen.margin * (xd.norm(dim=1) + 1)
+    coeffs = torch.stack((xd[:, cols].norm(dim=1), xd[:, outl].norm(dim=1), torch.zeros(x.shape[0]), d), 1)
+    return coeffs @ norms.t()
+
+
+@pytest.mark.parametrize("bfloat16", [False, True])
+def test_float_heads_picked_outputs_are_the_blocked_kernels_own_values(bfloat16):
+    head = make_float_head(1024, 320, seed=20, bfloat16=bfloat16)
+    for m, scale in ((1, 1.0), (5, 1e-3), (16, 40.0)):
+        x = torch.randn(m, 320) * scale
+        x[:, 7] *= 50
+        full = ops.f32_matvec(x, head.stored, None)
+        idx = torch.tensor(random.Random(m).sample(range(1024), 37) + [0, 1023, 5])      # any order, repeats
+        assert torch.equal(ops.f32_pick(x, head.stored, idx), full[:, idx])
+    assert ops.f32_pick(torch.randn(17, 320), head.stored, idx) is None        # more rows than the kernel takes
+    assert ops.f32_pick(torch.randn(1, 320), head.stored, torch.tensor([1024])) is None      # past the last
+
+
+@pytest.mark.parametrize("bfloat16", [False, True])
+def test_a_float_heads_bound_holds_and_its_tokens_are_the_whole_heads(bfloat16):
+    k, n = 384, 6016
+    head = make_float_head(n, k, seed=21, bfloat16=bfloat16)
+    gamma = outlier_gamma(k, seed=22)
+    screen = HeadScreen.build(head, gamma)
+    assert screen is not None and screen.float_head and not screen.main.nibbles
+    assert screen.nbytes() < head.stored.numel() * head.stored.element_size() * 0.6
+    x = hidden_rows(6, k, seed=23, gamma=gamma)
+    exact = ops.f32_matvec(x, head.stored, None).double()
+    xp = x.index_select(1, screen.order)
+    s = screen.scores(xp[:, :screen.main.k], xp[:, screen.main.k:])
+    r = float_radius(screen, head, x)
+    gap = (exact - s.double()).abs()
+    assert torch.all(gap <= r) and (gap / r).max() > 0.01
+    kept = screen.candidates(xp, s)
+    assert kept.numel() < n * head_screen.MAX_SHARE
+    rows = [hidden_rows(m, k, seed=30 + m, gamma=gamma) for m in (1, 2, 7, 16)]
+    rows.append(torch.stack([head.rows(torch.tensor([123]))[0] * 3, head.rows(torch.tensor([n - 1]))[0] * 5]))
+    for x in rows:
+        want = ops.argmax(ops.f32_matvec(x, head.stored, None)).tolist()
+        assert screen.argmax(x) == want
+    assert screen.argmax(rows[-1])[0] == 123          # the exact tie goes to the first
+    assert screen.stats.rows == sum(x.shape[0] for x in rows) + 2 and screen.stats.whole == 0
+    big = hidden_rows(17, k, seed=40, gamma=gamma)          # past the blocked kernel's rows: the whole head
+    assert screen.argmax(big) == ops.argmax(head(big)).tolist() and screen.stats.whole == 17
+
+
+def test_float_heads_it_does_not_serve_get_no_screen():
+    head = make_float_head(1024, 256, seed=24)
+    assert HeadScreen.build(head, torch.ones(256)) is None                     # small
+    biased = Linear(256, 5056, bias=True)
+    biased.prepare()
+    assert HeadScreen.build(biased, torch.ones(256)) is None                   # a bias
+
+
 @pytest.fixture(scope="module")
-def int4_engine(model_factory, tmp_path_factory):
+def screened_engines(model_factory, tmp_path_factory):
+    """An int4 export (its int8g head screened at 4 bits) and a float32 model (its tied head in float32
+    blocks, screened at 8 bits; a vocabulary padded to a multiple of 64, as the blocks need)."""
     source = model_factory("screen-src", hidden=128, intermediate=256, layers=2)
     out = tmp_path_factory.mktemp("screen") / "int4"
     export_engine(ExportOptions(str(source), str(out), quant="int4", group_size=32, eval_windows=2, eval_tokens=64,
                                 accept_loss=True))
-    return out
+    return {"int4": out, "float32": model_factory("screen-float", hidden=128, intermediate=256, layers=2,
+                                                  vocab_size=512)}
 
 
-def test_engine_tokens_are_the_same_with_and_without_the_screen(int4_engine, monkeypatch):
+@pytest.mark.parametrize("form", ["int4", "float32"])
+def test_engine_tokens_are_the_same_with_and_without_the_screen(screened_engines, form, monkeypatch):
     """Greedy output of a batch, and under n-gram speculation (verification rows), with the screen
     and with the whole head; sampled requests in the same batch keep the full logits."""
     monkeypatch.setattr(head_screen, "MIN_ROWS", 16)        # the test model's vocabulary is small
@@ -163,12 +254,12 @@ def test_engine_tokens_are_the_same_with_and_without_the_screen(int4_engine, mon
     for opts in ({}, {"draft": "ngram"}):
         runs = {}
         for screened in (True, False):
-            llm = LLM(str(int4_engine), kv_memory="8MiB", head_screen=screened, **opts)
+            llm = LLM(str(screened_engines[form]), kv_memory="8MiB", head_screen=screened, **opts)
             screen = llm.engine.runner.model.head_screen
             assert (screen is not None) == screened
             runs[screened] = [o.token_ids for o in llm.generate(prompts, greedy)]
             if screened:
-                assert screen.stats.rows > 0
+                assert screen.float_head == (form == "float32") and screen.stats.rows > 0
                 mixed = llm.generate(prompts[:2], [greedy, SamplingParams(max_tokens=8, temperature=0.8, seed=1)])
                 assert mixed[0].token_ids == runs[True][0]
         assert runs[True] == runs[False]
@@ -184,11 +275,11 @@ def test_constant_rows_still_pack_at_five_bits_and_keep_the_bound():
     head.prepare()
     gamma = outlier_gamma(k, seed=12)
     screen = HeadScreen.build(head, gamma)
-    assert screen is not None and screen.int4.half
+    assert screen is not None and screen.main.half
     x = hidden_rows(3, k, seed=13, gamma=gamma)
     exact = ops.packed_matvec(x, head._kernel_form).double()
     xp = x.index_select(1, screen.order)
-    s = screen.scores(xp[:, :screen.int4.k], xp[:, screen.int4.k:])
+    s = screen.scores(xp[:, :screen.main.k], xp[:, screen.main.k:])
     assert torch.all((exact - s.double()).abs() <= reference_radius(screen, head, x))
 
 

@@ -1,19 +1,23 @@
-"""A 4-bit screen in front of an 8-bit output head: a greedy row's token from fewer bytes, the same token.
+"""A screen in front of an output head: a greedy row's token from fewer bytes, the same token.
 
 The output head is the largest matrix of a small model (151936 x 896 in Qwen2.5-0.5B: 40 % of an
-int4 export's bytes per step), and a greedy row needs only its argmax. The screen is a second copy of
-the head, made from the 8-bit values at load: int4 (groups of 32, float16 scales) over most input
-columns, and int8 (a scale per row) over the ``OUTLIERS`` columns whose final-norm weights are the
-largest, where the hidden state carries most of its size. For each row n it bounds how far the screen's
-score can be from the head's exact logit, from norms computed once per row and norms of x:
+int4 export's bytes per step; SmolLM2-135M's tied head is a fifth of its float32 bytes), and a greedy
+row needs only its argmax. The screen is a second, smaller copy of the head, made at load from the
+head's values: over most input columns M, int4 (groups of 32, float16 scales) for an 8-bit head, or
+int8 (a scale per row) for a float32 or bfloat16 head; over the ``OUTLIERS`` columns O whose
+final-norm weights are the largest, where the hidden state carries most of its size, int8 with a scale
+per row of its own. For each row n it bounds how far the screen's score can be from the head's logit,
+from norms computed once per row and norms of x:
 
-    |l8[n] - screen[n]| <= R[n] = E_M[n] |x_M| + E_O[n] |x_O| + F_M[n] e4(x) + G[n] d(x)
+    |l[n] - screen[n]| <= R[n] = E_M[n] |x_M| + E_O[n] |x_O| + F_M[n] e4(x) + G[n] d(x)
 
-    E_M, E_O   the norm of the 8-bit row minus the screen's row, over the int4 columns M and the int8
-               columns O (Cauchy-Schwarz bounds the product of that difference with x)
-    F_M e4     the int4 kernel's rounding of x to 8 bits per block of 128: |x_hat - x| <= 0.505 sx a value
-    G d        everything smaller: the kernels' 16-bit rounding of x and their float32 sums (G: row
-               norms of every part; d: the 16-bit step and float32's roundoff times the chains' lengths)
+    E_M, E_O   the norm of the head's row minus the screen's row, over the columns M and O
+               (Cauchy-Schwarz bounds the product of that difference with x)
+    F_M e4     an int4 part's rounding of x to 8 bits per block of 128: |x_hat - x| <= 0.505 sx a value
+               (an int8 part rounds x to 16 bits: F_M is 0 and the rounding falls under G d)
+    G d        everything smaller: the int8 kernels' 16-bit rounding of x and every float32 sum, the
+               head's own included (G: row norms of every part; d: the 16-bit step and float32's
+               roundoff times the chains' lengths: a float head's chain is as long as its row)
 
 A token whose upper bound ``screen + R`` is below the best lower bound ``max(screen - R)`` cannot be
 the argmax. The rest (tens to hundreds of the vocabulary) are scored by the head's own kernel on their
@@ -24,9 +28,11 @@ too many to be worth it, take the whole head. Whether the screen pays is measure
 of its first calls also time the whole head on the same rows (``TRIALS``), and it turns itself off
 where it was not faster (SmolLM2-135M's head: small, and loosely bounded).
 
-Built at load (llmd.runtime.loading, setting ``head_screen``) for a tied or untied int8 / int8g head on
-llmd's kernels, run by the execution backend's ``run_greedy`` for steps whose every row is greedy;
-sampled rows, logprobs and penalties read the head's full logits as before.
+Built at load (llmd.runtime.loading, setting ``head_screen``) for a tied or untied head on llmd's kernels
+(int8 / int8g, or float32 / bfloat16 blocks without a bias), run by the execution backend's
+``run_greedy`` for steps whose every row is greedy; sampled rows, logprobs and penalties read the
+head's full logits as before. A float head's exact scores come from its blocked kernel, which takes at
+most ``ops.F32_MAX_ROWS`` rows (more go to another product), so larger steps read the whole head.
 """
 from __future__ import annotations
 
@@ -38,6 +44,8 @@ from dataclasses import dataclass, field
 import torch
 
 from llmd.runtime.kernels import ops
+
+from llmd.runtime.models.layers import Linear
 
 from .quantized import FLOAT16_NORMAL, Int8Linear, dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
 
@@ -69,28 +77,32 @@ class ScreenStats:
 
 
 class HeadScreen:
-    """The screen of one int8 / int8g head: its packed int4 and int8 parts and per-row bound norms."""
+    """The screen of one head: its packed parts over the columns M (``main``: int4 for an int8 / int8g
+    head, int8 for a float head) and O (``int8``), and per-row bound norms."""
 
-    def __init__(self, head: Int8Linear, cols: torch.Tensor, outliers: torch.Tensor, int4: ops.Packed,
+    def __init__(self, head: Int8Linear | Linear, cols: torch.Tensor, outliers: torch.Tensor, main: ops.Packed,
                  int8: ops.Packed, norms: torch.Tensor):
         self.head, self.cols, self.outliers = head, cols, outliers
         self.order = torch.cat((cols, outliers))      # x's columns as the two parts read them
-        self.int4, self.int8 = int4, int8
+        self.main, self.int8 = main, int8
+        self.float_head = not isinstance(head, Int8Linear)
         self.norms = norms                      # [V, 4] float32, rounded up: E_M, E_O, F_M, G
         self.norms_by_kind = norms.t().contiguous()     # [4, V], as the selection kernel reads them
-        # the kernels' float32 sums (int4: a rounding per group in two chains; int8g: one per group) and
-        # this module's own, relative to |W| |x|: each chain's count of roundings, with room to spare
-        self.margin = (4 * head.in_features // GROUP + 64) * ROUNDING
+        # the kernels' float32 sums (int4: a rounding per group in two chains; int8g: one per group; a
+        # float head: one per column) and this module's own, relative to |W| |x|: each chain's count of
+        # roundings, with room to spare
+        k = head.in_features
+        self.margin = (4 * k // GROUP + 64 + (k if self.float_head else 0)) * ROUNDING
         self.stats = ScreenStats()
 
     @classmethod
     def build(cls, head, norm_weight: torch.Tensor | None) -> "HeadScreen | None":
         """The screen of ``head`` (its input is the final norm's output, weighted by ``norm_weight``), or
         None where it does not serve: another head form, no kernels, a small vocabulary, odd widths."""
-        if (not isinstance(head, Int8Linear) or getattr(head, "_kernel_form", None) is None or head.bias is not None
-                or head.out_features < MIN_ROWS or norm_weight is None or head.in_features % 64
-                or head.in_features < 2 * OUTLIERS or getattr(head, "method", "") not in ("int8", "int8g")):
+        if (head is None or head.bias is not None or head.out_features < MIN_ROWS or norm_weight is None
+                or head.in_features % 64 or head.in_features < 2 * OUTLIERS or not _serves(head)):
             return None
+        floats = not isinstance(head, Int8Linear)
         k = head.in_features
         order = norm_weight.detach().float().abs().argsort(descending=True, stable=True)
         outliers = order[:OUTLIERS].sort().values
@@ -102,46 +114,62 @@ class HeadScreen:
             hi = min(lo + CHUNK, head.out_features)
             w = _exact_rows(head, lo, hi)
             wm, wo = w[:, cols], w[:, outliers]
-            q, s, z = _int4_half(wm.float())
             q8, s8 = quantize_int8(wo.float())
-            p4, p8 = ops.int4_pack(q, s, z, GROUP), ops.int8_pack(q8, s8)
-            if p4 is None or p8 is None or not p4.half:
-                return None
-            w4 = dequantize_int4(q, s, z).double()
+            p8 = ops.int8_pack(q8, s8)
             wq = q8.double() * s8.double()[:, None]
-            offsets = (z.double() - 8 * s.double()).abs() + 15 * s.double().abs()
-            g = (w.norm(dim=1) + w4.norm(dim=1) + wq.norm(dim=1) + math.sqrt(GROUP) * offsets.norm(dim=1))
-            norms.append(torch.stack(((wm - w4).norm(dim=1), (wo - wq).norm(dim=1), w4.norm(dim=1), g), 1))
-            parts4.append(p4)
+            if floats:           # int8 over M: x rounded to 16 bits (under G d), no int4 term
+                qm, sm = quantize_int8(wm.float())
+                pm = ops.int8_pack(qm, sm)
+                wmq = qm.double() * sm.double()[:, None]
+                g = w.norm(dim=1) + wmq.norm(dim=1) + wq.norm(dim=1)
+                f = torch.zeros_like(g)
+            else:
+                q, s, z = _int4_half(wm.float())
+                pm = ops.int4_pack(q, s, z, GROUP)
+                if pm is not None and not pm.half:
+                    return None
+                wmq = dequantize_int4(q, s, z).double()
+                offsets = (z.double() - 8 * s.double()).abs() + 15 * s.double().abs()
+                g = (w.norm(dim=1) + wmq.norm(dim=1) + wq.norm(dim=1) + math.sqrt(GROUP) * offsets.norm(dim=1))
+                f = wmq.norm(dim=1)
+            if pm is None or p8 is None:
+                return None
+            norms.append(torch.stack(((wm - wmq).norm(dim=1), (wo - wq).norm(dim=1), f, g), 1))
+            parts4.append(pm)
             parts8.append(p8)
         norms = torch.cat(norms).float()
         norms = torch.nextafter(norms, torch.full_like(norms, math.inf))      # float64 norms rounded up
         n = head.out_features
-        int4 = ops.Packed(torch.cat([p.data for p in parts4]), n, k - OUTLIERS, GROUP, True, half=True)
+        main = ops.Packed(torch.cat([p.data for p in parts4]), n, k - OUTLIERS, 0 if floats else GROUP,
+                          not floats, half=not floats)
         int8 = ops.Packed(torch.cat([p.data for p in parts8]), n, OUTLIERS, 0, False)
-        return cls(head, cols, outliers, int4, int8, norms.contiguous())
+        return cls(head, cols, outliers, main, int8, norms.contiguous())
 
     def __deepcopy__(self, memo):
         return None           # a copied model has its own head: it reads it whole
 
     def head_bytes(self) -> int:
-        """Bytes the whole head's product reads (its packed form)."""
-        return self.head._kernel_form.data.numel()
+        """Bytes the whole head's product reads (its packed form, or its blocks)."""
+        data = self.head.stored if self.float_head else self.head._kernel_form.data
+        return data.numel() * data.element_size()
 
     def bytes_per_row(self) -> float:
         """Bytes a screened row has read on average: the screen's parts, and its exact rows as stored."""
         head, st = self.head, self.stats
-        row = head.in_features + 4 * (head.scales.numel() // head.out_features)
+        if self.float_head:
+            row = head.in_features * head.stored.element_size()
+        else:
+            row = head.in_features + 4 * (head.scales.numel() // head.out_features)
         return self.nbytes() + (row * st.candidates / st.rows if st.rows else 0)
 
     def nbytes(self) -> int:
         """Bytes a screened row reads (the packed parts and the norms), not counting its candidates."""
-        return sum(t.numel() * t.element_size() for t in (self.int4.data, self.int8.data, self.norms))
+        return sum(t.numel() * t.element_size() for t in (self.main.data, self.int8.data, self.norms))
 
     def scores(self, xm: torch.Tensor, xo: torch.Tensor) -> torch.Tensor | None:
         """The screen's scores [M, V] of float32 rows x [M, K] given as its columns M and O, or None where
         a kernel declines."""
-        a = ops.packed_matvec(xm, self.int4)
+        a = ops.packed_matvec(xm, self.main)
         b = ops.packed_matvec(xo, self.int8)
         return None if a is None or b is None else a.add_(b)
 
@@ -150,7 +178,7 @@ class HeadScreen:
         rule out: those whose upper bound s + R reaches that row's floor, the lower bound s - R of its
         highest score (any row's lower bound is one; the highest score's is close to the best). ``xp``:
         x's rows with the int4 columns first. None where a score is not finite (or no kernel runs)."""
-        return ops.screen_select(xp, self.int4.k, self.margin, s, self.norms_by_kind)
+        return ops.screen_select(xp, self.main.k, self.margin, s, self.norms_by_kind)
 
     def argmax(self, x: torch.Tensor) -> list[int] | None:
         """Each row's first largest logit of the head, as the whole product finds it (rows the screen
@@ -176,16 +204,19 @@ class HeadScreen:
 
     def _argmax(self, x: torch.Tensor) -> list[int] | None:
         rows = x.shape[0]
+        if self.float_head and rows > ops.F32_MAX_ROWS:
+            return None              # the head's product for these rows is not the blocked kernel's
         s = cand = None
         if bool(torch.isfinite(x).all()):
             xp = x.index_select(1, self.order)
-            xm, xo = xp[:, :self.int4.k], xp[:, self.int4.k:]
+            xm, xo = xp[:, :self.main.k], xp[:, self.main.k:]
             s = self.scores(xm, xo)
             cand = None if s is None else self.candidates(xp, s)
         head = self.head
         exact = None
         if cand is not None and cand.numel() <= MAX_SHARE * head.out_features:
-            exact = ops.q8_pick(x, head.qweight, head.scales, cand)
+            exact = (ops.f32_pick(x, head.stored, cand) if self.float_head
+                     else ops.q8_pick(x, head.qweight, head.scales, cand))
         if exact is None:
             return None
         self.stats.rows += rows
@@ -209,8 +240,19 @@ class HeadScreen:
             log.info("head screen %s: it took %.2f of the whole head's time", "kept" if st.on else "off", share)
         return whole
 
-def _exact_rows(head: Int8Linear, lo: int, hi: int) -> torch.Tensor:
-    """Rows lo..hi of an int8 / int8g head as float64: the products of its integers and scales, exactly."""
+def _serves(head) -> bool:
+    """An int8 / int8g head on the packed kernels, or a float head in float32 or bfloat16 blocks."""
+    if isinstance(head, Int8Linear):
+        return getattr(head, "_kernel_form", None) is not None and getattr(head, "method", "") in ("int8", "int8g")
+    return (isinstance(head, Linear) and head.plan.layout == "blocked" and head.stored is not None
+            and head.stored.dtype in (torch.float32, torch.bfloat16))
+
+
+def _exact_rows(head: Int8Linear | Linear, lo: int, hi: int) -> torch.Tensor:
+    """Rows lo..hi of the head as float64: an int8 / int8g head's products of integers and scales, a float
+    head's values, exactly."""
+    if not isinstance(head, Int8Linear):
+        return head.rows(torch.arange(lo, hi)).double()
     return dequantize_int8(head.qweight[lo:hi], head.scales[lo:hi], torch.float64)
 
 

@@ -104,3 +104,49 @@ F32_PRODUCT(llmd_f32, 1, float)
 
 /* The same product over bfloat16 blocks (see above). */
 F32_PRODUCT(llmd_f32_w16, 0, uint16_t)
+
+/* ---- chosen outputs of a blocked product ------------------------------------------------------ */
+/* y[m, c] = the value llmd_f32 (wide) or llmd_f32_w16 (wide 0) gives output idx[c] of row m without a
+ * bias: each output is one lane of its block, summed by one FMA chain over k from zero, whatever the
+ * other lanes hold, so its value is computed here from that lane alone. Sixteen outputs at a time are
+ * gathered into a block of their own and summed by the same FMAs in the same order: the same bits. The
+ * head screen (llmd.runtime.formats.head_screen) scores the outputs it cannot rule out with it. */
+TARGET int llmd_f32_pick(const float *x, int M, int K, const void *w, int wide, int N, const int64_t *idx, int C,
+                         float *y, int nt) {
+    if (!llmd_cpu_ok() || M < 1 || M > F32_MAXM || K < 1 || N < 64 || N % 64 || C < 1) return -1;
+    for (int c = 0; c < C; c++)
+        if (idx[c] < 0 || idx[c] >= N) return -1;
+    const int chunks = (C + 15) / 16;
+    int failed = 0;
+    #pragma omp parallel for num_threads(nt) schedule(static) if ((size_t)C * K > (1u << 16))
+    for (int t = 0; t < chunks; t++) {
+        float *g = malloc(sizeof(float) * 16 * (size_t)K);
+        if (!g) {
+            #pragma omp atomic write
+            failed = 1;
+            continue;
+        }
+        const int c0 = 16 * t, lanes = C - c0 < 16 ? C - c0 : 16;
+        for (int j = 0; j < 16; j++) {
+            const int64_t n = idx[c0 + (j < lanes ? j : 0)];
+            const size_t at = (size_t)(n / 64) * K * 64 + (size_t)(n % 64);
+            if (wide)
+                for (int k = 0; k < K; k++) g[(size_t)k * 16 + j] = ((const float *)w)[at + (size_t)k * 64];
+            else
+                for (int k = 0; k < K; k++) {
+                    const uint32_t bits = (uint32_t)((const uint16_t *)w)[at + (size_t)k * 64] << 16;
+                    memcpy(g + (size_t)k * 16 + j, &bits, 4);
+                }
+        }
+        for (int m = 0; m < M; m++) {
+            __m512 acc = _mm512_setzero_ps();
+            for (int k = 0; k < K; k++)
+                acc = _mm512_fmadd_ps(_mm512_set1_ps(x[(size_t)m * K + k]), _mm512_loadu_ps(g + (size_t)k * 16), acc);
+            float out[16];
+            _mm512_storeu_ps(out, acc);
+            memcpy(y + (size_t)m * C + c0, out, sizeof(float) * (size_t)lanes);
+        }
+        free(g);
+    }
+    return failed ? -2 : 0;
+}

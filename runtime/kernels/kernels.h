@@ -74,6 +74,10 @@ int llmd_screen_select(const float *xp, int M, int K, int KM, float margin, cons
 /* f32.c: x [M, K] times a weight in blocks [N/64, K, 64] of float32 or (w16) bfloat16 values */
 int llmd_f32(const float *x, int M, int K, const float *w, const float *bias, float *y, int N, int nt);
 int llmd_f32_w16(const float *x, int M, int K, const uint16_t *w, const float *bias, float *y, int N, int nt);
+/* f32.c: the values llmd_f32 / llmd_f32_w16 (wide 0) give outputs idx [C] of a blocked weight of N outputs,
+ * without a bias: y [M, C] */
+int llmd_f32_pick(const float *x, int M, int K, const void *w, int wide, int N, const int64_t *idx, int C,
+                  float *y, int nt);
 /* attention.c: query rows over a float32 or bfloat16 paged KV pool */
 int llmd_attend(const float *q, const float *kpool, const float *vpool, const int32_t *row, const int32_t *span,
                 const int32_t *len, int R, const int32_t *table, int table_width, int bs, int H, int KVH, int D,

@@ -74,6 +74,23 @@ def f32_matvec(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None)
     return y if rc == 0 else None
 
 
+def f32_pick(x: torch.Tensor, blocks: torch.Tensor, idx: torch.Tensor):
+    """The values ``f32_matvec`` gives outputs ``idx`` (int64, any order) of a weight in ``f32_blocks`` layout
+    without a bias, computed from those outputs' lanes alone: float32 [M, len(idx)], or None where the
+    kernel does not take the shape."""
+    so = lib()
+    fn = getattr(so, "llmd_f32_pick", None) if so is not None else None
+    m, k = x.shape
+    if (fn is None or not 1 <= m <= F32_MAX_ROWS or x.dtype != torch.float32 or idx.numel() < 1
+            or blocks.shape[1] != k or blocks.dtype not in (torch.float32, torch.bfloat16)):
+        return None
+    x, idx = x.contiguous(), idx.to(torch.int64).contiguous()
+    y = torch.empty(m, idx.numel())
+    rc = fn(x.data_ptr(), m, k, blocks.data_ptr(), int(blocks.dtype == torch.float32), blocks.shape[0] * 64,
+            idx.data_ptr(), idx.numel(), y.data_ptr(), _threads(m, idx.numel(), k))
+    return y if rc == 0 else None
+
+
 def _ptr(t: torch.Tensor | None):
     return None if t is None else t.data_ptr()
 
