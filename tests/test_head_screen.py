@@ -223,6 +223,28 @@ def test_a_float_heads_bound_holds_and_its_tokens_are_the_whole_heads(bfloat16):
     assert screen.argmax(big) == ops.argmax(head(big)).tolist() and screen.stats.whole == 17
 
 
+def test_rows_whose_sums_could_overflow_read_the_whole_head():
+    """The bound presumes finite sums: a row near float32's largest value reads the whole head, whose
+    chain may overflow where the screen's scores do not (here output 7's sum is 0, but its float32 chain
+    overflows to infinity: the whole head's token is 7, which the screen's scores alone rule out)."""
+    k = 576
+    w = torch.zeros(4096, k)
+    w[7, :2] = torch.tensor([4e19, -4e19])
+    w[9, 0] = 1.0
+    head = Linear(k, 4096)
+    with torch.no_grad():
+        head.weight.copy_(w)
+    head.prepare()
+    screen = HeadScreen.build(head, torch.ones(k))
+    x = torch.zeros(2, k)
+    x[0, :2] = 1e19
+    x[1, 0] = 1.0
+    want = ops.argmax(ops.f32_matvec(x, head.stored, None)).tolist()
+    assert want[0] == 7
+    assert screen.argmax(x[:1]) == want[:1] and screen.stats.whole == 1 and screen.stats.rows == 0
+    assert screen.argmax(x[1:]) == want[1:] and screen.stats.rows == 1
+
+
 def test_float_heads_it_does_not_serve_get_no_screen():
     head = make_float_head(1024, 256, seed=24)
     assert HeadScreen.build(head, torch.ones(256)) is None                     # small

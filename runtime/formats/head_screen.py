@@ -20,7 +20,10 @@ from norms computed once per row and norms of x:
                roundoff times the chains' lengths: a float head's chain is as long as its row)
 
 A token whose upper bound ``screen + R`` is below the best lower bound ``max(screen - R)`` cannot be
-the argmax. The rest (tens to hundreds of the vocabulary) are scored by the head's own kernel on their
+the argmax. The bound presumes finite sums: rows whose ``max G |x|`` nears float32's largest value read
+the whole head. It is relative, so a row of subnormal weights can miss it by the subnormal steps of its
+sums, but such a row screens to 0 (``quantize_int8`` holds scales to 1e-12 or more), so only a floor
+of 1e-24 or more can rule it out, and that floor is above its logit: the token is the same. The rest (tens to hundreds of the vocabulary) are scored by the head's own kernel on their
 rows alone, which gives each row the numbers the whole product gives it (the kernel's outputs are
 computed lane by lane, whatever block holds them). So the token is the head's argmax, first index on a
 tie, and no other row or step changes it. Rows with a non-finite value, and rows whose candidates are
@@ -43,6 +46,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from llmd.runtime import kernels
 from llmd.runtime.kernels import ops
 
 from llmd.runtime.models.layers import Linear
@@ -57,6 +61,7 @@ MIN_ROWS = 4096         # smaller heads are read quickly enough whole
 CHUNK = 8192            # rows built at a time (a multiple of 16: packed blocks concatenate)
 MAX_SHARE = 0.25        # candidates beyond this share of the vocabulary: the whole head is read instead
 ROUNDING = 2.0 ** -24   # float32's unit roundoff
+FINITE = 2.0 ** 120     # rows with G |x| past this read the whole head: no sum may overflow unseen
 # Whether the screen pays is measured on the calls it serves: every TRIAL_EVERY-th of its first calls
 # (with any that read the whole head after the screen) also reads the whole head, timed back to back on
 # the same rows and checked for the same tokens; after TRIALS such pairs the screen stays on only if
@@ -87,6 +92,7 @@ class HeadScreen:
         self.main, self.int8 = main, int8
         self.float_head = not isinstance(head, Int8Linear)
         self.norms = norms                      # [V, 4] float32, rounded up: E_M, E_O, F_M, G
+        self.widest = float(norms[:, 3].max())  # the largest G: with |x| it bounds every partial sum
         self.norms_by_kind = norms.t().contiguous()     # [4, V], as the selection kernel reads them
         # the kernels' float32 sums (int4: a rounding per group in two chains; int8g: one per group; a
         # float head: one per column) and this module's own, relative to |W| |x|: each chain's count of
@@ -204,10 +210,10 @@ class HeadScreen:
 
     def _argmax(self, x: torch.Tensor) -> list[int] | None:
         rows = x.shape[0]
-        if self.float_head and rows > ops.F32_MAX_ROWS:
-            return None              # the head's product for these rows is not the blocked kernel's
+        if (self.float_head and rows > ops.F32_MAX_ROWS) or not kernels.usable(x):
+            return None              # the head's product for these rows is not the kernels'
         s = cand = None
-        if bool(torch.isfinite(x).all()):
+        if bool(torch.isfinite(x).all()) and float(x.norm(dim=1).max()) * self.widest < FINITE:
             xp = x.index_select(1, self.order)
             xm, xo = xp[:, :self.main.k], xp[:, self.main.k:]
             s = self.scores(xm, xo)
