@@ -325,6 +325,13 @@ def test_the_screen_turns_itself_off_where_it_is_not_faster_than_the_head(monkey
     assert dropped.argmax(x) is None and dropped.stats.whole == 8          # the caller reads the whole head
 
 
+def test_the_trial_is_decided_by_the_median_pair_not_by_one_slow_call():
+    fast = [(0.7e-3, 1e-3)] * 15
+    assert head_screen.median_share(fast + [(50e-3, 1e-3)]) < head_screen.KEEP_BELOW     # one stalled call
+    assert head_screen.median_share([(1e-3, 1e-3)] * 16) >= head_screen.KEEP_BELOW
+    assert head_screen.median_share(fast[:7] + [(2e-3, 1e-3)] * 9) >= head_screen.KEEP_BELOW
+
+
 def test_a_token_the_whole_head_disagrees_with_turns_the_screen_off(monkeypatch, caplog):
     head = make_head(5000, 256, seed=17)
     gamma = outlier_gamma(256, seed=18)

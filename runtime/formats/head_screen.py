@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import math
 import logging
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -65,7 +66,8 @@ FINITE = 2.0 ** 120     # rows with G |x| past this read the whole head: no sum 
 # Whether the screen pays is measured on the calls it serves: every TRIAL_EVERY-th of its first calls
 # (with any that read the whole head after the screen) also reads the whole head, timed back to back on
 # the same rows and checked for the same tokens; after TRIALS such pairs the screen stays on only if
-# its time came to under KEEP_BELOW of the head's.
+# the median pair's time came to under KEEP_BELOW of the head's (a median, so that a few pairs caught
+# by another process's spell do not decide).
 TRIALS = 16
 TRIAL_EVERY = 4
 KEEP_BELOW = 0.95
@@ -241,10 +243,15 @@ class HeadScreen:
             log.error("the head screen chose tokens %s where the whole head chose %s: screen turned off", ids, whole)
             st.on = False
         elif len(st.ratios) == TRIALS:
-            share = sum(a for a, _ in st.ratios) / max(sum(b for _, b in st.ratios), 1e-9)
+            share = median_share(st.ratios)
             st.on = share < KEEP_BELOW
             log.info("head screen %s: it took %.2f of the whole head's time", "kept" if st.on else "off", share)
         return whole
+
+def median_share(pairs: list) -> float:
+    """The trial's verdict: the median of the screen's time over the whole head's, pair by pair."""
+    return statistics.median(a / max(b, 1e-9) for a, b in pairs)
+
 
 def _serves(head) -> bool:
     """An int8 / int8g head on the packed kernels, or a float head in float32 or bfloat16 blocks."""
