@@ -42,6 +42,35 @@ static inline TARGET __attribute__((always_inline))
 void f32_block(const float *x, const int MM, int K, const void *w, const float *bias, float *y, int N,
                const void *next, int part, int parts, const int wide) {
     const int es = wide ? 4 : 2;
+#ifdef LLMD_AVX2
+    if (!wide && MM > 3 && (MM > 4 || parts > 1)) {
+        /* AVX2 has 16 registers, too few for a group's sums over the whole block (each __m512 is two):
+         * a quarter of the block (16 outputs) at a time, each row's sums in two registers and the
+         * quarter's weights in two more, so no sum waits on memory. Each output's FMAs are the same, in
+         * the same order. The first quarter's pass fetches the rest of each row for the later ones, and
+         * the next block as below. Taken where arithmetic bounds the group (bfloat16 blocks, five or
+         * six rows, or four from cache); float32 blocks and fewer rows stream faster the other way. */
+        for (int j = 0; j < 4; j++) {
+            const __m512 b = bias ? lanes_ordered(_mm512_loadu_ps(bias + 16 * j), wide) : _mm512_setzero_ps();
+            __m512 acc[F32_GROUP];
+            for (int m = 0; m < MM; m++) acc[m] = b;
+            for (int k = 0, due = part; k < K; k++) {
+                if (j == 0) {
+                    /* the rest of row k for the later quarters: the block streams in whole from memory */
+                    for (int i = 64; i < 64 * es; i += 64) _mm_prefetch((const char *)w + (size_t)k * 64 * es + i, _MM_HINT_T0);
+                    if (next && k == due) {
+                        for (int i = 0; i < 64 * es; i += 64) _mm_prefetch((const char *)next + (size_t)k * 64 * es + i, _MM_HINT_T1);
+                        due += parts;
+                    }
+                }
+                const __m512 wv = weights16(w, (size_t)k * 64 + 16 * j, wide);
+                for (int m = 0; m < MM; m++) acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(x[(size_t)m * K + k]), wv, acc[m]);
+            }
+            for (int m = 0; m < MM; m++) _mm512_storeu_ps(y + (size_t)m * N + 16 * j, lanes_ordered(acc[m], wide));
+        }
+        return;
+    }
+#endif
     __m512 acc[F32_GROUP][4];
     for (int m = 0; m < MM; m++)
         for (int j = 0; j < 4; j++) acc[m][j] = bias ? lanes_ordered(_mm512_loadu_ps(bias + 16 * j), wide) : _mm512_setzero_ps();
