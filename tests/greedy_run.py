@@ -16,7 +16,8 @@ PROMPT = "def fib(n):\n    if n < 2:\n        return n\n"
 
 
 def greedy(model: str, dtype: str) -> tuple[list[int], torch.Tensor, dict]:
-    llm = LLM(model, dtype=dtype, threads=2, kv_memory="16MiB")
+    # the whole head's logits are what is compared: no head screen (it returns tokens, not logits)
+    llm = LLM(model, dtype=dtype, threads=2, kv_memory="16MiB", head_screen=False)
     runner = llm.engine.runner
     logits, run = [], runner.run
 
