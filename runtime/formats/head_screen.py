@@ -23,13 +23,15 @@ A token whose upper bound ``screen + R`` is below the best lower bound ``max(scr
 the argmax. The bound presumes finite sums: rows whose ``max G |x|`` nears float32's largest value read
 the whole head. It is relative, so a row of subnormal weights can miss it by the subnormal steps of its
 sums, but such a row screens to 0 (``quantize_int8`` holds scales to 1e-12 or more), so only a floor
-of 1e-24 or more can rule it out, and that floor is above its logit: the token is the same. The rest (tens to hundreds of the vocabulary) are scored by the head's own kernel on their
-rows alone, which gives each row the numbers the whole product gives it (the kernel's outputs are
-computed lane by lane, whatever block holds them). So the token is the head's argmax, first index on a
-tie, and no other row or step changes it. Rows with a non-finite value, and rows whose candidates are
-too many to be worth it, take the whole head. Whether the screen pays is measured, not assumed: some
-of its first calls also time the whole head on the same rows (``TRIALS``), and it turns itself off
-where it was not faster (SmolLM2-135M's head: small, and loosely bounded).
+of 1e-24 or more can rule it out, and that floor is above its logit: the token is the same.
+
+The rest (tens to hundreds of the vocabulary) are scored by the head's own kernel on their rows alone,
+which gives each row the numbers the whole product gives it (the kernel's outputs are computed lane by
+lane, whatever block holds them). So the token is the head's argmax, first index on a tie, and no other
+row or step changes it. Rows with a non-finite value, and rows whose candidates are too many to be worth
+it, take the whole head. Whether the screen pays is measured, not assumed: some of its first calls also
+time the whole head on the same rows (``TRIALS``), and it turns itself off where it was not faster
+(SmolLM2-135M's 8-bit head under a 4-bit screen: small, and loosely bounded).
 
 Built at load (llmd.runtime.loading, setting ``head_screen``) for a tied or untied head on llmd's kernels
 (int8 / int8g, or float32 / bfloat16 blocks without a bias), run by the execution backend's
@@ -49,7 +51,6 @@ import torch
 
 from llmd.runtime import kernels
 from llmd.runtime.kernels import ops
-
 from llmd.runtime.models.layers import Linear
 
 from .quantized import FLOAT16_NORMAL, Int8Linear, dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
