@@ -138,18 +138,7 @@ static void embed_row(const llmd_product *t, int64_t id, int E, float *xr) {
     switch (t->kind) {
     case LLMD_KIND_ROWS: memcpy(xr, (const float *)t->w + row, sizeof(float) * E); break;
     case LLMD_KIND_F32:
-    case LLMD_KIND_BF16: {
-        const size_t at = (size_t)(id / 64) * E * 64 + id % 64;
-        for (int e = 0; e < E; e++) {
-            if (t->kind == LLMD_KIND_BF16) {
-                const uint32_t u = (uint32_t)((const uint16_t *)t->w)[at + (size_t)e * 64] << 16;
-                memcpy(xr + e, &u, 4);
-            } else {
-                xr[e] = ((const float *)t->w)[at + (size_t)e * 64];
-            }
-        }
-        break;
-    }
+    case LLMD_KIND_BF16: block_column(t->w, t->kind == LLMD_KIND_BF16, E, id, xr, 1); break;
     case LLMD_KIND_INT8:
         for (int e = 0; e < E; e++) xr[e] = (float)((const int8_t *)t->w)[row + e] * t->scales[id];
         break;

@@ -156,17 +156,7 @@ TARGET int llmd_f32_pick(const float *x, int M, int K, const void *w, int wide, 
             continue;
         }
         const int c0 = 16 * t, lanes = C - c0 < 16 ? C - c0 : 16;
-        for (int j = 0; j < 16; j++) {
-            const int64_t n = idx[c0 + (j < lanes ? j : 0)];
-            const size_t at = (size_t)(n / 64) * K * 64 + (size_t)(n % 64);
-            if (wide)
-                for (int k = 0; k < K; k++) g[(size_t)k * 16 + j] = ((const float *)w)[at + (size_t)k * 64];
-            else
-                for (int k = 0; k < K; k++) {
-                    const uint32_t bits = (uint32_t)((const uint16_t *)w)[at + (size_t)k * 64] << 16;
-                    memcpy(g + (size_t)k * 16 + j, &bits, 4);
-                }
-        }
+        for (int j = 0; j < 16; j++) block_column(w, !wide, K, idx[c0 + (j < lanes ? j : 0)], g + j, 16);
         for (int m = 0; m < M; m++) {
             __m512 acc = _mm512_setzero_ps();
             for (int k = 0; k < K; k++)

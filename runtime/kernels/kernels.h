@@ -114,6 +114,20 @@ int llmd_draft2(const llmd_dims *dims, const float *const *norms, const llmd_pro
 enum { LLMD_KIND_F32, LLMD_KIND_BF16, LLMD_KIND_INT8, LLMD_KIND_INT4_ROWS, LLMD_KIND_INT8G, LLMD_KIND_ROWS,
        LLMD_KIND_Q8, LLMD_KIND_Q8G, LLMD_KIND_Q4, LLMD_KIND_Q4H };
 
+/* Output n of a weight in blocks [N/64, K, 64] (f32.c): its K values, float32 or (bf16) bfloat16 widened
+ * exactly, into out[0], out[stride], ... (a tied head's token row, or one lane of the head's picked outputs). */
+static inline void block_column(const void *w, int bf16, int K, int64_t n, float *out, size_t stride) {
+    const size_t at = (size_t)(n / 64) * K * 64 + (size_t)(n % 64);
+    for (int k = 0; k < K; k++) {
+        if (bf16) {
+            const uint32_t u = (uint32_t)((const uint16_t *)w)[at + (size_t)k * 64] << 16;
+            memcpy(out + (size_t)k * stride, &u, 4);
+        } else {
+            out[(size_t)k * stride] = ((const float *)w)[at + (size_t)k * 64];
+        }
+    }
+}
+
 /* max|r| / qmax over a row of K floats (never 0, so that dividing by it is safe). */
 static inline TARGET float row_scale(const float *r, int K, float qmax) {
     __m512 mx = _mm512_setzero_ps();
