@@ -12,6 +12,7 @@
  * traffic. */
 
 #define F32_GROUP 6       /* most rows in a group (see F32_MAXM below) */
+#define F32_AHEAD 8       /* rows of a bfloat16 block fetched ahead of the one summed */
 
 /* Row k's sixteen weights j of a block: float32, or bfloat16 widened (its bits are a float32's top half). */
 static inline TARGET __attribute__((always_inline)) __m512 weights16(const void *w, size_t at, const int wide) {
@@ -75,6 +76,12 @@ void f32_block(const float *x, const int MM, int K, const void *w, const float *
     for (int m = 0; m < MM; m++)
         for (int j = 0; j < 4; j++) acc[m][j] = bias ? lanes_ordered(_mm512_loadu_ps(bias + 16 * j), wide) : _mm512_setzero_ps();
     for (int k = 0; k < K; k++) {
+        /* bfloat16 blocks in one row group: row k + F32_AHEAD fetched now (past the block's end, the
+         * start of the thread's next block), more reads in flight than the hardware's prefetch keeps,
+         * where each row's arithmetic is short; float32 rows are long enough without it */
+        if (!wide && parts == 1)
+            for (int j = 0; j < 64 * es; j += 64)
+                _mm_prefetch((const char *)w + ((size_t)k + F32_AHEAD) * 64 * es + j, _MM_HINT_T0);
         /* the next block's row k, fetched into L2 by one of this block's row groups, so memory
          * keeps streaming while the later groups compute from cache */
         if (next && k % parts == part)
