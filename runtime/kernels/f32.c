@@ -39,6 +39,56 @@ static inline TARGET __attribute__((always_inline)) __m512 lanes_ordered(__m512 
     return v;
 }
 
+/* Row k's 64 weights of a block in four vectors, and the block's outputs back in column order. AVX-512
+ * widens bfloat16 weights by one unpack per sixteen (each value under a zero half), so vector 2h holds
+ * columns 32h + {0-3, 8-11, 16-19, 24-27} and vector 2h + 1 columns 32h + {4-7, 12-15, 20-23, 28-31}:
+ * block_in puts a block's bias in that order, block_out its sums back. Elsewhere (float32 blocks, and
+ * AVX2 with its own order per vector) the vectors hold columns 16j..16j+15 as weights16 gives them. */
+static inline TARGET __attribute__((always_inline)) void block_row(const void *w, int k, const int wide, __m512 wv[4]) {
+#ifndef LLMD_AVX2
+    if (!wide) {
+        const __m512i z = _mm512_setzero_si512();
+        for (int h = 0; h < 2; h++) {
+            const __m512i v = _mm512_loadu_si512((const void *)((const uint16_t *)w + (size_t)k * 64 + 32 * h));
+            wv[2 * h] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(z, v));
+            wv[2 * h + 1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, v));
+        }
+        return;
+    }
+#endif
+    for (int j = 0; j < 4; j++) wv[j] = weights16(w, (size_t)k * 64 + 16 * j, wide);
+}
+
+static inline TARGET __attribute__((always_inline)) void block_in(const float *bias, const int wide, __m512 b[4]) {
+    for (int j = 0; j < 4; j++) b[j] = bias ? lanes_ordered(_mm512_loadu_ps(bias + 16 * j), wide) : _mm512_setzero_ps();
+#ifndef LLMD_AVX2
+    if (!wide && bias) {
+        const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+        const __m512i hi = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+        for (int h = 0; h < 2; h++) {
+            const __m512 a = b[2 * h], c = b[2 * h + 1];
+            b[2 * h] = _mm512_permutex2var_ps(a, lo, c);
+            b[2 * h + 1] = _mm512_permutex2var_ps(a, hi, c);
+        }
+    }
+#endif
+}
+
+static inline TARGET __attribute__((always_inline)) void block_out(float *y, const int wide, const __m512 acc[4]) {
+#ifndef LLMD_AVX2
+    if (!wide) {
+        const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+        const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+        for (int h = 0; h < 2; h++) {
+            _mm512_storeu_ps(y + 32 * h, _mm512_permutex2var_ps(acc[2 * h], first, acc[2 * h + 1]));
+            _mm512_storeu_ps(y + 32 * h + 16, _mm512_permutex2var_ps(acc[2 * h], second, acc[2 * h + 1]));
+        }
+        return;
+    }
+#endif
+    for (int j = 0; j < 4; j++) _mm512_storeu_ps(y + 16 * j, lanes_ordered(acc[j], wide));
+}
+
 static inline TARGET __attribute__((always_inline))
 void f32_block(const float *x, const int MM, int K, const void *w, const float *bias, float *y, int N,
                const void *next, int part, int parts, const int wide) {
@@ -72,14 +122,16 @@ void f32_block(const float *x, const int MM, int K, const void *w, const float *
         return;
     }
 #endif
-    __m512 acc[F32_GROUP][4];
+    __m512 acc[F32_GROUP][4], b[4];
+    block_in(bias, wide, b);
     for (int m = 0; m < MM; m++)
-        for (int j = 0; j < 4; j++) acc[m][j] = bias ? lanes_ordered(_mm512_loadu_ps(bias + 16 * j), wide) : _mm512_setzero_ps();
+        for (int j = 0; j < 4; j++) acc[m][j] = b[j];
     for (int k = 0; k < K; k++) {
-        /* bfloat16 blocks in one row group: row k + F32_AHEAD fetched now (past the block's end, the
-         * start of the thread's next block), more reads in flight than the hardware's prefetch keeps,
-         * where each row's arithmetic is short; float32 rows are long enough without it */
-        if (!wide && parts == 1)
+        /* bfloat16 blocks, the first row group (the one that reads the block from memory): row
+         * k + F32_AHEAD fetched now (past the block's end, the start of the thread's next block), more
+         * reads in flight than the hardware's prefetch keeps where each row's arithmetic is short;
+         * float32 rows are long enough without it */
+        if (!wide && part == 0)
             for (int j = 0; j < 64 * es; j += 64)
                 _mm_prefetch((const char *)w + ((size_t)k + F32_AHEAD) * 64 * es + j, _MM_HINT_T0);
         /* the next block's row k, fetched into L2 by one of this block's row groups, so memory
@@ -87,14 +139,13 @@ void f32_block(const float *x, const int MM, int K, const void *w, const float *
         if (next && k % parts == part)
             for (int j = 0; j < 64 * es; j += 64) _mm_prefetch((const char *)next + (size_t)k * 64 * es + j, _MM_HINT_T1);
         __m512 wv[4];
-        for (int j = 0; j < 4; j++) wv[j] = weights16(w, (size_t)k * 64 + 16 * j, wide);
+        block_row(w, k, wide, wv);
         for (int m = 0; m < MM; m++) {
             __m512 xb = _mm512_set1_ps(x[(size_t)m * K + k]);
             for (int j = 0; j < 4; j++) acc[m][j] = _mm512_fmadd_ps(xb, wv[j], acc[m][j]);
         }
     }
-    for (int m = 0; m < MM; m++)
-        for (int j = 0; j < 4; j++) _mm512_storeu_ps(y + (size_t)m * N + 16 * j, lanes_ordered(acc[m][j], wide));
+    for (int m = 0; m < MM; m++) block_out(y + (size_t)m * N, wide, acc[m]);
 }
 
 #define F32_CASE(MM) f32_block(x + (size_t)m0 * K, MM, K, (const char *)w + (size_t)b * K * 64 * es, \
