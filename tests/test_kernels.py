@@ -85,6 +85,33 @@ def test_int8_blocks_give_the_integer_forms_numbers_bit_for_bit(n):
         assert torch.equal(ops.packed_matvec(x[:m], form), ref[:m]), m
 
 
+@pytest.mark.parametrize("n,k", [(35, 576), (200, 1536), (16, 64)])
+def test_int8_rows_on_amx_give_the_vector_loops_bits(n, k):
+    """Where the CPU has AMX, int8 products of llmd_amx_min_rows rows or more take the tile unit, which forms
+    the same exact sums: every row count gives the vector loop's numbers and the integer form's, an odd
+    number of blocks (the last alone and padded) and rows past a multiple of 16 included."""
+    so = kernels.lib()
+    if not so.llmd_amx_min_rows(-1):
+        pytest.skip("no AMX on this CPU (or LLMD_AMX=0)")
+    q, s = quantize_int8(weight(n, k, n + k))
+    x = rows(150, k, 5)
+    hi, lo, sx = split16(x)
+    wt = q.long().t()
+    ref = ((hi.long() @ wt) * 256 + (lo.long() + 128) @ wt).float() * (sx * s)
+    form = ops.int8_pack(q, s)
+    before = so.llmd_amx_min_rows(-1)
+    try:
+        for m in (1, 15, 16, 17, 33, 150):
+            so.llmd_amx_min_rows(0)
+            vector = ops.packed_matvec(x[:m], form)
+            so.llmd_amx_min_rows(1)
+            tiles = ops.packed_matvec(x[:m], form)
+            assert torch.equal(tiles, vector), m
+            assert torch.equal(tiles, ref[:m]), m
+    finally:
+        so.llmd_amx_min_rows(before)
+
+
 @pytest.mark.parametrize("k", [1472, 4800])
 def test_int8_sums_past_float32_precision_are_rounded_once(k):
     """Where sum w xi needs more than float32's 24 bits (a long row of weights and x at their largest, as
@@ -454,7 +481,7 @@ def test_every_entry_point_is_declared_once_in_the_header_and_bound_by_it():
         assert set(re.findall(r" T (llmd_\w+)$", symbols, re.M)) == declared
     for source in kernels._SOURCES:
         assert not re.search(r"^\s*(?:int|void) llmd_\w+\([^{]*?\);", source.read_text(), re.M), source.name
-    assert len(declared) == 22
+    assert len(declared) == 23
     for name in declared:
         assert getattr(so, name).argtypes is not None, name
     assert so.llmd_q4_pack.restype is ctypes.c_int and so.llmd_rmsnorm.restype is ctypes.c_int

@@ -58,6 +58,7 @@ int llmd_q8_pack(const int8_t *w, const float *s, int N, int K, int G, uint8_t *
 int llmd_q4_pack(const uint8_t *q, const float *s, const float *off, int N, int K, int G, uint8_t *out);
 int llmd_q4h_pack(const uint8_t *q, const uint16_t *s, const uint16_t *z, int N, int K, int G, uint8_t *out);
 int llmd_q8_x(const float *x, int M, int K, int G, const uint8_t *w, float *y, int N, int nt);
+int llmd_amx_min_rows(int rows);
 int llmd_q4_x(const float *x, int M, int K, int G, const uint8_t *w, float *y, int N, int nt);
 int llmd_q4h_x(const float *x, int M, int K, int G, const uint8_t *w, float *y, int N, int nt);
 int llmd_w8a8_x(const float *x, int M, int K, const int8_t *w, const float *s, const float *bias, float *y, int N,

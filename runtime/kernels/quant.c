@@ -195,7 +195,9 @@ TARGET int llmd_q4h_pack(const uint8_t *q, const uint16_t *s, const uint16_t *z,
 /* x float32 [M, K] -> xhl int8 [M, K/4, 8] (per 4 columns their hi bytes, then their lo - 128; AVX2:
  * xi itself, int16 [M, K] in column order), sx [M],
  * and per 64 columns the sums of hi and of lo - 128 (int32 [M, K/64, 2]); xi and its split as llmd.runtime.formats.quantized.split16 makes them. */
-static TARGET void x16_split(const float *x, int M, int K, int8_t *xhl, int32_t *sums, float *sx) {
+static TARGET void x16_split(const float *x, int M, int K, int8_t *xhl, int32_t *sums, float *sx, int8_t *tiles,
+                             int nt) {
+    #pragma omp parallel for num_threads(nt) schedule(static) if (M >= 16 && nt > 1)
     for (int m = 0; m < M; m++) {
         const float *r = x + (size_t)m * K;
         const float scale = sx[m] = row_scale(r, K, 32767.f);
@@ -212,9 +214,15 @@ static TARGET void x16_split(const float *x, int M, int K, int8_t *xhl, int32_t 
                 int8_t *to = xhl + 2 * ((size_t)m * K + k + 16 * j);
 #ifndef LLMD_AVX2
                 const __m128i hb = _mm512_cvtepi32_epi8(h), lb = _mm512_cvtepi32_epi8(l);
+                if (tiles) {        /* AMX: high bytes [MP, K], then low bytes [MP, K] (amx_q8) */
+                    _mm_storeu_si128((__m128i *)(tiles + (size_t)m * K + k + 16 * j), hb);
+                    _mm_storeu_si128((__m128i *)(tiles + ((size_t)(M + 15) / 16 * 16 + m) * K + k + 16 * j), lb);
+                    continue;
+                }
                 _mm_storeu_si128((__m128i *)to, _mm_unpacklo_epi32(hb, lb));
                 _mm_storeu_si128((__m128i *)(to + 16), _mm_unpackhi_epi32(hb, lb));
 #else
+                (void)tiles;
                 /* AVX2: xi itself, in column order (q8w_run reads four columns at a time) */
                 _mm256_storeu_si256((__m256i *)to, _mm512_cvtepi32_epi16(q));
 #endif
@@ -254,6 +262,23 @@ static inline TARGET __attribute__((always_inline)) __m512 q8_round(__m512d lo, 
 }
 
 #ifndef LLMD_AVX2
+/* One row's sixteen outputs of an int8 block (blk) from its exact sums AH = sum (w + 128) hi and
+ * AL = sum (w + 128) (lo - 128): H = AH - cx[0] and L = AL - cx[1] + the block's 128 sum w, then
+ * q8_round(256 H + L) times the row's and the outputs' scales (the vector loop and the AMX path alike). */
+static inline TARGET __attribute__((always_inline))
+void q8_out(__m512i ah, __m512i al, const int32_t *cx, float sx, const uint8_t *blk, float *y, __mmask16 keep) {
+    const __m512i wsum = _mm512_loadu_si512((const void *)blk);
+    const __m512 s = _mm512_loadu_ps((const float *)(blk + 64));
+    const __m512d k256 = _mm512_set1_pd(256.0);
+    const __m512i h = _mm512_sub_epi32(ah, _mm512_set1_epi32(cx[0]));
+    const __m512i l = _mm512_add_epi32(_mm512_sub_epi32(al, _mm512_set1_epi32(cx[1])), wsum);
+    const __m512d lo = _mm512_add_pd(_mm512_mul_pd(_mm512_cvtepi32_pd(_mm512_castsi512_si256(h)), k256),
+                                     _mm512_cvtepi32_pd(_mm512_castsi512_si256(l)));
+    const __m512d hi = _mm512_add_pd(_mm512_mul_pd(_mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(h, 1)), k256),
+                                     _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(l, 1)));
+    _mm512_mask_storeu_ps(y, keep, _mm512_mul_ps(q8_round(lo, hi), _mm512_mul_ps(_mm512_set1_ps(sx), s)));
+}
+
 /* MM rows of x (xhl at stride 2 K: per 4 columns their four hi bytes, then the four lo - 128) times
  * block blk, PH sums per row and part taken in turn over the steps (independent chains for few rows;
  * exact, so the split changes nothing): y[m, 0..15] at stride N, the lanes of keep. */
@@ -286,19 +311,7 @@ void q8_tile(const int8_t *xhl, const int32_t *cx, const float *sx, const int MM
     __m512i ah[8][4], al[8][4];
     if (ahead) q_prefetch_head(blk + ahead, 128);
     q8_steps(xhl, MM, PH, K, 0, K / 4, blk + 128, ahead, ah, al);
-    const __m512i wsum = _mm512_loadu_si512((const void *)blk);
-    const __m512 s = _mm512_loadu_ps((const float *)(blk + 64));
-    const __m512d k256 = _mm512_set1_pd(256.0);
-    for (int m = 0; m < MM; m++) {
-        const __m512i h = _mm512_sub_epi32(ah[m][0], _mm512_set1_epi32(cx[2 * m]));
-        const __m512i l = _mm512_add_epi32(_mm512_sub_epi32(al[m][0], _mm512_set1_epi32(cx[2 * m + 1])), wsum);
-        const __m512d lo = _mm512_add_pd(_mm512_mul_pd(_mm512_cvtepi32_pd(_mm512_castsi512_si256(h)), k256),
-                                         _mm512_cvtepi32_pd(_mm512_castsi512_si256(l)));
-        const __m512d hi = _mm512_add_pd(_mm512_mul_pd(_mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(h, 1)), k256),
-                                         _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(l, 1)));
-        _mm512_mask_storeu_ps(y + (size_t)m * N, keep,
-                              _mm512_mul_ps(q8_round(lo, hi), _mm512_mul_ps(_mm512_set1_ps(sx[m]), s)));
-    }
+    for (int m = 0; m < MM; m++) q8_out(ah[m][0], al[m][0], cx + 2 * m, sx[m], blk, y + (size_t)m * N, keep);
 }
 
 static inline TARGET __attribute__((always_inline))
@@ -602,18 +615,138 @@ static TARGET void x8_blocks(const float *x, int M, int K, int G, int8_t *xq, fl
 /* The most rows the entry points take (prompts included). */
 #define MANY_MAX_ROWS 8192
 
+/* ---- int8 prompt rows on AMX ---------------------------------------------------------------- */
+/* Where the CPU has AMX (tiles, int8) and the kernel lets this process use its tile registers, int8
+ * products of many rows (prompts) take the tile unit: an int8 block's weight steps (64 bytes: 16
+ * outputs by 4 columns, w + 128) are already a tile of the unit's right-hand layout, sixteen steps a
+ * 64-column tile; x's high bytes and its low bytes - 128 are the left-hand tiles, 16 rows by 64 columns.
+ * tdpbsud forms the same exact integer sums H and L as the vpdpbusd loop (signed x bytes times unsigned
+ * weights, summed in 32 bits), and the same q8_tile arithmetic turns them into y: the same bits from
+ * either path, whatever the row count, so the choice changes nothing a row computes.
+ * llmd_amx_min_rows sets the fewest rows that take it (0 keeps the vector loop; a negative value only
+ * asks) and returns the setting in force, 0 where AMX is not available. */
+#ifndef LLMD_AVX2
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,amx-tile,amx-int8")))
+
+static int amx_usable(void) {
+    static int ok = -1;
+    if (ok < 0) {
+        unsigned a, b, c, d;
+        __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+        const char *off = getenv("LLMD_AMX");                              /* LLMD_AMX=0: never */
+        const int has = llmd_cpu_ok() && (d >> 24 & 1) && (d >> 25 & 1) && !(off && !strcmp(off, "0"));
+        /* Linux hands out the tile state on request: ARCH_REQ_XCOMP_PERM (0x1023), XTILEDATA (18) */
+        ok = has && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    }
+    return ok;
+}
+
+static int amx_min_rows = 16;
+
+int llmd_amx_min_rows(int rows) {
+    if (!amx_usable()) return 0;
+    if (rows >= 0) amx_min_rows = rows;
+    return amx_min_rows;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config;
+
+/* y [M, N] for int8 (G 0) weight w from x's tiles xh, xl [MP, K]; cx, sx as q8_tile takes them. Blocks
+ * two at a time against 16 rows: tiles 0-3 the sums (high, low) of each block, 4-5 x's, 6-7 the blocks'. */
+static AMX_TARGET void amx_q8(const int8_t *xh, const int8_t *xl, const int32_t *cx, const float *sx, int M, int MP,
+                              int K, const uint8_t *w, size_t bytes, float *y, int N, int nt) {
+    const int nblocks = (N + QB - 1) / QB, pairs = (nblocks + 1) / 2;
+    #pragma omp parallel num_threads(nt)
+    {
+        amx_config cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette = 1;
+        for (int t = 0; t < 8; t++) {
+            cfg.rows[t] = 16;
+            cfg.colsb[t] = 64;
+        }
+        _tile_loadconfig(&cfg);
+        int32_t c[4][16][16] __attribute__((aligned(64)));
+        #pragma omp for schedule(static)
+        for (int p = 0; p < pairs; p++) {
+            const int b = 2 * p, both = b + 1 < nblocks;
+            const uint8_t *b0 = w + (size_t)b * bytes, *b1 = b0 + bytes;
+            for (int m0 = 0; m0 < MP; m0 += 16) {
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int k = 0; k < K; k += 64) {
+                    _tile_loadd(4, xh + (size_t)m0 * K + k, K);
+                    _tile_loadd(5, xl + (size_t)m0 * K + k, K);
+                    _tile_loadd(6, b0 + 128 + (size_t)k * 16, 64);
+                    _tile_dpbsud(0, 4, 6);
+                    _tile_dpbsud(1, 5, 6);
+                    if (both) {
+                        _tile_loadd(7, b1 + 128 + (size_t)k * 16, 64);
+                        _tile_dpbsud(2, 4, 7);
+                        _tile_dpbsud(3, 5, 7);
+                    }
+                }
+                _tile_stored(0, c[0], 64);
+                _tile_stored(1, c[1], 64);
+                _tile_stored(2, c[2], 64);
+                _tile_stored(3, c[3], 64);
+                for (int j = 0; j < 1 + both; j++) {
+                    const __mmask16 keep = N - QB * (b + j) >= QB ? 0xFFFF : (__mmask16)((1u << (N - QB * (b + j))) - 1);
+                    for (int r = 0; r < 16 && m0 + r < M; r++)
+                        q8_out(_mm512_load_si512((const void *)c[2 * j][r]), _mm512_load_si512((const void *)c[2 * j + 1][r]),
+                               cx + 2 * (m0 + r), sx[m0 + r], b0 + j * bytes, y + (size_t)(m0 + r) * N + QB * (b + j), keep);
+                }
+            }
+        }
+        _tile_release();
+    }
+}
+#else
+int llmd_amx_min_rows(int rows) {
+    (void)rows;
+    return 0;
+}
+#endif
+
 /* x [M, K] times a packed int8 (G = 0) or int8g (G: 64, 128, 256) weight of N outputs -> y [M, N]. */
 TARGET int llmd_q8_x(const float *x, int M, int K, int G, const uint8_t *w, float *y, int N, int nt) {
     const int groups = q8_groups(K, G);
     if (!llmd_cpu_ok() || !groups || M < 1 || M > MANY_MAX_ROWS || N < 1) return -1;
     const int per_row = G ? groups : 2;
-    int8_t *xhl = scratch_for((size_t)M * K * 2 + (size_t)M * (K / 64) * 8 + (size_t)M * per_row * 4 + (size_t)M * 4);
+#ifndef LLMD_AVX2
+    const int MP = !G && amx_min_rows && M >= amx_min_rows && amx_usable() ? (M + 15) / 16 * 16 : 0;
+#else
+    const int MP = 0;
+#endif
+    const size_t head = (size_t)M * K * 2 + (size_t)M * (K / 64) * 8 + (size_t)M * per_row * 4 + (size_t)M * 4;
+    int8_t *xhl = scratch_for((head + 63) / 64 * 64 + (size_t)MP * K * 2);
     if (!xhl) return -2;
     int32_t *sums = (int32_t *)(xhl + 2 * (size_t)M * K), *cx = sums + (size_t)M * (K / 64) * 2;
     float *sx = (float *)(cx + (size_t)M * per_row);
-    x16_split(x, M, K, xhl, sums, sx);
+    /* AMX: x's tiles after the rest, at a line boundary, rows past M zero */
+    int8_t *tiles = MP ? xhl + (head + 63) / 64 * 64 : 0;
+    if (MP > M) {
+        memset(tiles + (size_t)M * K, 0, (size_t)(MP - M) * K);
+        memset(tiles + (size_t)(MP + M) * K, 0, (size_t)(MP - M) * K);
+    }
+    x16_split(x, M, K, xhl, sums, sx, tiles, nt);
     x16_corrections(sums, M, K, G, cx);
     const size_t bytes = q_block_bytes(K, groups, 0, 4);
+#ifndef LLMD_AVX2
+    if (MP) {
+        amx_q8(tiles, tiles + (size_t)MP * K, cx, sx, M, MP, K, w, bytes, y, N, nt);
+        return 0;
+    }
+#endif
     if (G) {
         Q_ROWS(8, Q8G_TILE);
     } else {
