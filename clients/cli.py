@@ -341,7 +341,9 @@ def format_status(s: dict) -> str:
         f"prefix hits:  {_pct(e.get('prefix_hit_rate'))}",
         f"spec accept:  {_pct(acceptance)}",
         *([f"head screen:  {_screen(e)}"] if "head_screen_on" in e else []),
-        *([f"cpu kernels:  {_kernels(e['cpu_kernels'])}"] if "cpu_kernels" in e else []),
+        *([f"cpu kernels:  {_kernels(e['cpu_kernels'])}"
+           + (f", AMX for int8 products of {e['cpu_amx_rows']} rows or more" if e.get("cpu_amx_rows") else "")]
+          if "cpu_kernels" in e else []),
         f"ttft ms:      {row('ttft')}   (p50 / p90 / p99)",
         f"e2e ms:       {row('e2e')}",
         f"finished:     {', '.join(f'{k} {v}' for k, v in sorted(s.get('finished', {}).items())) or 'none'}",

@@ -439,10 +439,13 @@ class Engine:
         }
 
     def _kernel_stats(self) -> dict:
-        """Which of llmd's CPU kernel libraries the cpu backend runs: avx512, avx2, or none (torch's ops)."""
+        """Which of llmd's CPU kernel libraries the cpu backend runs: avx512, avx2, or none (torch's ops);
+        and from how many rows its int8 products take AMX's tile unit (0: never)."""
         if not hasattr(self.runner.execution, "kernels"):
             return {}
-        return {"cpu_kernels": kernels.variant() if self.runner.execution.kernels else "none"}
+        on = self.runner.execution.kernels
+        return {"cpu_kernels": kernels.variant() if on else "none",
+                "cpu_amx_rows": kernels.lib().llmd_amx_min_rows(-1) if on else 0}
 
     def _screen_stats(self) -> dict:
         """The head screen's counters: greedy rows it served, the head rows it scored exactly per row,
