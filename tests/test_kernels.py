@@ -217,6 +217,28 @@ def test_float16_int4_blocks_give_the_float32_blocks_numbers_bit_for_bit(group, 
         assert torch.equal(ops.packed_matvec(x[:m], half), ops.packed_matvec(x[:m], full)), m
 
 
+@pytest.mark.parametrize("group,k,n", [(32, 896, 200), (64, 576, 35), (128, 1024, 48), (256, 512, 16)])
+def test_int4_rows_on_amx_give_the_vector_loops_bits(group, k, n):
+    """Where the CPU has AMX, int4 products of llmd_amx_min_rows rows or more take the tile unit for each
+    run's exact sums and follow them with the vector loop's float arithmetic in its order: the same bits,
+    float16 and float32 blocks, at any row count."""
+    so = kernels.lib()
+    if not so.llmd_amx_min_rows(-1):
+        pytest.skip("no AMX on this CPU (or LLMD_AMX=0)")
+    q, s, z = quantize_int4(weight(n, k, n + group), group, False)
+    x = rows(150, k, group + 1)
+    before = so.llmd_amx_min_rows(-1)
+    try:
+        for form in (ops.int4_pack(q, s, z, group), ops.int4_pack(q, s, z, group, half=False)):
+            for m in (1, 16, 17, 150):
+                so.llmd_amx_min_rows(0)
+                vector = ops.packed_matvec(x[:m], form)
+                so.llmd_amx_min_rows(1)
+                assert torch.equal(ops.packed_matvec(x[:m], form), vector), (form.half, m)
+    finally:
+        so.llmd_amx_min_rows(before)
+
+
 def test_int4_scales_or_zeros_off_float16_keep_float32_blocks():
     """One scale or zero that float16 does not hold (a finer value, past its range, infinite) keeps the
     whole weight in the float32 blocks: the numbers never change."""

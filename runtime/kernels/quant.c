@@ -623,6 +623,9 @@ static TARGET void x8_blocks(const float *x, int M, int K, int G, int8_t *xq, fl
  * tdpbsud forms the same exact integer sums H and L as the vpdpbusd loop (signed x bytes times unsigned
  * weights, summed in 32 bits), and the same q8_tile arithmetic turns them into y: the same bits from
  * either path, whatever the row count, so the choice changes nothing a row computes.
+ * int4 and q4h products take it too (amx_q4), from twice as many rows and 512 columns: their float
+ * arithmetic per group of columns stays as it was, so the tile unit gains less there, and nothing at 16
+ * rows or on narrow inputs.
  * llmd_amx_min_rows sets the fewest rows that take it (0 keeps the vector loop; a negative value only
  * asks) and returns the setting in force, 0 where AMX is not available. */
 #ifndef LLMD_AVX2
@@ -710,6 +713,97 @@ static AMX_TARGET void amx_q8(const int8_t *xh, const int8_t *xl, const int32_t 
         _tile_release();
     }
 }
+/* y [M, N] for an int4 (h16 0) or q4h (h16 1) weight from xq [MP, K] (rows past M zero), sx, xs as
+ * q4_tile takes them. Each run's exact sums d come from the tile unit (tdpbsud: x's bytes times the
+ * weights' nibbles, widened into bt once per block), and q4_tile's float arithmetic follows in its
+ * order: acc over the runs for 16 rows at a time, then oac over the groups from the offsets o (formed
+ * once per block), then acc + oac: the same bits as q4_tile. 0, or -2 where a thread's buffers could
+ * not be had. */
+static AMX_TARGET int amx_q4(const int8_t *xq, const float *sx, const float *xs, int M, int MP, int K, int G,
+                             const uint8_t *w, size_t bytes, float *y, int N, int nt, const int h16) {
+    const int groups = K / G, nb = (K + 127) / 128, run = G < 128 ? G : 128, kc = run < 64 ? run : 64;
+    const int es = h16 ? 2 : 4, nblocks = (N + QB - 1) / QB;
+    const size_t part = (size_t)16 * es * groups;
+    int failed = 0;
+    #pragma omp parallel num_threads(nt)
+    {
+        uint8_t *bt = aligned_alloc(64, (size_t)K * 16 + (size_t)groups * 64);
+        float *ob = (float *)(bt + (size_t)K * 16);
+        if (!bt) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        amx_config cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette = 1;
+        for (int t = 0; t < 2; t++) {               /* two runs in flight: sums 0-1, x 2-3, weights 4-5 */
+            cfg.rows[t] = cfg.rows[2 + t] = 16;
+            cfg.colsb[t] = 64;
+            cfg.colsb[2 + t] = kc;                  /* x: 16 rows by kc columns */
+            cfg.rows[4 + t] = kc / 4;               /* weights: kc columns, four to a row of 64 bytes */
+            cfg.colsb[4 + t] = 64;
+        }
+        _tile_loadconfig(&cfg);
+        int32_t c[2][16][16] __attribute__((aligned(64)));
+        #pragma omp for schedule(static)
+        for (int b = 0; b < nblocks; b++) {
+            if (!bt) continue;
+            const uint8_t *blk = w + (size_t)b * bytes, *q = blk + 2 * part;
+            const __m512i nib = _mm512_set1_epi8(0x0F);
+            for (int i = 0; i < K / 8; i++) {       /* step i's low nibbles: row 2i; its high ones: 2i + 1 */
+                const __m512i v = _mm512_loadu_si512((const void *)(q + (size_t)i * 64));
+                _mm512_store_si512((void *)(bt + (size_t)i * 128), _mm512_and_si512(v, nib));
+                _mm512_store_si512((void *)(bt + (size_t)i * 128 + 64), _mm512_and_si512(_mm512_srli_epi16(v, 4), nib));
+            }
+            for (int g = 0; g < groups; g++) {
+                const __m512 sg = q4_head(blk + (size_t)es * QB * g, h16), z = q4_head(blk + part + (size_t)es * QB * g, h16);
+                _mm512_store_ps(ob + (size_t)g * 16, h16 ? _mm512_fnmadd_ps(_mm512_set1_ps(8.f), sg, z) : z);   /* z - 8 s */
+            }
+            const __mmask16 keep = N - QB * b >= QB ? 0xFFFF : (__mmask16)((1u << (N - QB * b)) - 1);
+            for (int m0 = 0; m0 < MP; m0 += 16) {
+                __m512 acc[16];
+                for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
+                for (int c0 = 0; c0 < K; c0 += 2 * run) {
+                    const int two = c0 + run < K;
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    for (int k = 0; k < run; k += kc) {
+                        _tile_loadd(2, xq + (size_t)m0 * K + c0 + k, K);
+                        _tile_loadd(4, bt + (size_t)(c0 + k) * 16, 64);
+                        _tile_dpbsud(0, 2, 4);
+                        if (two) {
+                            _tile_loadd(3, xq + (size_t)m0 * K + c0 + run + k, K);
+                            _tile_loadd(5, bt + (size_t)(c0 + run + k) * 16, 64);
+                            _tile_dpbsud(1, 3, 5);
+                        }
+                    }
+                    _tile_stored(0, c[0], 64);
+                    _tile_stored(1, c[1], 64);
+                    for (int h = 0; h < 1 + two; h++) {
+                        const int cc = c0 + h * run;
+                        const __m512 sg = q4_head(blk + (size_t)es * QB * (cc / G), h16);
+                        for (int r = 0; r < 16; r++) {
+                            const int m = m0 + r < M ? m0 + r : M - 1;       /* padding rows: any scale */
+                            const __m512 bs = _mm512_set1_ps(sx[(size_t)m * nb + cc / 128]);
+                            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512((const void *)c[h][r])),
+                                                     _mm512_mul_ps(sg, bs), acc[r]);
+                        }
+                    }
+                }
+                for (int r = 0; r < 16 && m0 + r < M; r++) {
+                    const float *xr = xs + (size_t)(m0 + r) * groups;
+                    __m512 oac = _mm512_setzero_ps();
+                    for (int g = 0; g < groups; g++)
+                        oac = _mm512_fmadd_ps(_mm512_load_ps(ob + (size_t)g * 16), _mm512_set1_ps(xr[g]), oac);
+                    _mm512_mask_storeu_ps(y + (size_t)(m0 + r) * N + QB * b, keep, _mm512_add_ps(acc[r], oac));
+                }
+            }
+        }
+        _tile_release();
+        free(bt);
+    }
+    return failed ? -2 : 0;
+}
 #else
 int llmd_amx_min_rows(int rows) {
     (void)rows;
@@ -761,12 +855,24 @@ static TARGET int q4_x(const float *x, int M, int K, int G, const uint8_t *w, fl
     const int groups = q4_groups(K, G);
     if (!llmd_cpu_ok() || !groups || M < 1 || M > MANY_MAX_ROWS || N < 1) return -1;
     const int nb = (K + 127) / 128;
-    float *sx = scratch_for((size_t)M * nb * 4 + (size_t)M * groups * 4 + (size_t)M * K + 64);
+#ifndef LLMD_AVX2
+    const int tiles = amx_min_rows && M >= 2 * amx_min_rows && K >= 512 && amx_usable();
+#else
+    const int tiles = 0;
+#endif
+    const int MP = tiles ? (M + 15) / 16 * 16 : M;
+    float *sx = scratch_for((size_t)M * nb * 4 + (size_t)M * groups * 4 + (size_t)MP * K + 64);
     if (!sx) return -2;
     float *xs = sx + (size_t)M * nb;
     int8_t *xq = (int8_t *)(xs + (size_t)M * groups);
     x8_blocks(x, M, K, G, xq, sx, xs);
     const size_t bytes = q_block_bytes(K, groups, 1, h16 ? 2 : 4);
+#ifndef LLMD_AVX2
+    if (tiles) {
+        memset(xq + (size_t)M * K, 0, (size_t)(MP - M) * K);         /* rows past M as zeros */
+        return amx_q4(xq, sx, xs, M, MP, K, G, w, bytes, y, N, nt, h16);
+    }
+#endif
     if (h16) {
         Q_ROWS(6, Q4H_TILE);
     } else {
