@@ -465,7 +465,7 @@ def test_llmd_status_names_the_cpu_kernels_the_engine_runs(tiny_model_dir):
     assert {"avx512": "AVX-512", "avx2": "AVX2", "none": "torch's ops"}[stats["cpu_kernels"]] in line
     amx = kernels.lib().llmd_amx_min_rows(-1) if kernels.available() else 0
     assert stats["cpu_amx_rows"] == amx
-    assert (f"AMX for int8 products of {amx} rows or more" in line) == (amx > 0)
+    assert (f"AMX for int8 products of {amx} rows or more (int4: {2 * amx})" in line) == (amx > 0)
 
 
 def test_a_client_that_stops_reading_is_dropped(tiny_model_dir, tmp_path):
