@@ -628,7 +628,15 @@ static TARGET void x8_blocks(const float *x, int M, int K, int G, int8_t *xq, fl
  * rows or on narrow inputs.
  * llmd_amx_min_rows sets the fewest rows that take it (0 keeps the vector loop; a negative value only
  * asks) and returns the setting in force, 0 where AMX is not available. */
-#ifndef LLMD_AVX2
+/* The compiler must know AMX's operations (GCC 11, Clang 12 and newer); older ones build the library
+ * without this path. */
+#if !defined(LLMD_AVX2) && !defined(LLMD_NO_AMX) && defined(__has_include)
+#if __has_include(<amxtileintrin.h>) || __has_include(<amxintrin.h>)
+#define LLMD_AMX 1
+#endif
+#endif
+
+#ifdef LLMD_AMX
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -816,7 +824,7 @@ TARGET int llmd_q8_x(const float *x, int M, int K, int G, const uint8_t *w, floa
     const int groups = q8_groups(K, G);
     if (!llmd_cpu_ok() || !groups || M < 1 || M > MANY_MAX_ROWS || N < 1) return -1;
     const int per_row = G ? groups : 2;
-#ifndef LLMD_AVX2
+#ifdef LLMD_AMX
     const int MP = !G && amx_min_rows && M >= amx_min_rows && amx_usable() ? (M + 15) / 16 * 16 : 0;
 #else
     const int MP = 0;
@@ -835,7 +843,7 @@ TARGET int llmd_q8_x(const float *x, int M, int K, int G, const uint8_t *w, floa
     x16_split(x, M, K, xhl, sums, sx, tiles, nt);
     x16_corrections(sums, M, K, G, cx);
     const size_t bytes = q_block_bytes(K, groups, 0, 4);
-#ifndef LLMD_AVX2
+#ifdef LLMD_AMX
     if (MP) {
         amx_q8(tiles, tiles + (size_t)MP * K, cx, sx, M, MP, K, w, bytes, y, N, nt);
         return 0;
@@ -855,7 +863,7 @@ static TARGET int q4_x(const float *x, int M, int K, int G, const uint8_t *w, fl
     const int groups = q4_groups(K, G);
     if (!llmd_cpu_ok() || !groups || M < 1 || M > MANY_MAX_ROWS || N < 1) return -1;
     const int nb = (K + 127) / 128;
-#ifndef LLMD_AVX2
+#ifdef LLMD_AMX
     const int tiles = amx_min_rows && M >= 2 * amx_min_rows && K >= 512 && amx_usable();
 #else
     const int tiles = 0;
@@ -867,7 +875,7 @@ static TARGET int q4_x(const float *x, int M, int K, int G, const uint8_t *w, fl
     int8_t *xq = (int8_t *)(xs + (size_t)M * groups);
     x8_blocks(x, M, K, G, xq, sx, xs);
     const size_t bytes = q_block_bytes(K, groups, 1, h16 ? 2 : 4);
-#ifndef LLMD_AVX2
+#ifdef LLMD_AMX
     if (tiles) {
         memset(xq + (size_t)M * K, 0, (size_t)(MP - M) * K);         /* rows past M as zeros */
         return amx_q4(xq, sx, xs, M, MP, K, G, w, bytes, y, N, nt, h16);
