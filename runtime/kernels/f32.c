@@ -12,7 +12,7 @@
  * traffic. */
 
 #define F32_GROUP 6       /* most rows in a group (see F32_MAXM below) */
-#define F32_AHEAD 8       /* rows of a bfloat16 block fetched ahead of the one summed */
+#define F32_AHEAD 48      /* rows of a bfloat16 block fetched ahead of the one summed */
 
 /* Row k's sixteen weights j of a block: float32, or bfloat16 widened (its bits are a float32's top half). */
 static inline TARGET __attribute__((always_inline)) __m512 weights16(const void *w, size_t at, const int wide) {
