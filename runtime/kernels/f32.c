@@ -155,8 +155,9 @@ void f32_block(const float *x, const int MM, int K, const void *w, const float *
  * from cache for the later groups (verification of a few proposals, small batches). Where fours would
  * leave a group of one or two rows, whose sums wait on each FMA's latency, the rows are shared out
  * over one group fewer, of five or six: five rows (four proposals verified) take 0.81x the time of
- * four and one, nine rows 0.90x (`bench/bench_kernels.py --products 5,9`; the same sums: each row's
- * order over k is unchanged). */
+ * four and one, nine rows 0.90x (`bench/bench_kernels.py --products 5,9`). From eleven rows the groups
+ * are of five or six: fewer passes over the block, and each bfloat16 weight widened for more rows
+ * (sixteen rows in three groups, not four). The same sums: each row's order over k is unchanged. */
 #define F32_MAXM 16
 
 /* The product for one storage (wide: float32 blocks), as its own function so that each has its own
@@ -165,7 +166,8 @@ void f32_block(const float *x, const int MM, int K, const void *w, const float *
 TARGET int NAME(const float *x, int M, int K, const WTYPE *w, const float *bias, float *y, int N, int nt) { \
     const int wide = WIDE; \
     if (!llmd_cpu_ok() || M < 1 || M > F32_MAXM || N % 64) return -1; \
-    const int groups = (M + 3) / 4 - (M > 4 && (M % 4 == 1 || M % 4 == 2)), nb = N / 64, es = wide ? 4 : 2; \
+    const int groups = M >= 11 ? (M + 5) / 6 : (M + 3) / 4 - (M > 4 && (M % 4 == 1 || M % 4 == 2)); \
+    const int nb = N / 64, es = wide ? 4 : 2; \
     _Pragma("omp parallel for num_threads(nt) schedule(static)") \
     for (int b = 0; b < nb; b++) { \
         /* with several row groups a block is computed more than once from cache: the groups fetch \
