@@ -96,6 +96,11 @@ static void *scratch_for(size_t bytes) {
 #define QB 16                /* outputs per block */
 #define Q_CHUNK 64           /* rows of x per pass over the weights (their x stays in cache) */
 
+/* The lanes of block b (16 outputs from 16 b) that hold outputs below N. */
+static inline __mmask16 q_keep(int N, int b) {
+    return N - QB * b >= QB ? 0xFFFF : (__mmask16)((1u << (N - QB * b)) - 1);
+}
+
 /* Bytes of a block: its head (A and B, es bytes a value: 4, or 2 for q4h) and its weight steps. */
 static size_t q_block_bytes(int K, int groups, int nibbles, int es) {
     return (size_t)32 * es * groups + (size_t)(nibbles ? 8 : 16) * K;
@@ -195,8 +200,8 @@ TARGET int llmd_q4h_pack(const uint8_t *q, const uint16_t *s, const uint16_t *z,
 /* x float32 [M, K] -> xhl int8 [M, K/4, 8] (per 4 columns their hi bytes, then their lo - 128; AVX2:
  * xi itself, int16 [M, K] in column order), sx [M],
  * and per 64 columns the sums of hi and of lo - 128 (int32 [M, K/64, 2]); xi and its split as llmd.runtime.formats.quantized.split16 makes them. */
-static TARGET void x16_split(const float *x, int M, int K, int8_t *xhl, int32_t *sums, float *sx, int8_t *tiles,
-                             int nt) {
+static TARGET void x16_split(const float *x, int M, int K, int8_t *xhl, int32_t *sums, float *sx, int8_t *xh,
+                             int8_t *xl, int nt) {
     #pragma omp parallel for num_threads(nt) schedule(static) if (M >= 16 && nt > 1)
     for (int m = 0; m < M; m++) {
         const float *r = x + (size_t)m * K;
@@ -214,15 +219,16 @@ static TARGET void x16_split(const float *x, int M, int K, int8_t *xhl, int32_t 
                 int8_t *to = xhl + 2 * ((size_t)m * K + k + 16 * j);
 #ifndef LLMD_AVX2
                 const __m128i hb = _mm512_cvtepi32_epi8(h), lb = _mm512_cvtepi32_epi8(l);
-                if (tiles) {        /* AMX: high bytes [MP, K], then low bytes [MP, K] (amx_q8) */
-                    _mm_storeu_si128((__m128i *)(tiles + (size_t)m * K + k + 16 * j), hb);
-                    _mm_storeu_si128((__m128i *)(tiles + ((size_t)(M + 15) / 16 * 16 + m) * K + k + 16 * j), lb);
+                if (xh) {           /* AMX: high bytes and low bytes as tiles' rows [., K] (amx_q8) */
+                    _mm_storeu_si128((__m128i *)(xh + (size_t)m * K + k + 16 * j), hb);
+                    _mm_storeu_si128((__m128i *)(xl + (size_t)m * K + k + 16 * j), lb);
                     continue;
                 }
                 _mm_storeu_si128((__m128i *)to, _mm_unpacklo_epi32(hb, lb));
                 _mm_storeu_si128((__m128i *)(to + 16), _mm_unpackhi_epi32(hb, lb));
 #else
-                (void)tiles;
+                (void)xh;
+                (void)xl;
                 /* AVX2: xi itself, in column order (q8w_run reads four columns at a time) */
                 _mm256_storeu_si256((__m256i *)to, _mm512_cvtepi32_epi16(q));
 #endif
@@ -514,6 +520,14 @@ static inline TARGET __attribute__((always_inline)) __m512 q4_head(const uint8_t
     return H16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)) : _mm512_loadu_ps((const float *)p);
 }
 
+/* Group g's offsets of a block whose scales for g are s: float32 blocks hold them (B), q4h blocks hold the
+ * zeros z and the offsets are z - 8 s, formed in one rounding. part: the bytes of A (and of B). */
+static inline TARGET __attribute__((always_inline))
+__m512 q4_offsets(const uint8_t *blk, size_t part, int g, __m512 s, const int H16) {
+    const __m512 b = q4_head(blk + part + (size_t)(H16 ? 2 : 4) * QB * g, H16);
+    return H16 ? _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s, b) : b;
+}
+
 /* H16: the block's head holds float16 scales and zeros (q4h), else float32 scales and offsets. */
 static inline TARGET __attribute__((always_inline))
 void q4_tile(const int8_t *xq, const float *sx, const float *xs, const int MM, const int PH, const int H16, int K,
@@ -534,8 +548,7 @@ void q4_tile(const int8_t *xq, const float *sx, const float *xs, const int MM, c
             acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[m]), _mm512_mul_ps(s, bs), acc[m]);
         }
         if ((c + run) % G == 0) {
-            const __m512 b = q4_head(blk + part + (size_t)es * QB * g, H16);
-            const __m512 o = H16 ? _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s, b) : b;     /* z - 8 s */
+            const __m512 o = q4_offsets(blk, part, g, s, H16);
             for (int m = 0; m < MM; m++)
                 oac[m] = _mm512_fmadd_ps(o, _mm512_set1_ps(xs[(size_t)m * groups + g]), oac[m]);
         }
@@ -552,7 +565,7 @@ void q4_tile(const int8_t *xq, const float *sx, const float *xs, const int MM, c
         _Pragma("omp parallel for num_threads(nt) schedule(static)") \
         for (int b = 0; b < (N + QB - 1) / QB; b++) { \
             const uint8_t *blk = w + (size_t)b * bytes; \
-            const __mmask16 keep = N - QB * b >= QB ? 0xFFFF : (__mmask16)((1u << (N - QB * b)) - 1); \
+            const __mmask16 keep = q_keep(N, b); \
             for (int t = 0, m = c0; t < tiles; t++) { \
                 const int rows = (c1 - c0) / tiles + (t < (c1 - c0) % tiles); \
                 float *yb = y + (size_t)m * N + QB * b; \
@@ -711,7 +724,7 @@ static AMX_TARGET void amx_q8(const int8_t *xh, const int8_t *xl, const int32_t 
                 _tile_stored(2, c[2], 64);
                 _tile_stored(3, c[3], 64);
                 for (int j = 0; j < 1 + both; j++) {
-                    const __mmask16 keep = N - QB * (b + j) >= QB ? 0xFFFF : (__mmask16)((1u << (N - QB * (b + j))) - 1);
+                    const __mmask16 keep = q_keep(N, b + j);
                     for (int r = 0; r < 16 && m0 + r < M; r++)
                         q8_out(_mm512_load_si512((const void *)c[2 * j][r]), _mm512_load_si512((const void *)c[2 * j + 1][r]),
                                cx + 2 * (m0 + r), sx[m0 + r], b0 + j * bytes, y + (size_t)(m0 + r) * N + QB * (b + j), keep);
@@ -763,11 +776,9 @@ static AMX_TARGET int amx_q4(const int8_t *xq, const float *sx, const float *xs,
                 _mm512_store_si512((void *)(bt + (size_t)i * 128), _mm512_and_si512(v, nib));
                 _mm512_store_si512((void *)(bt + (size_t)i * 128 + 64), _mm512_and_si512(_mm512_srli_epi16(v, 4), nib));
             }
-            for (int g = 0; g < groups; g++) {
-                const __m512 sg = q4_head(blk + (size_t)es * QB * g, h16), z = q4_head(blk + part + (size_t)es * QB * g, h16);
-                _mm512_store_ps(ob + (size_t)g * 16, h16 ? _mm512_fnmadd_ps(_mm512_set1_ps(8.f), sg, z) : z);   /* z - 8 s */
-            }
-            const __mmask16 keep = N - QB * b >= QB ? 0xFFFF : (__mmask16)((1u << (N - QB * b)) - 1);
+            for (int g = 0; g < groups; g++)
+                _mm512_store_ps(ob + (size_t)g * 16, q4_offsets(blk, part, g, q4_head(blk + (size_t)es * QB * g, h16), h16));
+            const __mmask16 keep = q_keep(N, b);
             for (int m0 = 0; m0 < MP; m0 += 16) {
                 __m512 acc[16];
                 for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
@@ -834,18 +845,18 @@ TARGET int llmd_q8_x(const float *x, int M, int K, int G, const uint8_t *w, floa
     if (!xhl) return -2;
     int32_t *sums = (int32_t *)(xhl + 2 * (size_t)M * K), *cx = sums + (size_t)M * (K / 64) * 2;
     float *sx = (float *)(cx + (size_t)M * per_row);
-    /* AMX: x's tiles after the rest, at a line boundary, rows past M zero */
-    int8_t *tiles = MP ? xhl + (head + 63) / 64 * 64 : 0;
+    /* AMX: x's tiles (high bytes [MP, K], then low bytes) after the rest, at a line boundary, rows past M zero */
+    int8_t *xh = MP ? xhl + (head + 63) / 64 * 64 : 0, *xl = MP ? xh + (size_t)MP * K : 0;
     if (MP > M) {
-        memset(tiles + (size_t)M * K, 0, (size_t)(MP - M) * K);
-        memset(tiles + (size_t)(MP + M) * K, 0, (size_t)(MP - M) * K);
+        memset(xh + (size_t)M * K, 0, (size_t)(MP - M) * K);
+        memset(xl + (size_t)M * K, 0, (size_t)(MP - M) * K);
     }
-    x16_split(x, M, K, xhl, sums, sx, tiles, nt);
+    x16_split(x, M, K, xhl, sums, sx, xh, xl, nt);
     x16_corrections(sums, M, K, G, cx);
     const size_t bytes = q_block_bytes(K, groups, 0, 4);
 #ifdef LLMD_AMX
     if (MP) {
-        amx_q8(tiles, tiles + (size_t)MP * K, cx, sx, M, MP, K, w, bytes, y, N, nt);
+        amx_q8(xh, xl, cx, sx, M, MP, K, w, bytes, y, N, nt);
         return 0;
     }
 #endif
