@@ -112,6 +112,45 @@ def test_int8_rows_on_amx_give_the_vector_loops_bits(n, k):
         so.llmd_amx_min_rows(before)
 
 
+@pytest.mark.parametrize("n,k", [(192, 576), (576, 1536), (64, 100)])
+def test_bfloat16_blocks_of_many_rows_on_amx_are_float32_products_row_by_row(n, k):
+    """Where AMX multiplies bfloat16, products of more than 16 rows over bfloat16 blocks take the tile
+    unit with x split into three bfloat16 parts: within float32 rounding of the exact product (as close
+    as the vector loop's 16 rows; two parts would be ~100x off), and a row's bits are the same whatever
+    rows share its call (17 to 200 rows, any order, a bias, K not a multiple of 32)."""
+    if ops.bf16_max_rows() <= ops.F32_MAX_ROWS:
+        pytest.skip("no AMX with bfloat16 products on this CPU (or LLMD_AMX=0)")
+    w = weight(n, k, n + k).bfloat16().float()
+    blocks = ops.f32_blocks(w)
+    assert blocks.dtype == torch.bfloat16
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(k))
+    x = rows(200, k, 9)
+    exact = x.double() @ w.double().t() + bias.double()
+    scale = x.double().abs() @ w.double().abs().t() + bias.double().abs()
+    y = ops.f32_matvec(x, blocks, bias)
+    err = ((y.double() - exact).abs() / scale).max().item()
+    vector = ((ops.f32_matvec(x[:16], blocks, bias).double() - exact[:16]).abs() / scale[:16]).max().item()
+    assert err < 5e-7 and err < 2 * vector, (err, vector)
+    order = torch.randperm(200, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(ops.f32_matvec(x[order], blocks, bias), y[order])
+    for lo, hi in ((0, 17), (5, 38), (100, 200), (183, 200)):
+        assert torch.equal(ops.f32_matvec(x[lo:hi], blocks, bias), y[lo:hi]), (lo, hi)
+    assert torch.equal(ops.f32_matvec(x[:40], blocks, None) + bias, y[:40])     # the bias added to the sums
+
+
+def test_llmd_amx_0_keeps_bfloat16_blocks_to_16_rows():
+    """LLMD_AMX=0 turns the tile unit off for bfloat16 blocks too: the kernel then takes 16 rows of them
+    (more go to oneDNN's float32 copy, as on a CPU without AMX)."""
+    if ops.bf16_max_rows() <= ops.F32_MAX_ROWS:
+        pytest.skip("no AMX with bfloat16 products on this CPU")
+    import subprocess
+    import sys
+    code = "from llmd.runtime.kernels import ops; print(ops.bf16_max_rows())"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "LLMD_AMX": "0"}, capture_output=True,
+                         text=True, check=True).stdout
+    assert int(out) == ops.F32_MAX_ROWS
+
+
 @pytest.mark.parametrize("k", [1472, 4800])
 def test_int8_sums_past_float32_precision_are_rounded_once(k):
     """Where sum w xi needs more than float32's 24 bits (a long row of weights and x at their largest, as
@@ -503,7 +542,7 @@ def test_every_entry_point_is_declared_once_in_the_header_and_bound_by_it():
         assert set(re.findall(r" T (llmd_\w+)$", symbols, re.M)) == declared
     for source in kernels._SOURCES:
         assert not re.search(r"^\s*(?:int|void) llmd_\w+\([^{]*?\);", source.read_text(), re.M), source.name
-    assert len(declared) == 23
+    assert len(declared) == 24
     for name in declared:
         assert getattr(so, name).argtypes is not None, name
     assert so.llmd_q4_pack.restype is ctypes.c_int and so.llmd_rmsnorm.restype is ctypes.c_int

@@ -160,11 +160,196 @@ void f32_block(const float *x, const int MM, int K, const void *w, const float *
  * (sixteen rows in three groups, not four). The same sums: each row's order over k is unchanged. */
 #define F32_MAXM 16
 
+/* ---- bfloat16 blocks of many rows on AMX -------------------------------------------------- */
+/* Where the CPU has AMX with bfloat16 products, products of more than F32_MAXM rows over bfloat16
+ * blocks (prompt chunks, and steps that mix them with decodes) take the tile unit instead of a second,
+ * float32 copy of the weight in oneDNN's layout. The tile unit multiplies bfloat16 by bfloat16 and sums
+ * in float32, so each float32 row of x is split into three bfloat16 parts, x = hi + mid + lo (each the
+ * rounded remainder of the ones before: 24 bits of x's 24), and y = W hi + W mid + W lo: every product
+ * of a bfloat16 weight and a part is exact in float32, and the sums are float32 sums, so y is a float32
+ * product (to within float32 rounding of the exact one; the order of the sums is the tile unit's, not
+ * the vector loop's, so these rows differ from a row of 16 or fewer in their last bits).
+ * Each row is summed in the same order whatever the other rows of the call, as with oneDNN's copy
+ * before. A block's 64 columns are first interleaved in pairs of rows of k (the tile unit's right-hand
+ * layout) into a buffer of the thread's; 32 rows by 32 columns at a time against it. */
+#define BF16_MANY_ROWS 8192
+
+#if defined(LLMD_AMX) && (__has_include(<amxbf16intrin.h>) || __has_include(<amxintrin.h>))
+#define LLMD_AMX_BF16 1
+#define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,amx-tile,amx-int8,amx-bf16")))
+
+static int bf16_amx_usable(void) {
+    static int ok = -1;
+    if (ok < 0) {
+        unsigned a, b, c, d, a1, b1, c1, d1;
+        __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+        __asm__ volatile("cpuid" : "=a"(a1), "=b"(b1), "=c"(c1), "=d"(d1) : "a"(7), "c"(1));
+        ok = amx_usable() && (d >> 22 & 1) && (a1 >> 5 & 1);       /* AMX-BF16, AVX512-BF16 */
+    }
+    return ok;
+}
+
+/* A thread's buffers (0: x's parts, 1: a block's tiles), kept from call to call, 64-byte aligned. */
+static __thread void *bf16_buffer[2];
+static __thread size_t bf16_buffer_bytes[2];
+
+static void *bf16_scratch(int which, size_t bytes) {
+    if (bytes > bf16_buffer_bytes[which]) {
+        free(bf16_buffer[which]);
+        bf16_buffer[which] = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        bf16_buffer_bytes[which] = bf16_buffer[which] ? bytes : 0;
+    }
+    return bf16_buffer[which];
+}
+
+/* x's rows [M, K] as bfloat16 parts xs [MP][3][KP] (hi, mid, lo), rows past M and columns past K zero */
+static BF16_TARGET void bf16_parts(const float *x, int M, int MP, int K, int KP, uint16_t *xs, int nt) {
+    #pragma omp parallel for num_threads(nt) schedule(static) if ((size_t)M * K > (1u << 16))
+    for (int m = 0; m < MP; m++) {
+        uint16_t *o = xs + (size_t)m * 3 * KP;
+        if (m >= M) {
+            memset(o, 0, (size_t)3 * KP * 2);
+            continue;
+        }
+        for (int k = 0; k < KP; k += 16) {
+            const __mmask16 in = K - k >= 16 ? 0xffff : K > k ? (__mmask16)((1u << (K - k)) - 1) : 0;
+            const __m512 v = _mm512_maskz_loadu_ps(in, x + (size_t)m * K + k);
+            const __m256bh hi = _mm512_cvtneps_pbh(v);
+            const __m512 r1 = _mm512_sub_ps(v, _mm512_cvtpbh_ps(hi));
+            const __m256bh mid = _mm512_cvtneps_pbh(r1);
+            const __m256bh lo = _mm512_cvtneps_pbh(_mm512_sub_ps(r1, _mm512_cvtpbh_ps(mid)));
+            _mm256_storeu_si256((__m256i *)(o + k), (__m256i)hi);
+            _mm256_storeu_si256((__m256i *)(o + KP + k), (__m256i)mid);
+            _mm256_storeu_si256((__m256i *)(o + 2 * KP + k), (__m256i)lo);
+        }
+    }
+}
+
+/* Block w [K, 64] as tiles bt [KP/32][4][16][32]: tile g of a 32-row step holds, for each pair of rows
+ * k, k + 1, the weights of columns 32 (g / 2) + {0-3, 8-11, 16-19, 24-27} (g even) or {4-7, ...} (g odd)
+ * interleaved (the unpacks' lane order; bf16_out puts it back). Rows past K zero. */
+static BF16_TARGET void bf16_tiles(const uint16_t *w, int K, int KP, uint16_t *bt) {
+    for (int c = 0; c < KP / 32; c++)
+        for (int r = 0; r < 16; r++) {
+            const int k = 32 * c + 2 * r;
+            _mm_prefetch((const char *)(w + ((size_t)k + F32_AHEAD) * 64), _MM_HINT_T0);
+            _mm_prefetch((const char *)(w + ((size_t)k + F32_AHEAD) * 64 + 32), _MM_HINT_T0);
+            _mm_prefetch((const char *)(w + ((size_t)k + F32_AHEAD + 1) * 64), _MM_HINT_T0);
+            _mm_prefetch((const char *)(w + ((size_t)k + F32_AHEAD + 1) * 64 + 32), _MM_HINT_T0);
+            for (int h = 0; h < 2; h++) {
+                const __m512i a = k < K ? _mm512_loadu_si512(w + (size_t)k * 64 + 32 * h) : _mm512_setzero_si512();
+                const __m512i b = k + 1 < K ? _mm512_loadu_si512(w + (size_t)(k + 1) * 64 + 32 * h) : _mm512_setzero_si512();
+                _mm512_store_si512(bt + (((size_t)c * 4 + 2 * h) * 16 + r) * 32, _mm512_unpacklo_epi16(a, b));
+                _mm512_store_si512(bt + (((size_t)c * 4 + 2 * h + 1) * 16 + r) * 32, _mm512_unpackhi_epi16(a, b));
+            }
+        }
+}
+
+/* Rows of two column tiles' sums (c0: the even tile, c1: the odd one) as 32 outputs in column order, plus
+ * the bias. */
+static BF16_TARGET void bf16_out(const float *c0, const float *c1, const float *bias, float *y) {
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    const __m512 a = _mm512_load_ps(c0), b = _mm512_load_ps(c1);
+    __m512 y0 = _mm512_permutex2var_ps(a, first, b), y1 = _mm512_permutex2var_ps(a, second, b);
+    if (bias) {
+        y0 = _mm512_add_ps(y0, _mm512_loadu_ps(bias));
+        y1 = _mm512_add_ps(y1, _mm512_loadu_ps(bias + 16));
+    }
+    _mm512_storeu_ps(y, y0);
+    _mm512_storeu_ps(y + 16, y1);
+}
+
+/* y [M, N] = x [M, K] times bfloat16 blocks w, plus bias: 0, or -2 where the buffers could not be had.
+ * Tiles 0-3 the sums of two row tiles by two column tiles, 4-5 x's parts, 6-7 the weights'. The work is
+ * (block, share of the row tiles) items, so a few blocks still spread over the threads; a thread lays
+ * out a block's tiles once for its consecutive items. */
+static BF16_TARGET int bf16_amx(const uint16_t *w, const float *x, int M, int K, const float *bias, float *y, int N,
+                                int nt) {
+    const int KP = (K + 31) / 32 * 32, MP = (M + 15) / 16 * 16, nb = N / 64, pairs = (MP + 31) / 32;
+    const int shares = pairs < (8 * nt + nb - 1) / nb ? pairs : (8 * nt + nb - 1) / nb;
+    uint16_t *xs = bf16_scratch(0, (size_t)MP * 3 * KP * 2);
+    if (!xs) return -2;
+    bf16_parts(x, M, MP, K, KP, xs, nt);
+    int failed = 0;
+    const long stride = (long)3 * KP * 2;
+    #pragma omp parallel num_threads(nt)
+    {
+        uint16_t *bt = bf16_scratch(1, (size_t)KP * 64 * 2);
+        if (!bt) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        amx_tiles_16x64();
+        float c[4][16][16] __attribute__((aligned(64)));
+        int laid = -1;
+        #pragma omp for schedule(static)
+        for (int item = 0; item < nb * shares; item++) {
+            if (!bt) continue;
+            const int b = item / shares, s = item % shares;
+            if (b != laid) {
+                bf16_tiles(w + (size_t)b * K * 64, K, KP, bt);
+                laid = b;
+            }
+            for (int p = pairs * s / shares; p < pairs * (s + 1) / shares; p++) {
+                const int m0 = 32 * p, two = m0 + 16 < MP;
+                const uint16_t *x0 = xs + (size_t)m0 * 3 * KP, *x1 = x0 + (size_t)16 * 3 * KP;
+                for (int h = 0; h < 2; h++) {
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    _tile_zero(2);
+                    _tile_zero(3);
+                    for (int ch = 0; ch < KP / 32; ch++) {
+                        const uint16_t *bb = bt + ((size_t)ch * 4 + 2 * h) * 512;
+                        _tile_loadd(6, bb, 64);
+                        _tile_loadd(7, bb + 512, 64);
+                        /* hi, then mid, then lo: each sum's order over a step of 32 columns */
+#define BF16_PART(P)                                               \
+                        _tile_loadd(4, x0 + (P) * KP + 32 * ch, stride); \
+                        _tile_dpbf16ps(0, 4, 6);                   \
+                        _tile_dpbf16ps(1, 4, 7);                   \
+                        if (two) {                                 \
+                            _tile_loadd(5, x1 + (P) * KP + 32 * ch, stride); \
+                            _tile_dpbf16ps(2, 5, 6);               \
+                            _tile_dpbf16ps(3, 5, 7);               \
+                        }
+                        BF16_PART(0) BF16_PART(1) BF16_PART(2)
+#undef BF16_PART
+                    }
+                    _tile_stored(0, c[0], 64);
+                    _tile_stored(1, c[1], 64);
+                    _tile_stored(2, c[2], 64);
+                    _tile_stored(3, c[3], 64);
+                    for (int r = 0; r < 32 && m0 + r < M; r++)
+                        bf16_out(c[2 * (r >= 16)][r % 16], c[2 * (r >= 16) + 1][r % 16], bias ? bias + 64 * b + 32 * h : 0,
+                                 y + (size_t)(m0 + r) * N + 64 * b + 32 * h);
+                }
+            }
+        }
+        _tile_release();
+    }
+    return failed ? -2 : 0;
+}
+#else
+static int bf16_amx_usable(void) { return 0; }
+static int bf16_amx(const uint16_t *w, const float *x, int M, int K, const float *bias, float *y, int N, int nt) {
+    (void)w, (void)x, (void)M, (void)K, (void)bias, (void)y, (void)N, (void)nt;
+    return -1;
+}
+#endif
+
+/* The most rows llmd_f32_w16 takes here: BF16_MANY_ROWS with AMX's bfloat16 products, else F32_MAXM. */
+int llmd_f32_w16_rows(void) {
+    return bf16_amx_usable() ? BF16_MANY_ROWS : F32_MAXM;
+}
+
 /* The product for one storage (wide: float32 blocks), as its own function so that each has its own
  * parallel region with the storage fixed (a shared region would test it in the inner loop). */
 #define F32_PRODUCT(NAME, WIDE, WTYPE) \
 TARGET int NAME(const float *x, int M, int K, const WTYPE *w, const float *bias, float *y, int N, int nt) { \
     const int wide = WIDE; \
+    if (!wide && M > F32_MAXM && M <= BF16_MANY_ROWS && N % 64 == 0 && K >= 1 && bf16_amx_usable()) \
+        return bf16_amx((const uint16_t *)w, x, M, K, bias, y, N, nt); \
     if (!llmd_cpu_ok() || M < 1 || M > F32_MAXM || N % 64) return -1; \
     const int groups = M >= 11 ? (M + 5) / 6 : (M + 3) / 4 - (M > 4 && (M % 4 == 1 || M % 4 == 2)); \
     const int nb = N / 64, es = wide ? 4 : 2; \

@@ -75,6 +75,8 @@ int llmd_screen_select(const float *xp, int M, int K, int KM, float margin, cons
 /* f32.c: x [M, K] times a weight in blocks [N/64, K, 64] of float32 or (w16) bfloat16 values */
 int llmd_f32(const float *x, int M, int K, const float *w, const float *bias, float *y, int N, int nt);
 int llmd_f32_w16(const float *x, int M, int K, const uint16_t *w, const float *bias, float *y, int N, int nt);
+/* f32.c: the most rows llmd_f32_w16 takes on this machine (more than 16 where AMX takes bfloat16 blocks) */
+int llmd_f32_w16_rows(void);
 /* f32.c: the values llmd_f32 / llmd_f32_w16 (wide 0) give outputs idx [C] of a blocked weight of N outputs,
  * without a bias: y [M, C] */
 int llmd_f32_pick(const float *x, int M, int K, const void *w, int wide, int N, const int64_t *idx, int C,
@@ -114,6 +116,42 @@ int llmd_draft2(const llmd_dims *dims, const float *const *norms, const llmd_pro
 /* (INT8, INT8G: rows a token table is read from; KIND 3, int4 in an earlier layout, is no longer read) */
 enum { LLMD_KIND_F32, LLMD_KIND_BF16, LLMD_KIND_INT8, LLMD_KIND_INT4_ROWS, LLMD_KIND_INT8G, LLMD_KIND_ROWS,
        LLMD_KIND_Q8, LLMD_KIND_Q8G, LLMD_KIND_Q4, LLMD_KIND_Q4H };
+
+/* AMX (quant.c's int8 and int4 prompt rows, f32.c's bfloat16 ones). The compiler must know AMX's
+ * operations (GCC 11, Clang 12 and newer); older ones build the library without these paths. */
+#if !defined(LLMD_AVX2) && !defined(LLMD_NO_AMX) && defined(__has_include)
+#if __has_include(<amxtileintrin.h>) || __has_include(<amxintrin.h>)
+#define LLMD_AMX 1
+#endif
+#endif
+
+#ifdef LLMD_AMX
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,amx-tile,amx-int8")))
+
+/* 1 where the CPU has AMX's tiles and int8 products, this process may use them, and LLMD_AMX is not 0 */
+int amx_usable(void);
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config;
+
+/* This thread's tile unit set up with all eight tiles of 16 rows by 64 bytes (amx_q8, bf16_amx). */
+static inline AMX_TARGET void amx_tiles_16x64(void) {
+    amx_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+#endif
 
 /* Output n of a weight in blocks [N/64, K, 64] (f32.c): its K values, float32 or (bf16) bfloat16 widened
  * exactly, into out[0], out[stride], ... (a tied head's token row, or one lane of the head's picked outputs). */

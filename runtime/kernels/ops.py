@@ -11,7 +11,7 @@ from . import lib, struct, usable
 
 MAX_ROWS = 16             # rows of x the w8a8 kernel and the fused step take (decode batches, verification)
 MANY_MAX_ROWS = 8192      # ... the packed forms (int8, int8g, int4) up to this many (prompts too)
-F32_MAX_ROWS = 16         # rows of x the float32 kernel takes
+F32_MAX_ROWS = 16         # rows of x the float32 kernel takes (bfloat16 blocks: see bf16_max_rows)
 _SERIAL_BELOW = 1 << 18      # multiply-adds in a product below which one thread beats the parallel split
 
 
@@ -58,12 +58,21 @@ def f32_unblock(blocks: torch.Tensor) -> torch.Tensor:
     return blocks.float().transpose(0, 1).reshape(k, nb * 64).t()
 
 
+def bf16_max_rows() -> int:
+    """The most rows the kernel takes over bfloat16 blocks here: more than ``F32_MAX_ROWS`` (prompt
+    chunks too) where AMX multiplies bfloat16 (f32.c), so such a weight needs no float32 copy for them."""
+    so = lib()
+    fn = getattr(so, "llmd_f32_w16_rows", None) if so is not None else None
+    return fn() if fn is not None else F32_MAX_ROWS
+
+
 def f32_matvec(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None):
     """x [M, K] float32 times a weight in ``f32_blocks`` layout (float32 or bfloat16 blocks) -> [M, N]."""
     so = lib()
     m, k = x.shape
     n = blocks.shape[0] * 64
-    if so is None or not 1 <= m <= F32_MAX_ROWS or x.dtype != torch.float32:
+    most = F32_MAX_ROWS if blocks.dtype == torch.float32 else bf16_max_rows()
+    if so is None or not 1 <= m <= most or x.dtype != torch.float32:
         return None
     x = x.contiguous()
     y = torch.empty(m, n)

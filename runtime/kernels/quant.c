@@ -641,21 +641,8 @@ static TARGET void x8_blocks(const float *x, int M, int K, int G, int8_t *xq, fl
  * rows or on narrow inputs.
  * llmd_amx_min_rows sets the fewest rows that take it (0 keeps the vector loop; a negative value only
  * asks) and returns the setting in force, 0 where AMX is not available. */
-/* The compiler must know AMX's operations (GCC 11, Clang 12 and newer); older ones build the library
- * without this path. */
-#if !defined(LLMD_AVX2) && !defined(LLMD_NO_AMX) && defined(__has_include)
-#if __has_include(<amxtileintrin.h>) || __has_include(<amxintrin.h>)
-#define LLMD_AMX 1
-#endif
-#endif
-
 #ifdef LLMD_AMX
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#define AMX_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,amx-tile,amx-int8")))
-
-static int amx_usable(void) {
+int amx_usable(void) {
     static int ok = -1;
     if (ok < 0) {
         unsigned a, b, c, d;
@@ -676,12 +663,6 @@ int llmd_amx_min_rows(int rows) {
     return amx_min_rows;
 }
 
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} amx_config;
-
 /* y [M, N] for int8 (G 0) weight w from x's tiles xh, xl [MP, K]; cx, sx as q8_tile takes them. Blocks
  * two at a time against 16 rows: tiles 0-3 the sums (high, low) of each block, 4-5 x's, 6-7 the blocks'. */
 static AMX_TARGET void amx_q8(const int8_t *xh, const int8_t *xl, const int32_t *cx, const float *sx, int M, int MP,
@@ -689,14 +670,7 @@ static AMX_TARGET void amx_q8(const int8_t *xh, const int8_t *xl, const int32_t 
     const int nblocks = (N + QB - 1) / QB, pairs = (nblocks + 1) / 2;
     #pragma omp parallel num_threads(nt)
     {
-        amx_config cfg;
-        memset(&cfg, 0, sizeof cfg);
-        cfg.palette = 1;
-        for (int t = 0; t < 8; t++) {
-            cfg.rows[t] = 16;
-            cfg.colsb[t] = 64;
-        }
-        _tile_loadconfig(&cfg);
+        amx_tiles_16x64();
         int32_t c[4][16][16] __attribute__((aligned(64)));
         #pragma omp for schedule(static)
         for (int p = 0; p < pairs; p++) {

@@ -26,7 +26,8 @@ class Linear(nn.Module):
       weight from one core, is split in ``threads`` parts run as one ``bmm`` over views of the weight;
     - more rows (prompt chunks, batches, verification): float32 weights get a second copy in
       oneDNN's blocked layout, whose kernel beats the default one there. That copy doubles the
-      float32 weight memory; bfloat16 and quantized models skip it.
+      float32 weight memory; bfloat16 and quantized models skip it, and so do bfloat16 blocks where
+      the kernel takes many rows itself (AMX: ``ops.bf16_max_rows``).
     Quantized variants replace this module as a whole (see llmd.runtime.formats.quantized).
     """
 
@@ -46,13 +47,17 @@ class Linear(nn.Module):
         """Store the weight as ``plan`` says (from the [out, in] checkpoint layout)."""
         w = self.dense_weight().detach()
         self.plan = plan
-        self.packed = pack_weight(w) if plan.packed else None
         if plan.layout == "out_in":
             self.stored = None
             self.weight = nn.Parameter(w, requires_grad=False) if self.weight is None else self.weight
         else:
             self.stored = store(w, plan.layout)
             self.weight = None
+        self.packed = pack_weight(w) if self.wants_packed() else None
+
+    def wants_packed(self) -> bool:
+        """The plan's oneDNN copy, unless the kernel takes all rows of these blocks itself."""
+        return plan_packs(self.plan, self.stored)
 
     def __getstate__(self):
         """oneDNN's packed copy is opaque (it cannot be copied): a copy of the layer packs its own."""
@@ -60,7 +65,7 @@ class Linear(nn.Module):
 
     def __setstate__(self, state):
         super().__setstate__(state)
-        if self.plan.packed:
+        if self.wants_packed():
             self.packed = pack_weight(self.dense_weight().detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -106,6 +111,16 @@ class MatvecPlan:
     packed: bool = False
 
 
+def plan_packs(plan: MatvecPlan, stored: torch.Tensor | None) -> bool:
+    """Whether a weight stored by ``plan`` (``stored``: its blocks, or None) gets oneDNN's copy for
+    products of more than ``plan.split_max_rows`` rows: not where llmd's kernel takes those itself
+    (bfloat16 blocks on AMX)."""
+    if not plan.packed:
+        return False
+    return not (plan.layout == "blocked" and stored is not None and stored.dtype == torch.bfloat16
+                and ops.bf16_max_rows() > plan.split_max_rows)
+
+
 def can_pack(dtype: torch.dtype) -> bool:
     return (dtype == torch.float32 and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
@@ -138,18 +153,21 @@ def pack_weight(w: torch.Tensor) -> torch.Tensor:
 def planned_product(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | None, plan: MatvecPlan,
                     bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] times a weight stored as ``plan`` says (``w`` in the plan's layout, ``packed`` its
-    oneDNN copy or None): split for a few rows, packed for more, else the plain product."""
+    oneDNN copy or None): split for a few rows, packed for more, blocks the kernel takes for more,
+    else the plain product."""
     k = w.shape[0] if plan.layout == "in_out" else w.shape[1]
     x2 = x if x.dim() == 2 else x.reshape(-1, k)
     rows = x2.shape[0]
+    y = None
     if rows <= plan.split_max_rows:
         y = split_product(x2, w, plan, bias)
     elif packed is not None:
         y = torch.ops.mkldnn._linear_pointwise(x2, packed, bias, "none", [], "")
-    elif plan.layout == "in_out":
-        y = x2 @ w if bias is None else torch.addmm(bias, x2, w)
-    else:
-        y = F.linear(x2, unstore(w, plan.layout), bias)
+    elif plan.layout == "blocked" and kernels.usable(x2):
+        y = ops.f32_matvec(x2, w, bias)         # bfloat16 blocks on AMX (plan_packs), else None
+    if y is None:
+        y = (x2 @ w if bias is None else torch.addmm(bias, x2, w)) if plan.layout == "in_out" else \
+            F.linear(x2, unstore(w, plan.layout), bias)
     return y if x.dim() == 2 else y.view(*x.shape[:-1], -1)
 
 
