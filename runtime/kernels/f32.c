@@ -9,7 +9,7 @@
  * The same blocks may hold bfloat16 values (wide = 0): a float32 weight whose every value is a
  * bfloat16 (a checkpoint stored in bfloat16 and served in float32) is kept in half the bytes and
  * widened exactly on load, so the products are the float32 ones, bit for bit, from half the memory
- * traffic (where AMX multiplies bfloat16 they take the tile unit instead: see bf16_amx). */
+ * traffic. */
 
 #define F32_GROUP 6       /* most rows in a group (see F32_MAXM below) */
 #define F32_AHEAD 48      /* rows of a bfloat16 block fetched ahead of the one summed */
@@ -160,23 +160,22 @@ void f32_block(const float *x, const int MM, int K, const void *w, const float *
  * (sixteen rows in three groups, not four). The same sums: each row's order over k is unchanged. */
 #define F32_MAXM 16
 
-/* ---- bfloat16 blocks on AMX -------------------------------------------------------------- */
-/* Where the CPU has AMX with bfloat16 products, every product over bfloat16 blocks takes the tile unit,
- * whatever its row count: decode rows, verification, prompt chunks and steps that mix them all sum in
- * one way, so a row's numbers never depend on the rows beside it, and no float32 copy of the weight is
- * kept for prompts. The tile unit multiplies bfloat16 by bfloat16 and sums in float32, so each float32
- * row of x is split into three bfloat16 parts, x = hi + mid + lo (each the rounded remainder of the
- * ones before: all 24 bits of x), every product of a bfloat16 weight and a part is exact in float32,
- * and y = (W hi + W mid) + W lo + bias, each W part summed in float32 by the tile unit over steps of 32
- * columns in order. That is a float32 product (within float32 rounding of the exact one), though not
- * the vector loop's bits: the tile unit sums in its own order.
- * The parts are the rows of the left-hand tiles, 15 to a tile (five rows of x), 3 M rows in all; a
- * block's 64 columns are interleaved in pairs of rows of k (the right-hand layout) step by step into a
- * buffer in L1 where one pass reads each block (up to 10 rows of x), or once per block into a buffer in
- * L2 that the passes share. */
+/* ---- bfloat16 blocks of many rows on AMX -------------------------------------------------- */
+/* Where the CPU has AMX with bfloat16 products, products of more than F32_MAXM rows over bfloat16
+ * blocks (prompt chunks, and steps that mix them with decodes) take the tile unit instead of a second,
+ * float32 copy of the weight in oneDNN's layout. The tile unit multiplies bfloat16 by bfloat16 and sums
+ * in float32, so each float32 row of x is split into three bfloat16 parts, x = hi + mid + lo (each the
+ * rounded remainder of the ones before: 24 bits of x's 24), and y = W hi + W mid + W lo: every product
+ * of a bfloat16 weight and a part is exact in float32, and the sums are float32 sums, so y is a float32
+ * product (to within float32 rounding of the exact one; the order of the sums is the tile unit's, not
+ * the vector loop's, so these rows differ from a row of 16 or fewer in their last bits).
+ * Each row is summed in the same order whatever the other rows of the call, as with oneDNN's copy
+ * before. A block's 64 columns are first interleaved in pairs of rows of k (the tile unit's right-hand
+ * layout) into a buffer of the thread's; 32 rows by 32 columns at a time against it. */
 #define BF16_MANY_ROWS 8192
 
 #if defined(LLMD_AMX) && (__has_include(<amxbf16intrin.h>) || __has_include(<amxintrin.h>))
+#define LLMD_AMX_BF16 1
 #define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,amx-tile,amx-int8,amx-bf16")))
 
 static int bf16_amx_usable(void) {
@@ -203,8 +202,7 @@ static void *bf16_scratch(int which, size_t bytes) {
     return bf16_buffer[which];
 }
 
-/* x's rows [M, K] as bfloat16 parts xs [MP][3][KP] (row 3m + part of the left-hand tiles), rows past M
- * and columns past K zero */
+/* x's rows [M, K] as bfloat16 parts xs [MP][3][KP] (hi, mid, lo), rows past M and columns past K zero */
 static BF16_TARGET void bf16_parts(const float *x, int M, int MP, int K, int KP, uint16_t *xs, int nt) {
     #pragma omp parallel for num_threads(nt) schedule(static) if ((size_t)M * K > (1u << 16))
     for (int m = 0; m < MP; m++) {
@@ -227,192 +225,115 @@ static BF16_TARGET void bf16_parts(const float *x, int M, int MP, int K, int KP,
     }
 }
 
-/* Step c (32 rows of k) of block w [K, 64], columns 32 h .. 32 h + 31 (hs: 1 one half, 2 both from
- * h = 0), as right-hand tiles at bt, 512 values each: tile g holds, for each pair of rows k, k + 1, the
- * weights of columns 32 (g / 2) + {0-3, 8-11, 16-19, 24-27} (g even) or {4-7, ...} (g odd) interleaved
- * (the unpacks' lane order; bf16_rows puts it back). Rows past K zero; rows F32_AHEAD on fetched now. */
-static BF16_TARGET inline void bf16_step(const uint16_t *w, int K, int c, int h, int hs, uint16_t *bt) {
-    for (int r = 0; r < 16; r++) {
-        const int k = 32 * c + 2 * r;
-        for (int j = 0; j < hs; j++) {
-            const int half = h + j;
-            _mm_prefetch((const char *)(w + ((size_t)k + F32_AHEAD) * 64 + 32 * half), _MM_HINT_T0);
-            _mm_prefetch((const char *)(w + ((size_t)k + F32_AHEAD + 1) * 64 + 32 * half), _MM_HINT_T0);
-            const __m512i a = k < K ? _mm512_loadu_si512(w + (size_t)k * 64 + 32 * half) : _mm512_setzero_si512();
-            const __m512i b = k + 1 < K ? _mm512_loadu_si512(w + (size_t)(k + 1) * 64 + 32 * half) : _mm512_setzero_si512();
-            _mm512_store_si512(bt + ((size_t)(2 * j) * 16 + r) * 32, _mm512_unpacklo_epi16(a, b));
-            _mm512_store_si512(bt + ((size_t)(2 * j + 1) * 16 + r) * 32, _mm512_unpackhi_epi16(a, b));
+/* Block w [K, 64] as tiles bt [KP/32][4][16][32]: tile g of a 32-row step holds, for each pair of rows
+ * k, k + 1, the weights of columns 32 (g / 2) + {0-3, 8-11, 16-19, 24-27} (g even) or {4-7, ...} (g odd)
+ * interleaved (the unpacks' lane order; bf16_out puts it back). Rows past K zero. */
+static BF16_TARGET void bf16_tiles(const uint16_t *w, int K, int KP, uint16_t *bt) {
+    for (int c = 0; c < KP / 32; c++)
+        for (int r = 0; r < 16; r++) {
+            const int k = 32 * c + 2 * r;
+            _mm_prefetch((const char *)(w + ((size_t)k + F32_AHEAD) * 64), _MM_HINT_T0);
+            _mm_prefetch((const char *)(w + ((size_t)k + F32_AHEAD) * 64 + 32), _MM_HINT_T0);
+            _mm_prefetch((const char *)(w + ((size_t)k + F32_AHEAD + 1) * 64), _MM_HINT_T0);
+            _mm_prefetch((const char *)(w + ((size_t)k + F32_AHEAD + 1) * 64 + 32), _MM_HINT_T0);
+            for (int h = 0; h < 2; h++) {
+                const __m512i a = k < K ? _mm512_loadu_si512(w + (size_t)k * 64 + 32 * h) : _mm512_setzero_si512();
+                const __m512i b = k + 1 < K ? _mm512_loadu_si512(w + (size_t)(k + 1) * 64 + 32 * h) : _mm512_setzero_si512();
+                _mm512_store_si512(bt + (((size_t)c * 4 + 2 * h) * 16 + r) * 32, _mm512_unpacklo_epi16(a, b));
+                _mm512_store_si512(bt + (((size_t)c * 4 + 2 * h + 1) * 16 + r) * 32, _mm512_unpackhi_epi16(a, b));
+            }
         }
-    }
 }
 
-/* Rows of x from the sums of their parts: tile rows 3 j .. 3 j + 2 of c0 (the even column tile) and c1
- * (the odd one) as 32 outputs in column order, (hi + mid) + lo, plus the bias, into y, for n rows. */
-static BF16_TARGET void bf16_rows(float (*c0)[16], float (*c1)[16], int n, const float *bias, float *y, size_t ldy) {
+/* Rows of two column tiles' sums (c0: the even tile, c1: the odd one) as 32 outputs in column order, plus
+ * the bias. */
+static BF16_TARGET void bf16_out(const float *c0, const float *c1, const float *bias, float *y) {
     const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
     const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-    for (int j = 0; j < n; j++) {
-        const __m512 a = _mm512_add_ps(_mm512_add_ps(_mm512_load_ps(c0[3 * j]), _mm512_load_ps(c0[3 * j + 1])),
-                                       _mm512_load_ps(c0[3 * j + 2]));
-        const __m512 b = _mm512_add_ps(_mm512_add_ps(_mm512_load_ps(c1[3 * j]), _mm512_load_ps(c1[3 * j + 1])),
-                                       _mm512_load_ps(c1[3 * j + 2]));
-        __m512 y0 = _mm512_permutex2var_ps(a, first, b), y1 = _mm512_permutex2var_ps(a, second, b);
-        if (bias) {
-            y0 = _mm512_add_ps(y0, _mm512_loadu_ps(bias));
-            y1 = _mm512_add_ps(y1, _mm512_loadu_ps(bias + 16));
-        }
-        _mm512_storeu_ps(y + (size_t)j * ldy, y0);
-        _mm512_storeu_ps(y + (size_t)j * ldy + 16, y1);
+    const __m512 a = _mm512_load_ps(c0), b = _mm512_load_ps(c1);
+    __m512 y0 = _mm512_permutex2var_ps(a, first, b), y1 = _mm512_permutex2var_ps(a, second, b);
+    if (bias) {
+        y0 = _mm512_add_ps(y0, _mm512_loadu_ps(bias));
+        y1 = _mm512_add_ps(y1, _mm512_loadu_ps(bias + 16));
     }
-}
-
-/* Rows 10 p0 .. 10 p1 - 1 of x (passes p0 .. p1 - 1: two left-hand tiles of five rows each) times one
- * block w [K, 64] (its tiles already at bt where laid, else laid step by step into bt) -> y (stride ldy),
- * plus bias [64] or NULL. The tiles are configured for `rows` left-hand rows (15, or 3 M below five
- * rows). Tiles 0-3 sums, 4-5 x's parts, 6-7 the block's. One tile of x (five rows or fewer): all four
- * column tiles a step; two: two column tiles at a time, the block's two halves in turn. */
-static BF16_TARGET void bf16_block(const uint16_t *w, int K, int KP, const uint16_t *xs, int M, int p0, int p1,
-                                   const float *bias, float *y, size_t ldy, uint16_t *bt, int laid) {
-    float c[4][16][16] __attribute__((aligned(64)));
-    const long stride = (long)KP * 2;
-    for (int p = p0; p < p1; p++) {
-        const int m0 = 10 * p, two = m0 + 5 < M;
-        const uint16_t *x0 = xs + (size_t)m0 * 3 * KP, *x1 = x0 + (size_t)15 * KP;
-        for (int h = 0; h < 2; h += two ? 1 : 2) {
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-            const int hs = two ? 1 : 2;
-            if (!laid) bf16_step(w, K, 0, h, hs, bt);
-            for (int ch = 0; ch < KP / 32; ch++) {
-                const uint16_t *bb = bt + ((size_t)ch * 4 + 2 * h) * 512;
-                if (!laid) {    /* two buffers: the next step laid out while this one's tiles load */
-                    bb = bt + (size_t)(ch & 1) * 2048;
-                    if (ch + 1 < KP / 32) bf16_step(w, K, ch + 1, h, hs, bt + (size_t)((ch + 1) & 1) * 2048);
-                }
-                _tile_loadd(4, x0 + 32 * ch, stride);
-                _tile_loadd(6, bb, 64);
-                _tile_loadd(7, bb + 512, 64);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_dpbf16ps(1, 4, 7);
-                if (two) {
-                    _tile_loadd(5, x1 + 32 * ch, stride);
-                    _tile_dpbf16ps(2, 5, 6);
-                    _tile_dpbf16ps(3, 5, 7);
-                } else {
-                    _tile_loadd(6, bb + 1024, 64);
-                    _tile_loadd(7, bb + 1536, 64);
-                    _tile_dpbf16ps(2, 4, 6);
-                    _tile_dpbf16ps(3, 4, 7);
-                }
-            }
-            amx_sums_out(c);
-            const int n0 = M - m0 < 5 ? M - m0 : 5;
-            float *y0 = y + (size_t)m0 * ldy + 32 * h;
-            bf16_rows(c[0], c[1], n0, bias ? bias + 32 * h : 0, y0, ldy);
-            if (!two)
-                bf16_rows(c[2], c[3], n0, bias ? bias + 32 : 0, y0 + 32, ldy);
-            else if (M - m0 > 5)
-                bf16_rows(c[2], c[3], M - m0 - 5 < 5 ? M - m0 - 5 : 5, bias ? bias + 32 * h : 0, y0 + 5 * ldy, ldy);
-        }
-    }
-}
-
-/* This thread's tile unit for `rows` left-hand rows (tiles 0-5; the block's 6-7 take 16). */
-static BF16_TARGET void bf16_config(int rows) {
-    amx_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = t < 6 ? rows : 16;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
-}
-
-/* x's parts for M rows, padded to whole tiles: the buffer, or NULL */
-static BF16_TARGET uint16_t *bf16_x(const float *x, int M, int K, int KP, int nt) {
-    const int MP = (M + 9) / 10 * 10;
-    uint16_t *xs = bf16_scratch(0, (size_t)MP * 3 * KP * 2);
-    if (xs) bf16_parts(x, M, MP, K, KP, xs, nt);
-    return xs;
+    _mm512_storeu_ps(y, y0);
+    _mm512_storeu_ps(y + 16, y1);
 }
 
 /* y [M, N] = x [M, K] times bfloat16 blocks w, plus bias: 0, or -2 where the buffers could not be had.
- * The work is (block, share of the passes) items, so a few blocks still spread over the threads; where
- * passes share a block, a thread lays out its tiles once for its consecutive items. */
+ * Tiles 0-3 the sums of two row tiles by two column tiles, 4-5 x's parts, 6-7 the weights'. The work is
+ * (block, share of the row tiles) items, so a few blocks still spread over the threads; a thread lays
+ * out a block's tiles once for its consecutive items. */
 static BF16_TARGET int bf16_amx(const uint16_t *w, const float *x, int M, int K, const float *bias, float *y, int N,
                                 int nt) {
-    const int KP = (K + 31) / 32 * 32, nb = N / 64, passes = (M + 9) / 10, prelay = passes > 1;
-    const int shares = passes < (8 * nt + nb - 1) / nb ? passes : (8 * nt + nb - 1) / nb;
-    const uint16_t *xs = bf16_x(x, M, K, KP, nt);
+    const int KP = (K + 31) / 32 * 32, MP = (M + 15) / 16 * 16, nb = N / 64, pairs = (MP + 31) / 32;
+    const int shares = pairs < (8 * nt + nb - 1) / nb ? pairs : (8 * nt + nb - 1) / nb;
+    uint16_t *xs = bf16_scratch(0, (size_t)MP * 3 * KP * 2);
     if (!xs) return -2;
+    bf16_parts(x, M, MP, K, KP, xs, nt);
     int failed = 0;
-    #pragma omp parallel num_threads(nt) if (nb * shares > 1)
+    const long stride = (long)3 * KP * 2;
+    #pragma omp parallel num_threads(nt)
     {
-        uint16_t *bt = bf16_scratch(1, prelay ? (size_t)KP * 64 * 2 : 4096 * 2);
+        uint16_t *bt = bf16_scratch(1, (size_t)KP * 64 * 2);
         if (!bt) {
             #pragma omp atomic write
             failed = 1;
         }
-        bf16_config(M < 5 ? 3 * M : 15);
+        amx_tiles_16x64();
+        float c[4][16][16] __attribute__((aligned(64)));
         int laid = -1;
         #pragma omp for schedule(static)
         for (int item = 0; item < nb * shares; item++) {
             if (!bt) continue;
             const int b = item / shares, s = item % shares;
-            const uint16_t *wb = w + (size_t)b * K * 64;
-            if (prelay && b != laid) {
-                for (int ch = 0; ch < KP / 32; ch++) bf16_step(wb, K, ch, 0, 2, bt + (size_t)ch * 2048);
+            if (b != laid) {
+                bf16_tiles(w + (size_t)b * K * 64, K, KP, bt);
                 laid = b;
             }
-            bf16_block(wb, K, KP, xs, M, passes * s / shares, passes * (s + 1) / shares, bias ? bias + 64 * b : 0,
-                       y + 64 * b, N, bt, prelay);
+            for (int p = pairs * s / shares; p < pairs * (s + 1) / shares; p++) {
+                const int m0 = 32 * p, two = m0 + 16 < MP;
+                const uint16_t *x0 = xs + (size_t)m0 * 3 * KP, *x1 = x0 + (size_t)16 * 3 * KP;
+                for (int h = 0; h < 2; h++) {
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    _tile_zero(2);
+                    _tile_zero(3);
+                    for (int ch = 0; ch < KP / 32; ch++) {
+                        const uint16_t *bb = bt + ((size_t)ch * 4 + 2 * h) * 512;
+                        _tile_loadd(6, bb, 64);
+                        _tile_loadd(7, bb + 512, 64);
+                        /* hi, then mid, then lo: each sum's order over a step of 32 columns */
+#define BF16_PART(P)                                               \
+                        _tile_loadd(4, x0 + (P) * KP + 32 * ch, stride); \
+                        _tile_dpbf16ps(0, 4, 6);                   \
+                        _tile_dpbf16ps(1, 4, 7);                   \
+                        if (two) {                                 \
+                            _tile_loadd(5, x1 + (P) * KP + 32 * ch, stride); \
+                            _tile_dpbf16ps(2, 5, 6);               \
+                            _tile_dpbf16ps(3, 5, 7);               \
+                        }
+                        BF16_PART(0) BF16_PART(1) BF16_PART(2)
+#undef BF16_PART
+                    }
+                    _tile_stored(0, c[0], 64);
+                    _tile_stored(1, c[1], 64);
+                    _tile_stored(2, c[2], 64);
+                    _tile_stored(3, c[3], 64);
+                    for (int r = 0; r < 32 && m0 + r < M; r++)
+                        bf16_out(c[2 * (r >= 16)][r % 16], c[2 * (r >= 16) + 1][r % 16], bias ? bias + 64 * b + 32 * h : 0,
+                                 y + (size_t)(m0 + r) * N + 64 * b + 32 * h);
+                }
+            }
         }
         _tile_release();
     }
     return failed ? -2 : 0;
 }
-
-/* llmd_f32_pick's values on AMX: the chosen columns gathered 64 to a block, which gives each the bits it
- * has in the whole product (a column's sums do not depend on the others'). */
-static BF16_TARGET int bf16_amx_pick(const float *x, int M, int K, const uint16_t *w, const int64_t *idx, int C,
-                                     float *y) {
-    const int KP = (K + 31) / 32 * 32, passes = (M + 9) / 10;
-    const uint16_t *xs = bf16_x(x, M, K, KP, 1);
-    uint16_t *g = malloc((size_t)K * 64 * 2 + 4096 * 2 + 64);
-    float *out = malloc(sizeof(float) * 64 * (size_t)M);
-    if (!xs || !g || !out) {
-        free(g);
-        free(out);
-        return -2;
-    }
-    uint16_t *bt = (uint16_t *)(((uintptr_t)(g + (size_t)K * 64) + 63) & ~(uintptr_t)63);
-    bf16_config(M < 5 ? 3 * M : 15);
-    for (int c0 = 0; c0 < C; c0 += 64) {
-        const int lanes = C - c0 < 64 ? C - c0 : 64;
-        for (int k = 0; k < K; k++)
-            for (int j = 0; j < 64; j++) {
-                const int64_t n = idx[c0 + (j < lanes ? j : 0)];
-                g[(size_t)k * 64 + j] = w[(size_t)(n / 64) * K * 64 + (size_t)k * 64 + n % 64];
-            }
-        bf16_block(g, K, KP, xs, M, 0, passes, 0, out, 64, bt, 0);
-        for (int m = 0; m < M; m++) memcpy(y + (size_t)m * C + c0, out + (size_t)m * 64, sizeof(float) * lanes);
-    }
-    _tile_release();
-    free(g);
-    free(out);
-    return 0;
-}
 #else
 static int bf16_amx_usable(void) { return 0; }
 static int bf16_amx(const uint16_t *w, const float *x, int M, int K, const float *bias, float *y, int N, int nt) {
     (void)w, (void)x, (void)M, (void)K, (void)bias, (void)y, (void)N, (void)nt;
-    return -1;
-}
-static int bf16_amx_pick(const float *x, int M, int K, const uint16_t *w, const int64_t *idx, int C, float *y) {
-    (void)x, (void)M, (void)K, (void)w, (void)idx, (void)C, (void)y;
     return -1;
 }
 #endif
@@ -427,7 +348,7 @@ int llmd_f32_w16_rows(void) {
 #define F32_PRODUCT(NAME, WIDE, WTYPE) \
 TARGET int NAME(const float *x, int M, int K, const WTYPE *w, const float *bias, float *y, int N, int nt) { \
     const int wide = WIDE; \
-    if (!wide && M >= 1 && M <= BF16_MANY_ROWS && N % 64 == 0 && K >= 1 && bf16_amx_usable()) \
+    if (!wide && M > F32_MAXM && M <= BF16_MANY_ROWS && N % 64 == 0 && K >= 1 && bf16_amx_usable()) \
         return bf16_amx((const uint16_t *)w, x, M, K, bias, y, N, nt); \
     if (!llmd_cpu_ok() || M < 1 || M > F32_MAXM || N % 64) return -1; \
     const int groups = M >= 11 ? (M + 5) / 6 : (M + 3) / 4 - (M > 4 && (M % 4 == 1 || M % 4 == 2)); \
@@ -469,7 +390,6 @@ TARGET int llmd_f32_pick(const float *x, int M, int K, const void *w, int wide, 
     if (!llmd_cpu_ok() || M < 1 || M > F32_MAXM || K < 1 || N < 64 || N % 64 || C < 1) return -1;
     for (int c = 0; c < C; c++)
         if (idx[c] < 0 || idx[c] >= N) return -1;
-    if (!wide && bf16_amx_usable()) return bf16_amx_pick(x, M, K, w, idx, C, y);
     const int chunks = (C + 15) / 16;
     int failed = 0;
     #pragma omp parallel for num_threads(nt) schedule(static) if ((size_t)C * K > (1u << 16))

@@ -140,14 +140,6 @@ typedef struct {
     uint8_t rows[16];
 } amx_config;
 
-/* Tiles 0-3 (the sums of amx_q8 and bf16_amx) into c, 16 rows of 64 bytes each. */
-static inline AMX_TARGET void amx_sums_out(void *c) {
-    _tile_stored(0, (char *)c, 64);
-    _tile_stored(1, (char *)c + 1024, 64);
-    _tile_stored(2, (char *)c + 2048, 64);
-    _tile_stored(3, (char *)c + 3072, 64);
-}
-
 /* This thread's tile unit set up with all eight tiles of 16 rows by 64 bytes (amx_q8, bf16_amx). */
 static inline AMX_TARGET void amx_tiles_16x64(void) {
     amx_config cfg;

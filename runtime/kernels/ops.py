@@ -60,8 +60,7 @@ def f32_unblock(blocks: torch.Tensor) -> torch.Tensor:
 
 def bf16_max_rows() -> int:
     """The most rows the kernel takes over bfloat16 blocks here: more than ``F32_MAX_ROWS`` (prompt
-    chunks too) where AMX multiplies bfloat16 (f32.c: every row count then takes the tile unit, one sum
-    for a row whatever its step), so such a weight needs no float32 copy for them."""
+    chunks too) where AMX multiplies bfloat16 (f32.c), so such a weight needs no float32 copy for them."""
     so = lib()
     fn = getattr(so, "llmd_f32_w16_rows", None) if so is not None else None
     return fn() if fn is not None else F32_MAX_ROWS

@@ -693,7 +693,10 @@ static AMX_TARGET void amx_q8(const int8_t *xh, const int8_t *xl, const int32_t 
                         _tile_dpbsud(3, 5, 7);
                     }
                 }
-                amx_sums_out(c);
+                _tile_stored(0, c[0], 64);
+                _tile_stored(1, c[1], 64);
+                _tile_stored(2, c[2], 64);
+                _tile_stored(3, c[3], 64);
                 for (int j = 0; j < 1 + both; j++) {
                     const __mmask16 keep = q_keep(N, b + j);
                     for (int r = 0; r < 16 && m0 + r < M; r++)

@@ -22,13 +22,12 @@ class Linear(nn.Module):
     - a few rows (decode): a matrix-vector product bound by memory bandwidth. Where llmd's kernels
       run (llmd.runtime.kernels), the weight is stored in blocks of 64 output columns that each
       thread streams front to back, kept in bfloat16 when every value is one (a bfloat16 checkpoint:
-      half the bytes, float32 products: the same ones, or AMX's where it multiplies bfloat16).
-      Otherwise torch's own kernel, which streams the weight from one core, is split in ``threads``
-      parts run as one ``bmm`` over views of the weight;
+      half the bytes, the same float32 products). Otherwise torch's own kernel, which streams the
+      weight from one core, is split in ``threads`` parts run as one ``bmm`` over views of the weight;
     - more rows (prompt chunks, batches, verification): float32 weights get a second copy in
       oneDNN's blocked layout, whose kernel beats the default one there. That copy doubles the
       float32 weight memory; bfloat16 and quantized models skip it, and so do bfloat16 blocks where
-      the kernel takes every row count itself (AMX: ``ops.bf16_max_rows``).
+      the kernel takes many rows itself (AMX: ``ops.bf16_max_rows``).
     Quantized variants replace this module as a whole (see llmd.runtime.formats.quantized).
     """
 
