@@ -175,7 +175,6 @@ void f32_block(const float *x, const int MM, int K, const void *w, const float *
 #define BF16_MANY_ROWS 8192
 
 #if defined(LLMD_AMX) && (__has_include(<amxbf16intrin.h>) || __has_include(<amxintrin.h>))
-#define LLMD_AMX_BF16 1
 #define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,amx-tile,amx-int8,amx-bf16")))
 
 static int bf16_amx_usable(void) {

@@ -62,8 +62,13 @@ def bf16_max_rows() -> int:
     """The most rows the kernel takes over bfloat16 blocks here: more than ``F32_MAX_ROWS`` (prompt
     chunks too) where AMX multiplies bfloat16 (f32.c), so such a weight needs no float32 copy for them."""
     so = lib()
-    fn = getattr(so, "llmd_f32_w16_rows", None) if so is not None else None
-    return fn() if fn is not None else F32_MAX_ROWS
+    if (got := _bf16_rows.get(id(so))) is None:          # asked on every product: one call per library
+        fn = getattr(so, "llmd_f32_w16_rows", None) if so is not None else None
+        got = _bf16_rows[id(so)] = fn() if fn is not None else F32_MAX_ROWS
+    return got
+
+
+_bf16_rows: dict[int, int] = {}
 
 
 def f32_matvec(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None):
