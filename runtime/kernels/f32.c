@@ -74,14 +74,25 @@ static inline TARGET __attribute__((always_inline)) void block_in(const float *b
 #endif
 }
 
+#ifndef LLMD_AVX2
+/* The 32 outputs of a pair of vectors in that unpacked order (a: columns {0-3, 8-11, 16-19, 24-27}, b:
+ * {4-7, ...}) back in column order: y[0] columns 0-15, y[1] 16-31 (block_out, and f32.c's tile sums). */
+static inline TARGET __attribute__((always_inline)) void unpacked_in_order(__m512 a, __m512 b, __m512 y[2]) {
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    y[0] = _mm512_permutex2var_ps(a, first, b);
+    y[1] = _mm512_permutex2var_ps(a, second, b);
+}
+#endif
+
 static inline TARGET __attribute__((always_inline)) void block_out(float *y, const int wide, const __m512 acc[4]) {
 #ifndef LLMD_AVX2
     if (!wide) {
-        const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-        const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
         for (int h = 0; h < 2; h++) {
-            _mm512_storeu_ps(y + 32 * h, _mm512_permutex2var_ps(acc[2 * h], first, acc[2 * h + 1]));
-            _mm512_storeu_ps(y + 32 * h + 16, _mm512_permutex2var_ps(acc[2 * h], second, acc[2 * h + 1]));
+            __m512 v[2];
+            unpacked_in_order(acc[2 * h], acc[2 * h + 1], v);
+            _mm512_storeu_ps(y + 32 * h, v[0]);
+            _mm512_storeu_ps(y + 32 * h + 16, v[1]);
         }
         return;
     }
@@ -188,19 +199,6 @@ static int bf16_amx_usable(void) {
     return ok;
 }
 
-/* A thread's buffers (0: x's parts, 1: a block's tiles), kept from call to call, 64-byte aligned. */
-static __thread void *bf16_buffer[2];
-static __thread size_t bf16_buffer_bytes[2];
-
-static void *bf16_scratch(int which, size_t bytes) {
-    if (bytes > bf16_buffer_bytes[which]) {
-        free(bf16_buffer[which]);
-        bf16_buffer[which] = aligned_alloc(64, (bytes + 63) / 64 * 64);
-        bf16_buffer_bytes[which] = bf16_buffer[which] ? bytes : 0;
-    }
-    return bf16_buffer[which];
-}
-
 /* x's rows [M, K] as bfloat16 parts xs [MP][3][KP] (hi, mid, lo), rows past M and columns past K zero */
 static BF16_TARGET void bf16_parts(const float *x, int M, int MP, int K, int KP, uint16_t *xs, int nt) {
     #pragma omp parallel for num_threads(nt) schedule(static) if ((size_t)M * K > (1u << 16))
@@ -247,16 +245,10 @@ static BF16_TARGET void bf16_tiles(const uint16_t *w, int K, int KP, uint16_t *b
 /* Rows of two column tiles' sums (c0: the even tile, c1: the odd one) as 32 outputs in column order, plus
  * the bias. */
 static BF16_TARGET void bf16_out(const float *c0, const float *c1, const float *bias, float *y) {
-    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-    const __m512 a = _mm512_load_ps(c0), b = _mm512_load_ps(c1);
-    __m512 y0 = _mm512_permutex2var_ps(a, first, b), y1 = _mm512_permutex2var_ps(a, second, b);
-    if (bias) {
-        y0 = _mm512_add_ps(y0, _mm512_loadu_ps(bias));
-        y1 = _mm512_add_ps(y1, _mm512_loadu_ps(bias + 16));
-    }
-    _mm512_storeu_ps(y, y0);
-    _mm512_storeu_ps(y + 16, y1);
+    __m512 v[2];
+    unpacked_in_order(_mm512_load_ps(c0), _mm512_load_ps(c1), v);
+    for (int j = 0; j < 2; j++)
+        _mm512_storeu_ps(y + 16 * j, bias ? _mm512_add_ps(v[j], _mm512_loadu_ps(bias + 16 * j)) : v[j]);
 }
 
 /* y [M, N] = x [M, K] times bfloat16 blocks w, plus bias: 0, or -2 where the buffers could not be had.
@@ -267,14 +259,14 @@ static BF16_TARGET int bf16_amx(const uint16_t *w, const float *x, int M, int K,
                                 int nt) {
     const int KP = (K + 31) / 32 * 32, MP = (M + 15) / 16 * 16, nb = N / 64, pairs = (MP + 31) / 32;
     const int shares = pairs < (8 * nt + nb - 1) / nb ? pairs : (8 * nt + nb - 1) / nb;
-    uint16_t *xs = bf16_scratch(0, (size_t)MP * 3 * KP * 2);
+    uint16_t *xs = scratch_for(0, (size_t)MP * 3 * KP * 2);      /* x's parts */
     if (!xs) return -2;
     bf16_parts(x, M, MP, K, KP, xs, nt);
     int failed = 0;
     const long stride = (long)3 * KP * 2;
     #pragma omp parallel num_threads(nt)
     {
-        uint16_t *bt = bf16_scratch(1, (size_t)KP * 64 * 2);
+        uint16_t *bt = scratch_for(1, (size_t)KP * 64 * 2);     /* a block's tiles */
         if (!bt) {
             #pragma omp atomic write
             failed = 1;
@@ -315,10 +307,7 @@ static BF16_TARGET int bf16_amx(const uint16_t *w, const float *x, int M, int K,
                         BF16_PART(0) BF16_PART(1) BF16_PART(2)
 #undef BF16_PART
                     }
-                    _tile_stored(0, c[0], 64);
-                    _tile_stored(1, c[1], 64);
-                    _tile_stored(2, c[2], 64);
-                    _tile_stored(3, c[3], 64);
+                    amx_sums_out(c);
                     for (int r = 0; r < 32 && m0 + r < M; r++)
                         bf16_out(c[2 * (r >= 16)][r % 16], c[2 * (r >= 16) + 1][r % 16], bias ? bias + 64 * b + 32 * h : 0,
                                  y + (size_t)(m0 + r) * N + 64 * b + 32 * h);

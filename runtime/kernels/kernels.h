@@ -117,6 +117,10 @@ int llmd_draft2(const llmd_dims *dims, const float *const *norms, const llmd_pro
 enum { LLMD_KIND_F32, LLMD_KIND_BF16, LLMD_KIND_INT8, LLMD_KIND_INT4_ROWS, LLMD_KIND_INT8G, LLMD_KIND_ROWS,
        LLMD_KIND_Q8, LLMD_KIND_Q8G, LLMD_KIND_Q4, LLMD_KIND_Q4H };
 
+/* quant.c: this thread's scratch buffer `which` (0 or 1), at least `bytes` long and 64-byte aligned, kept
+ * from call to call (NULL, the old one kept, where it cannot grow). */
+void *scratch_for(int which, size_t bytes);
+
 /* AMX (quant.c's int8 and int4 prompt rows, f32.c's bfloat16 ones). The compiler must know AMX's
  * operations (GCC 11, Clang 12 and newer); older ones build the library without these paths. */
 #if !defined(LLMD_AVX2) && !defined(LLMD_NO_AMX) && defined(__has_include)
@@ -139,6 +143,14 @@ typedef struct {
     uint16_t colsb[16];
     uint8_t rows[16];
 } amx_config;
+
+/* Tiles 0-3 (the sums of amx_q8 and bf16_amx) into c, 16 rows of 64 bytes each. */
+static inline AMX_TARGET void amx_sums_out(void *c) {
+    _tile_stored(0, (char *)c, 64);
+    _tile_stored(1, (char *)c + 1024, 64);
+    _tile_stored(2, (char *)c + 2048, 64);
+    _tile_stored(3, (char *)c + 3072, 64);
+}
 
 /* This thread's tile unit set up with all eight tiles of 16 rows by 64 bytes (amx_q8, bf16_amx). */
 static inline AMX_TARGET void amx_tiles_16x64(void) {

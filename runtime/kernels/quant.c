@@ -45,17 +45,18 @@ int llmd_cpu_ok(void) {
 /* The scratch grows to the largest row seen and is kept for the thread's life, so a decode step
  * allocates nothing here; the caller passes x as float32 and gets y. */
 
-static __thread void *scratch;
-static __thread size_t scratch_bytes;
+static __thread void *scratch[2];
+static __thread size_t scratch_bytes[2];
 
-static void *scratch_for(size_t bytes) {
-    if (bytes > scratch_bytes) {
-        void *p = realloc(scratch, bytes);
+void *scratch_for(int which, size_t bytes) {
+    if (bytes > scratch_bytes[which]) {
+        void *p = aligned_alloc(64, (bytes + 63) / 64 * 64);
         if (!p) return 0;
-        scratch = p;
-        scratch_bytes = bytes;
+        free(scratch[which]);
+        scratch[which] = p;
+        scratch_bytes[which] = bytes;
     }
-    return scratch;
+    return scratch[which];
 }
 
 
@@ -693,10 +694,7 @@ static AMX_TARGET void amx_q8(const int8_t *xh, const int8_t *xl, const int32_t 
                         _tile_dpbsud(3, 5, 7);
                     }
                 }
-                _tile_stored(0, c[0], 64);
-                _tile_stored(1, c[1], 64);
-                _tile_stored(2, c[2], 64);
-                _tile_stored(3, c[3], 64);
+                amx_sums_out(c);
                 for (int j = 0; j < 1 + both; j++) {
                     const __mmask16 keep = q_keep(N, b + j);
                     for (int r = 0; r < 16 && m0 + r < M; r++)
@@ -815,7 +813,7 @@ TARGET int llmd_q8_x(const float *x, int M, int K, int G, const uint8_t *w, floa
     const int MP = 0;
 #endif
     const size_t head = (size_t)M * K * 2 + (size_t)M * (K / 64) * 8 + (size_t)M * per_row * 4 + (size_t)M * 4;
-    int8_t *xhl = scratch_for((head + 63) / 64 * 64 + (size_t)MP * K * 2);
+    int8_t *xhl = scratch_for(0, (head + 63) / 64 * 64 + (size_t)MP * K * 2);
     if (!xhl) return -2;
     int32_t *sums = (int32_t *)(xhl + 2 * (size_t)M * K), *cx = sums + (size_t)M * (K / 64) * 2;
     float *sx = (float *)(cx + (size_t)M * per_row);
@@ -854,7 +852,7 @@ static TARGET int q4_x(const float *x, int M, int K, int G, const uint8_t *w, fl
     const int tiles = 0;
 #endif
     const int MP = tiles ? (M + 15) / 16 * 16 : M;
-    float *sx = scratch_for((size_t)M * nb * 4 + (size_t)M * groups * 4 + (size_t)MP * K + 64);
+    float *sx = scratch_for(0, (size_t)M * nb * 4 + (size_t)M * groups * 4 + (size_t)MP * K + 64);
     if (!sx) return -2;
     float *xs = sx + (size_t)M * nb;
     int8_t *xq = (int8_t *)(xs + (size_t)M * groups);
@@ -962,7 +960,7 @@ static int takes(int M, int K) {
 TARGET int llmd_w8a8_x(const float *x, int M, int K, const int8_t *w, const float *s, const float *bias, float *y,
                        int N, int nt) {
     if (!takes(M, K)) return -1;
-    uint8_t *xa = scratch_for((size_t)M * K + (size_t)M * (K / 64) * 8 + (size_t)M * 4 + 64);
+    uint8_t *xa = scratch_for(0, (size_t)M * K + (size_t)M * (K / 64) * 8 + (size_t)M * 4 + 64);
     if (!xa) return -2;
     uint64_t *neg = (uint64_t *)(xa + (size_t)M * K);
     float *sx = (float *)(neg + (size_t)M * (K / 64));
@@ -981,7 +979,7 @@ TARGET int llmd_q8_pick(const float *x, int M, int K, int G, const int8_t *w, co
                         int C, float *y, int nt) {
     const int groups = q8_groups(K, G);
     if (!llmd_cpu_ok() || !groups || M < 1 || M > MANY_MAX_ROWS || C < 1) return -1;
-    int16_t *xi = scratch_for((size_t)M * K * 2 + (size_t)M * 4 + 64);
+    int16_t *xi = scratch_for(0, (size_t)M * K * 2 + (size_t)M * 4 + 64);
     if (!xi) return -2;
     float *sx = (float *)(xi + (size_t)M * K);
     for (int m = 0; m < M; m++) {
