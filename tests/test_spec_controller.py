@@ -9,7 +9,7 @@ import random
 import pytest
 
 from llmd.runtime.request import Request, SamplingParams
-from llmd.runtime.spec.controller import REFRESH_MAX, SWITCH, TRY_SHARE, SpecController, expected_tokens
+from llmd.runtime.spec.controller import REFRESH_MAX, SWITCH, TRY_SHARE, SpecController, _Batch, expected_tokens
 from llmd.runtime.spec.measures import CostTable, DepthTimes
 
 
@@ -343,6 +343,47 @@ def test_several_streams_try_a_depth_on_ever_more_requests_before_all():
         real_plan(rs, other)
         sizes.append(sum(1 for r in rs if r.spec_k))
     ctrl.plan = plan
-    simulate(ctrl, costs, alpha, b, steps=800)     # trials spaced out by their share of the time
+    simulate(ctrl, costs, alpha, b, steps=1600)    # trials spaced out by their share of the time (PROBE_SHARE)
     ramp = list(dict.fromkeys(n for n in sizes if n))    # each size of trial, in the order first taken
     assert ramp[:2] == [1, 2] and 16 in ramp and sizes[-50:].count(16) >= 45
+
+
+def test_a_depth_whose_verification_rows_alone_cost_too_much_is_never_tried():
+    """The target's forward costs by rows are known from prompts (here: 48 rows cost five plain steps):
+    even the first try at sixteen streams needs a cost floor that could win, so none is made."""
+    ctrl = SpecController(2, 1 << 21)
+    for _ in range(3):
+        ctrl.observe_target(48, 0.015)
+        ctrl.observe_target(80, 0.020)
+    rs = reqs(16)
+    for _ in range(300):
+        ctrl.plan(rs, 0)
+        assert not any(r.spec_k for r in rs)
+        ctrl.observe_target(16, 0.003)
+        ctrl.observe_step(16, 0.003, False)
+
+
+def test_a_probe_that_ran_faster_than_plain_steps_does_not_make_the_whole_batch_free():
+    """Noise can make a one-request probe no dearer than a plain step; the whole batch's estimate
+    still counts the rows it would verify and the draft forwards it would run."""
+    ctrl = SpecController(3, 1 << 21)
+    for _ in range(3):
+        ctrl.observe_target(16, 0.003)
+        ctrl.observe_target(40, 0.012)
+        ctrl.observe_draft(1, 0.001)
+    st = ctrl.batches.setdefault((4, 0), _Batch())
+    for _ in range(3):
+        st.times.observe(0, 0.003)
+        st.probe_times.observe((3, 1), 0.0029)
+    whole, likely = ctrl._estimates(16, st)
+    assert whole[3] >= 0.003 + 4 * 0.001 + (0.012 - 0.003) and likely[3][0] >= whole[3] - 1e-12
+
+
+def test_a_probe_keeps_its_requests_and_adds_those_with_the_least_text():
+    ctrl = SpecController(3, 1 << 21)
+    rs = [Request(f"r{i}", list(range(1, n + 1)), SamplingParams(max_tokens=1 << 20)) for i, n in
+          enumerate((50, 20, 80, 10, 30))]
+    assert [r.request_id for r in ctrl._probe_set(rs, 1)] == ["r3"]
+    assert [r.request_id for r in ctrl._probe_set(rs, 2)] == ["r3", "r1"]
+    rs[1].token_ids.extend(range(100))          # r1 has grown past the others: it stays, its draft caught up
+    assert {r.request_id for r in ctrl._probe_set(rs, 3)} == {"r3", "r1", "r4"}

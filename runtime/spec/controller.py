@@ -12,13 +12,15 @@ seconds. The controller picks the depth with the most expected tokens per second
   weights after each target step) and the Python around the forward are all in it. A step where a
   draft first catches up on text it missed while speculation was off is not a sample.
 - A depth not yet measured is tried when even a lower bound on its cost would beat the best measured
-  depth: the nearest shallower measured step, plus a draft forward per extra proposal and the cheapest
-  verification its rows could cost (CostTable). Optimism bounded by the cost model: a depth that cannot
-  win is never tried, so where speculation never pays it costs a few steps, and where a deep depth wins
-  it is reached (the first try is already half way down).
+  depth: the nearest shallower measured step, plus a draft forward per extra proposal (at least what
+  one cost over fewer rows) and the cheapest verification its rows could cost (CostTable). Optimism
+  bounded by the cost model: a depth that cannot win is never tried, not even the first, so where
+  speculation never pays it costs a few steps or none, and where a deep depth wins it is reached (the
+  first try is already half way down).
 - Where a draft is off over several streams, depths are tried on 1, 2, 4, ... of the requests, not all
-  at once (each new one costs a catch-up on its whole text), while the likely cost of the whole batch
-  could still win; all speculate once the dearest reading of those steps wins (_estimates).
+  at once (each new one costs a catch-up on its whole text: a probe keeps the requests whose draft
+  has caught up and adds those with the least text), while the likely cost of the whole batch could
+  still win; all speculate once the dearest reading of those steps wins (_estimates).
 - The acceptance a is the maximum-likelihood estimate from accepted proposals and first rejections
   (Acceptance) over the last few hundred decode steps of all requests (one depth serves the whole
   batch), starting from a weak prior.
@@ -37,8 +39,12 @@ seconds. The controller picks the depth with the most expected tokens per second
   sum stays under TRY_SHARE of the seconds spent at that batch size plus one step's worth. Where a
   trial costs much more than it gains (a batch whose extra rows leave the backend's few-row path,
   say), the trials spread out instead of repeating; where one wins, its gains pay for the next.
+  Probes (a draft off over several streams) get half the share (PROBE_SHARE): each pays a draft's
+  catch-up on whole texts, and its few extra rows take the step off the backend's few-row path, so
+  they are the dearest trials and the least likely to win.
 - A settled depth holds for HOLD steps before the depths are weighed again (no trial due, the
-  counters still ticking): planning runs in Python on every step.
+  counters still ticking): planning runs in Python on every step. The unmeasured depths are looked
+  at every EXPLORE_EVERY steps, twice as rarely each time none is worth a try (up to EXPLORE_MAX).
 
                      plan(): _choose -> spec_k per request
     engine step ->   observe_target / observe_draft / observe_proposals / observe_acceptance
@@ -58,9 +64,11 @@ SWITCH = 1.02           # another measured depth must be this much faster to tak
 SWITCH_ON = 1.10        # ... and speculation, where a draft is off over several streams (a catch-up to pay)
 REFRESH_EVERY = 32      # steps of a batch size between refreshes of the runner-up depth ...
 REFRESH_MAX = 1024      # ... doubling each time it stays the runner-up, up to this many
-EXPLORE_EVERY = 8       # steps of a batch size between looks at the depths not measured there
-HOLD = 7                # steps a settled depth is kept without weighing the depths again (planning is Python)
+EXPLORE_EVERY = 8       # steps of a batch size between looks at the depths not measured there ...
+EXPLORE_MAX = 64        # ... doubling each time nothing is worth trying, up to this many
+HOLD = 15               # steps a settled depth is kept without weighing the depths again (planning is Python)
 TRY_SHARE = 0.015       # share of a batch size's seconds that trying depths other than the one in force may lose
+PROBE_SHARE = 0.0075    # ... where the trials are probes (a draft off over several streams: the dearest trials)
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -84,6 +92,7 @@ class _Batch:
         self.since_refresh = 0
         self.refresh_every = REFRESH_EVERY
         self.explore_in = 0             # steps until unmeasured depths are weighed again
+        self.explore_every = EXPLORE_EVERY
         self.hold = 0                   # steps the depth in force is kept before the depths are weighed again
         self.known = 0                  # depths measured when they last were
         self.elapsed = 0.0              # seconds of the steps planned at this batch size
@@ -96,9 +105,9 @@ class _Batch:
         seconds = sum(self.times.samples.get(k, ()))
         return sum(self.yields.samples[k]) / seconds if seconds else float("inf")
 
-    def may_try(self) -> bool:
+    def may_try(self, share: float = TRY_SHARE) -> bool:
         """Whether a trial may start: the losses so far within the share of the time, plus one step."""
-        return self.lost < TRY_SHARE * self.elapsed + self.step_s
+        return self.lost < share * self.elapsed + self.step_s
 
 
 class SpecController:
@@ -119,6 +128,7 @@ class SpecController:
         self._trial = False                   # whether it tries a depth other than the one in force
         self._plain_run = 0                   # consecutive steps without speculation, up to the last planned
         self._spec_m = 0                      # requests that speculated in the last step that did
+        self._probe_ids: set[str] = set()     # the requests of the last probe
         self.enabled_steps = 0
         self.disabled_steps = 0
         self.depth_steps: collections.Counter = collections.Counter()
@@ -139,11 +149,12 @@ class SpecController:
     # ---- planning --------------------------------------------------------------------------
     def plan(self, decoding: list[Request], other_tokens: int) -> None:
         """Set ``spec_k`` on each decoding request (0 = no speculation this step)."""
-        held = [r for r in decoding if not self.may_speculate(r)]
-        for r in held:
-            r.spec_k = 0
+        may = self.may_speculate
+        held = [r for r in decoding if not may(r)]
         if held:            # they decode one row each, beside the speculating ones: measured apart
-            decoding = [r for r in decoding if self.may_speculate(r)]
+            for r in held:
+                r.spec_k = 0
+            decoding = [r for r in decoding if may(r)]
         self._step, self._key, self._trial = None, None, False
         b = len(decoding)
         if not b:
@@ -155,21 +166,32 @@ class SpecController:
         if self.adaptive:
             st = self.batches[key]
             self._key, self._trial = key, (k, m) != (st.best, b) and st.rate > 0 and not other_tokens
-        capped = False
-        for i, r in enumerate(decoding):     # the first m requests speculate (all but in a probe)
-            r.spec_k = self._cap(r, k) if k and i < m else 0
-            capped = capped or (i < m and r.spec_k < k)
+        for r in decoding:
+            r.spec_k = 0
+        depth, capped = 0, False
+        if k:           # all of them, or in a probe m of them
+            for r in (decoding if m >= b else self._probe_set(decoding, m)):
+                r.spec_k = got = self._cap(r, k)
+                depth, capped = max(depth, got), capped or got < k
         if self.adaptive and not other_tokens and not capped and self._measures(k, m):
             self._step = (key, k, m if m < b else 0)
-        depth = max(r.spec_k for r in decoding)
         self._plain_run = 0 if depth else self._plain_run + 1
         if depth:
             self._spec_m = m
-        self.depth_steps[depth] += 1
-        if depth:
             self.enabled_steps += 1
         else:
             self.disabled_steps += 1
+        self.depth_steps[depth] += 1
+
+    def _probe_set(self, decoding: list[Request], m: int) -> list[Request]:
+        """The m requests a probe speculates on: those of the last probe still decoding (their draft
+        has caught up), then those with the least text (a draft's catch-up reads all of it)."""
+        kept = [r for r in decoding if r.request_id in self._probe_ids][:m]
+        if len(kept) < m:
+            rest = sorted((r for r in decoding if r.request_id not in self._probe_ids), key=lambda r: r.num_tokens)
+            kept += rest[:m - len(kept)]
+        self._probe_ids = {r.request_id for r in kept}
+        return kept
 
     def _measures(self, k: int, m: int) -> bool:
         """Whether a step at depth k over m requests shows its cost: not where a draft catches up on
@@ -188,7 +210,8 @@ class SpecController:
         cost b / m times over: the dearest case (nothing of a draft round shared), which alone turns
         speculation on. The second, which decides whether to try more requests, is the cheapest case
         (the requests beyond m free) or, once two sizes are tried, each further request costing what
-        one more cost there."""
+        one more cost there. Neither is taken below the cost floor of the whole batch (a probe that
+        happened to run faster than plain steps does not make the whole batch's speculation free)."""
         measured = st.times.measured()
         levels: dict[int, list] = {}
         for (k, m), t in st.probe_times.measured().items():
@@ -202,8 +225,9 @@ class SpecController:
             got.sort()
             m, t = got[-1]
             extra = (t - got[-2][1]) / (m - got[-2][0]) if len(got) > 1 else 0.0
-            likely[k] = (t + (b - m) * max(0.0, extra), m)
-            dearest[k] = t0 + b / m * max(0.0, t - t0)
+            floor = self._cost_floor(b, k, {0: t0})
+            likely[k] = (max(floor, t + (b - m) * max(0.0, extra)), m)
+            dearest[k] = max(floor, t0 + b / m * max(0.0, t - t0))
         return {**dearest, **measured}, likely
 
     def _choose(self, decoding: list[Request], key: tuple, held: int, other_tokens: int) -> tuple[int, int]:
@@ -247,13 +271,15 @@ class SpecController:
         probing = self._probing(b, st)
         st.explore_in -= 1
         # now and then the dear part, unless the trials so far lost more than their share of the time here
-        if st.may_try() and (st.explore_in <= 0 or st.known != len(measured) + len(partial)):
-            st.explore_in, st.known = EXPLORE_EVERY, len(measured) + len(partial)
+        share = PROBE_SHARE if probing else TRY_SHARE
+        if st.may_try(share) and (st.explore_in <= 0 or st.known != len(measured) + len(partial)):
+            st.explore_in, st.known = st.explore_every, len(measured) + len(partial)
             target = self._to_explore(b, st, measured, partial, self._gains(decoding, held=held), rates[st.best],
                                       probing)
             if target is not None:
-                st.exploring = target
+                st.exploring, st.explore_every = target, EXPLORE_EVERY
                 return target
+            st.explore_every = min(2 * st.explore_every, EXPLORE_MAX)
         self.last_plan = {"batch": b, "k": st.best, "alpha": self.global_alpha,
                           "predicted_speedup": rates[st.best] / rates[0]}
         return self._refresh(decoding, st, rates, probing)
@@ -277,9 +303,12 @@ class SpecController:
         """(depth, requests) to measure next: an unmeasured depth that could beat the best measured one,
         the most promising first (the first tried at a batch size goes half way down); where depths
         are tried on some requests only, one tried on m requests that could still win goes on to 2 m."""
-        if len(measured) == 1:
-            return self._first_depth(b), 1 if probing else b
-        best_k, best = None, best_rate * (SWITCH_ON if probing else SWITCH)
+        best = best_rate * (SWITCH_ON if probing else SWITCH)
+        if len(measured) == 1 and not partial:
+            k = self._first_depth(b)
+            if gains[k] / self._cost_floor(b, k, measured) > best:
+                return k, 1 if probing else b
+        best_k = None
         for k in range(1, self.max_k + 1):
             if k in partial:                    # measured on m requests: the cheapest case could win?
                 t, m = partial[k]
@@ -304,7 +333,7 @@ class SpecController:
         """A lower bound on a step at depth k: a shallower measured step j, plus k - j draft forwards
         (and the catch-up, one forward or more, from j = 0) and at least what its verification rows
         cost beyond j's. Unknown forward costs count as free."""
-        d = 0.0 if self.proposer_is_free else (self.draft.estimate(b) or 0.0)
+        d = 0.0 if self.proposer_is_free else (self.draft.estimate(b) or self.draft.floor(b))
         floor = 0.0
         for j, t in measured.items():
             if j < k:
@@ -329,8 +358,9 @@ class SpecController:
         st.since_refresh += 1
         others = {k: r for k, r in rates.items() if k != st.best}
         b = len(decoding)
-        if st.since_refresh < st.refresh_every or not others or not st.may_try():
-            due = min(st.refresh_every - st.since_refresh, st.explore_in) - 1 if st.may_try() else HOLD
+        may = st.may_try(PROBE_SHARE if probing else TRY_SHARE)
+        if st.since_refresh < st.refresh_every or not others or not may:
+            due = min(st.refresh_every - st.since_refresh, st.explore_in) - 1 if may else HOLD
             st.hold = max(0, min(HOLD, due))
             return st.best, b
         st.since_refresh = 0

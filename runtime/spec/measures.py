@@ -23,11 +23,16 @@ class CostTable:
     def __init__(self):
         self.samples: dict[int, collections.deque] = {}
         self.medians: dict[int, float] = {}     # per bucket, until its next sample (planning asks often)
+        self.answers: dict[tuple, float | None] = {}    # estimate and floor, until the next sample
 
     def observe(self, rows: int, seconds: float) -> None:
         b = bucket(rows)
-        self.samples.setdefault(b, collections.deque(maxlen=self.KEEP)).append(seconds)
+        got = self.samples.get(b)
+        if got is None:
+            got = self.samples[b] = collections.deque(maxlen=self.KEEP)
+        got.append(seconds)
         self.medians.pop(b, None)
+        self.answers.clear()
 
     def _median(self, b: int) -> float | None:
         got = self.samples.get(b)
@@ -42,16 +47,21 @@ class CostTable:
         rarely used bucket (one-row steps while speculating, which are mostly the first decode
         after a prompt) can hold unrepresentative samples."""
         b = bucket(rows)
+        if (got := self.answers.get(("estimate", b), self)) is not self:
+            return got
         own = self._median(b)
-        if own is None:
-            return None
-        larger = [m for k in self.samples if k > b and (m := self._median(k)) is not None]
-        return min([own, *larger])
+        if own is not None:
+            own = min([own, *(m for k in self.samples if k > b and (m := self._median(k)) is not None)])
+        self.answers[("estimate", b)] = own
+        return own
 
     def floor(self, rows: int) -> float:
         """A lower bound on a forward over ``rows``: the dearest bucket measured at or below it (0 if none)."""
         b = bucket(rows)
-        return max([m for k in self.samples if k <= b and (m := self.estimate(1 << (k - 1))) is not None], default=0.0)
+        if (got := self.answers.get(("floor", b))) is None:
+            got = self.answers[("floor", b)] = max(
+                [m for k in self.samples if k <= b and (m := self.estimate(1 << (k - 1))) is not None], default=0.0)
+        return got
 
     def snapshot(self) -> dict:
         return {f"<{2 ** b}": statistics.median(v) for b, v in sorted(self.samples.items())}
@@ -60,21 +70,31 @@ class CostTable:
 class Acceptance:
     """Per-token acceptance from verified proposals: each accepted proposal a success, a rejection a
     failure (the proposals after it were never tested), beside a prior worth ``weight`` proposals.
-    Counts age by the step, not by the observation, so evidence from before a pause counts little."""
+    Counts age by the step, not by the observation, so evidence from before a pause counts little
+    (the ageing is applied when the counts are next read or added to: a step costs a counter)."""
 
     def __init__(self, prior: float, weight: float, decay: float):
         self.accepted = self.rejected = 0.0
         self.prior, self.weight, self.decay = prior, weight, decay
+        self.pending = 0
 
     def age(self) -> None:
-        self.accepted *= self.decay
-        self.rejected *= self.decay
+        self.pending += 1
+
+    def _aged(self) -> None:
+        if self.pending:
+            f = self.decay ** self.pending
+            self.accepted *= f
+            self.rejected *= f
+            self.pending = 0
 
     def observe(self, proposed: int, accepted: int) -> None:
+        self._aged()
         self.accepted += accepted
         self.rejected += 1 if accepted < proposed else 0
 
     def rate(self) -> float:
+        self._aged()
         return (self.accepted + self.prior * self.weight) / (self.accepted + self.rejected + self.weight)
 
     def upper(self) -> float:
@@ -85,23 +105,30 @@ class Acceptance:
 
 class DepthTimes:
     """Wall seconds of whole decode steps at one batch size, by depth: the median of the last KEEP,
-    trusted after MIN_SAMPLES."""
+    trusted after MIN_SAMPLES (worked out when next asked: a sample comes every step, a question
+    every few)."""
 
     MIN_SAMPLES = 3
     KEEP = 7
 
     def __init__(self):
         self.samples: dict[int, collections.deque] = {}
-        self.medians: dict[int, float] = {}       # the trusted ones (read every step: kept, not computed)
+        self.medians: dict[int, float] = {}       # the trusted ones
+        self.stale: set = set()                   # depths sampled since their median was worked out
 
     def observe(self, k: int, seconds: float) -> None:
-        got = self.samples.setdefault(k, collections.deque(maxlen=self.KEEP))
+        got = self.samples.get(k)
+        if got is None:
+            got = self.samples[k] = collections.deque(maxlen=self.KEEP)
         got.append(seconds)
         if len(got) >= self.MIN_SAMPLES:
-            self.medians[k] = statistics.median(got)
+            self.stale.add(k)
 
     def count(self, k: int) -> int:
         return len(self.samples.get(k, ()))
 
     def measured(self) -> dict[int, float]:
+        while self.stale:
+            k = self.stale.pop()
+            self.medians[k] = statistics.median(self.samples[k])
         return self.medians
