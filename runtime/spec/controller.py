@@ -25,8 +25,8 @@ seconds. The controller picks the depth with the most expected tokens per second
   (Acceptance) over the last few hundred decode steps of all requests (one depth serves the whole
   batch), starting from a weak prior.
 - Measurements stay current: every so often one step takes the runner-up depth, twice as rarely each
-  time, unless the acceptance's upper bound could still make the runner-up win (then the interval
-  stays). Where a draft is off over several streams that step speculates on one request.
+  time, unless either bound of the acceptance could still make the runner-up win or come within
+  CLOSE (the medians' own noise) of the depth in force (then the interval stays). Where a draft is off over several streams that step speculates on one request.
 - Speculation turns on at a batch size only where the steps that tried a depth there on the whole
   batch also yielded more tokens per second than the plain ones (their summed tokens over their
   summed seconds): the acceptance is pooled over all requests and overrates a batch whose requests
@@ -64,6 +64,7 @@ SWITCH = 1.02           # another measured depth must be this much faster to tak
 SWITCH_ON = 1.10        # ... and speculation, where a draft is off over several streams (a catch-up to pay)
 REFRESH_EVERY = 32      # steps of a batch size between refreshes of the runner-up depth ...
 REFRESH_MAX = 1024      # ... doubling each time it stays the runner-up, up to this many
+CLOSE = 0.05            # ... unless it comes within this share of the depth in force
 EXPLORE_EVERY = 8       # steps of a batch size between looks at the depths not measured there ...
 EXPLORE_MAX = 64        # ... doubling each time nothing is worth trying, up to this many
 HOLD = 15               # steps a settled depth is kept without weighing the depths again (planning is Python)
@@ -289,11 +290,11 @@ class SpecController:
         """Note what a step at the depth in force takes and yields: what a trial's tokens would have cost."""
         st.step_s, st.rate = measured[st.best], rates[st.best]
 
-    def _gains(self, decoding: list[Request], depths=None, optimistic: bool = False, held: int = 0) -> dict[int, float]:
+    def _gains(self, decoding: list[Request], depths=None, bound: int = 0, held: int = 0) -> dict[int, float]:
         """Expected tokens of the step at each of ``depths`` (all by default), summed over the requests
-        and ``held`` rows beside them; ``optimistic``: at the acceptance's upper bound."""
+        and ``held`` rows beside them; ``bound`` 1 or -1: at the acceptance's upper or lower bound."""
         b = len(decoding)
-        a = self.acceptance.upper() if optimistic else self.acceptance.rate()
+        a = self.acceptance.bound(bound) if bound else self.acceptance.rate()
         found = self.found.rate()
         return {k: held + (b * (found * expected_tokens(a, k) + (1 - found)) if k else float(b))
                 for k in (range(self.max_k + 1) if depths is None else depths)}
@@ -373,11 +374,15 @@ class SpecController:
         return k, m
 
     def _could_win(self, decoding: list[Request], st: _Batch, k: int) -> bool:
-        """Whether depth k would beat the one in force were the acceptance at its upper bound (a close
-        call keeps its refreshes frequent; a clear one spaces them out)."""
+        """Whether depth k would beat the one in force, or come within CLOSE of it, were the acceptance
+        at either of its bounds (a high one favours the deeper depth, a low one the shallower): a
+        close call keeps its refreshes frequent, a clear one spaces them out."""
         times = self._estimates(len(decoding), st)[0]
-        gains = self._gains(decoding, times, optimistic=True)
-        return gains[k] / times[k] > gains[st.best] / times[st.best]
+        for side in (1, -1):
+            gains = self._gains(decoding, times, bound=side)
+            if gains[k] / times[k] * (1 + CLOSE) > gains[st.best] / times[st.best]:
+                return True
+        return False
 
     def _cap(self, r: Request, k: int) -> int:
         room = min(r.params.max_tokens - r.num_output_tokens - 1, self.max_model_len - r.num_tokens - 1)

@@ -97,10 +97,11 @@ class Acceptance:
         self._aged()
         return (self.accepted + self.prior * self.weight) / (self.accepted + self.rejected + self.weight)
 
-    def upper(self) -> float:
-        """Two standard errors above the estimate: how good it could still be."""
+    def bound(self, side: int) -> float:
+        """Two standard errors above (side 1) or below (side -1) the estimate: how good or how poor
+        it could still be."""
         a, n = self.rate(), self.accepted + self.rejected + self.weight
-        return min(0.999, a + 2 * math.sqrt(a * (1 - a) / n))
+        return min(0.999, max(0.0, a + side * 2 * math.sqrt(a * (1 - a) / n)))
 
 
 class DepthTimes:
