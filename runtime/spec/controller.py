@@ -26,7 +26,8 @@ seconds. The controller picks the depth with the most expected tokens per second
   batch), starting from a weak prior.
 - Measurements stay current: every so often one step takes the runner-up depth, twice as rarely each
   time, unless either bound of the acceptance could still make the runner-up win or come within
-  CLOSE (the medians' own noise) of the depth in force (then the interval stays). Where a draft is off over several streams that step speculates on one request.
+  CLOSE (the medians' own noise) of the depth in force (then the interval stays). Where a draft is
+  off over several streams that step speculates on one request.
 - Speculation turns on at a batch size only where the steps that tried a depth there on the whole
   batch also yielded more tokens per second than the plain ones (their summed tokens over their
   summed seconds): the acceptance is pooled over all requests and overrates a batch whose requests
