@@ -6,6 +6,8 @@
    stream, the engines taking turns prompt by prompt (decode tok/s after the first token), then
    --streams requests at once (output tok/s over wall time), the order rotating each round.
 2. N-gram lookup on code edits (the answer copies the prompt), the same two ways.
+3. Instead (--replicas N): --streams requests on N engines with speculation off and N adaptive ones,
+   made in turn, to show how far apart engines of one kind run in one process.
 
 Each engine's ratio to speculation off is the median of the rounds' ratios (their range beside it).
 The detail gives each fixed depth's per-token acceptance (from its mean accepted tokens per step; see
@@ -180,6 +182,20 @@ def sweep(target: str, draft: str, depths: list[int], n: int, max_tokens: int, r
     return res
 
 
+def replicas(target: str, draft: str, n: int, batch: int, prompts: list[str], max_tokens: int, rounds: int,
+             max_k: int | None) -> dict:
+    """``batch`` streams on n engines with speculation off and n adaptive ones, made in turn (off,
+    adaptive, off2, adaptive2, ...): how far apart engines of one kind run, so how much of a ratio
+    is which engine was made when rather than what it does."""
+    llms = {}
+    for i in range(1, n + 1):
+        tag = "" if i == 1 else str(i)
+        llms[f"off{tag}"] = LLM(target, draft="none", kv_memory="128MiB")
+        llms[f"adaptive{tag}"] = LLM(target, draft=draft, kv_memory="128MiB", num_speculative_tokens=max_k)
+    return {f"streams_{batch}": streams(llms, prompts[:batch], max_tokens, rounds),
+            f"streams_{batch}_detail": describe(llms)}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="models/code-target", help="target model directory (default %(default)s)")
@@ -197,8 +213,16 @@ def main(argv=None) -> int:
                     help="run only this workload (repeatable; default both)")
     ap.add_argument("--control", action="store_true",
                     help="add a second engine with speculation off (off_again): the run's noise floor")
+    ap.add_argument("--replicas", type=int, default=0,
+                    help="instead: --streams streams on this many engines with speculation off and as many "
+                         "adaptive ones, made in turn (the spread between engines of one kind)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.replicas:
+        res = replicas(args.target, args.draft, args.replicas, args.streams, completion_prompts(args.streams),
+                       args.max_tokens, args.rounds, args.max_k)
+        print(json.dumps(res, indent=1), flush=True)
+        return 0
     parts = args.only or ["draft", "edit"]
     ints = lambda text: [int(x) for x in text.split(",") if x]        # noqa: E731
     res = {}

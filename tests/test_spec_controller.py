@@ -387,3 +387,23 @@ def test_a_probe_keeps_its_requests_and_adds_those_with_the_least_text():
     assert [r.request_id for r in ctrl._probe_set(rs, 2)] == ["r3", "r1"]
     rs[1].token_ids.extend(range(100))          # r1 has grown past the others: it stays, its draft caught up
     assert {r.request_id for r in ctrl._probe_set(rs, 3)} == {"r3", "r1", "r4"}
+
+
+def test_the_benchmark_runs_engines_of_each_kind_made_in_turn(capsys):
+    """bench_spec --replicas: engines with speculation off and adaptive ones, made alternately, each
+    reported against the first."""
+    import json
+
+    import torch
+
+    from llmd.bench.bench_spec import main
+    threads = torch.get_num_threads()
+    try:
+        assert main(["--replicas", "2", "--streams", "2", "--max-tokens", "4", "--rounds", "1",
+                     "--threads", str(threads)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    got = json.loads(capsys.readouterr().out)
+    runs = got["streams_2"]
+    assert list(runs) == ["off", "adaptive", "off2", "adaptive2"] and runs["off"]["ratio"] == 1.0
+    assert all(r["tok_s"] > 0 for r in runs.values()) and set(got["streams_2_detail"]) == {"adaptive", "adaptive2"}
