@@ -218,12 +218,17 @@ def main(argv=None) -> int:
                          "adaptive ones, made in turn (the spread between engines of one kind)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    parts = args.only or ["draft", "edit"]
     if args.replicas:
-        res = replicas(args.target, args.draft, args.replicas, args.streams, completion_prompts(args.streams),
-                       args.max_tokens, args.rounds, args.max_k)
+        res = {}
+        if "draft" in parts:
+            res["draft"] = replicas(args.target, args.draft, args.replicas, args.streams,
+                                    completion_prompts(args.streams), args.max_tokens, args.rounds, args.max_k)
+        if "edit" in parts:
+            res["ngram_edit"] = replicas(args.target, "ngram", args.replicas, args.streams, edit_prompts(args.streams),
+                                         args.max_tokens, args.rounds, None)
         print(json.dumps(res, indent=1), flush=True)
         return 0
-    parts = args.only or ["draft", "edit"]
     ints = lambda text: [int(x) for x in text.split(",") if x]        # noqa: E731
     res = {}
     if "draft" in parts:
