@@ -407,3 +407,16 @@ def test_the_benchmark_runs_engines_of_each_kind_made_in_turn(capsys):
     runs = got["streams_2"]
     assert list(runs) == ["off", "adaptive", "off2", "adaptive2"] and runs["off"]["ratio"] == 1.0
     assert all(r["tok_s"] > 0 for r in runs.values()) and set(got["streams_2_detail"]) == {"adaptive", "adaptive2"}
+
+
+def test_yields_compare_per_request_where_a_bucket_holds_several_batch_sizes():
+    """Plain steps of 10 requests beside speculating ones of 16 in one bucket (9-16 streams): per step
+    the speculating ones yield more, per request less, and per request is what the choice is about."""
+    ctrl = SpecController(8, 1 << 21, proposer_is_free=True)
+    st = ctrl.batches.setdefault((4, 0), _Batch())
+    for _ in range(3):
+        ctrl._key, ctrl._step = (4, 0), ((4, 0), 0, 0, 10)
+        ctrl.observe_step(10, 0.003, False)
+        ctrl._key, ctrl._step = (4, 0), ((4, 0), 8, 0, 16)
+        ctrl.observe_step(22, 0.006, True)
+    assert 22 / 0.006 > 10 / 0.003 and st.yielded(8) < st.yielded(0)

@@ -29,10 +29,13 @@ seconds. The controller picks the depth with the most expected tokens per second
   CLOSE (the medians' own noise) of the depth in force (then the interval stays). Where a draft is
   off over several streams that step speculates on one request.
 - Speculation turns on at a batch size only where the steps that tried a depth there on the whole
-  batch also yielded more tokens per second than the plain ones (their summed tokens over their
-  summed seconds): the acceptance is pooled over all requests and overrates a batch whose requests
-  differ (some copying their prompt and accepting all, others finding nothing), and a depth's
-  median time can come from cheap steps and the acceptance from rich ones.
+  batch also yielded more tokens per second and request than the plain ones (their summed tokens
+  over their summed seconds): the acceptance is pooled over all requests and overrates a batch whose
+  requests differ (some copying their prompt and accepting all, others finding nothing), and a
+  depth's median time can come from cheap steps and the acceptance from rich ones. For a lookup
+  (no draft to keep in step) the same rule also turns it off, and every other refresh while a depth
+  is in force is a plain step: a lookup's gain follows the text (copying spells come and go), and a
+  plain time from before it turned on (the first, slower generations, say) would keep it on.
 - Trying costs a bounded share (TRY_SHARE) of the time at a batch size. A trial is a step that
   explores or refreshes a depth other than the one in force; what it loses is its seconds less
   those the depth in force takes for as many tokens, at the rate planned for it. Losses add up
@@ -93,6 +96,7 @@ class _Batch:
         self.again: tuple | None = None  # (depth, requests) once more: a re-measure after its catch-up step
         self.since_refresh = 0
         self.refresh_every = REFRESH_EVERY
+        self.plain_turn = False         # a lookup in force: every other refresh measures a plain step
         self.explore_in = 0             # steps until unmeasured depths are weighed again
         self.explore_every = EXPLORE_EVERY
         self.hold = 0                   # steps the depth in force is kept before the depths are weighed again
@@ -103,7 +107,10 @@ class _Batch:
         self.rate = 0.0                 # ... and its tokens per second
 
     def yielded(self, k: int) -> float:
-        """Tokens per second of the last steps measured at depth k on the whole batch (infinite: none)."""
+        """Tokens per second and request of the last steps measured at depth k on the whole batch
+        (infinite: none). Per request: a batch-size bucket holds steps of several sizes (9-16 streams,
+        say), and once some requests finish early the plain steps run fewer than the speculating ones
+        did, which per step would make plain decoding look the poorer."""
         seconds = sum(self.times.samples.get(k, ()))
         return sum(self.yields.samples[k]) / seconds if seconds else float("inf")
 
@@ -176,7 +183,7 @@ class SpecController:
                 r.spec_k = got = self._cap(r, k)
                 depth, capped = max(depth, got), capped or got < k
         if self.adaptive and not other_tokens and not capped and self._measures(k, m):
-            self._step = (key, k, m if m < b else 0)
+            self._step = (key, k, m if m < b else 0, b + len(held))
         self._plain_run = 0 if depth else self._plain_run + 1
         if depth:
             self._spec_m = m
@@ -262,8 +269,9 @@ class SpecController:
         st.exploring = None
         probing = self._probing(b, st)
         best = max(rates, key=rates.get)
-        if best and not st.best and st.yielded(best) < st.yielded(0):    # turning speculation on: only where
-            can = {k: r for k, r in rates.items() if st.yielded(k) >= st.yielded(0)}   # what it yielded agrees
+        if best and (not st.best or self.proposer_is_free) and st.yielded(best) < st.yielded(0):
+            # speculating only where what it yielded agrees (and, for a lookup, staying on)
+            can = {k: r for k, r in rates.items() if st.yielded(k) >= st.yielded(0)}
             best = max(can, key=can.get)
         if st.best not in rates or rates[best] > rates[st.best] * (SWITCH_ON if probing else SWITCH):
             if best != st.best:
@@ -366,6 +374,9 @@ class SpecController:
             st.hold = max(0, min(HOLD, due))
             return st.best, b
         st.since_refresh = 0
+        st.plain_turn = not st.plain_turn
+        if self.proposer_is_free and st.best and st.plain_turn and 0 in others:   # plain decoding, the reference
+            return 0, b
         k = max(others, key=others.get)
         if not self._could_win(decoding, st, k):
             st.refresh_every = min(2 * st.refresh_every, REFRESH_MAX)
@@ -403,13 +414,13 @@ class SpecController:
             if self._trial:
                 st.lost = max(0.0, st.lost + seconds - tokens / st.rate)
         if self._step is not None:
-            key, k, m = self._step
+            key, k, m, rows = self._step
             st = self.batches[key]
             if m:
                 st.probe_times.observe((k, m), seconds)
             else:
                 st.times.observe(k, seconds)
-                st.yields.observe(k, tokens)
+                st.yields.observe(k, tokens / rows)
 
     def observe_target(self, rows: int, seconds: float) -> None:
         self.target.observe(rows, seconds)
