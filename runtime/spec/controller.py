@@ -114,9 +114,10 @@ class _Batch:
         seconds = sum(self.times.samples.get(k, ()))
         return sum(self.yields.samples[k]) / seconds if seconds else float("inf")
 
-    def may_try(self, share: float = TRY_SHARE) -> bool:
-        """Whether a trial may start: the losses so far within the share of the time, plus one step."""
-        return self.lost < share * self.elapsed + self.step_s
+    def may_try(self, probing: bool = False) -> bool:
+        """Whether a trial may start: the losses so far within the share of the time (PROBE_SHARE for
+        probes, else TRY_SHARE), plus one step."""
+        return self.lost < (PROBE_SHARE if probing else TRY_SHARE) * self.elapsed + self.step_s
 
 
 class SpecController:
@@ -281,8 +282,7 @@ class SpecController:
         probing = self._probing(b, st)
         st.explore_in -= 1
         # now and then the dear part, unless the trials so far lost more than their share of the time here
-        share = PROBE_SHARE if probing else TRY_SHARE
-        if st.may_try(share) and (st.explore_in <= 0 or st.known != len(measured) + len(partial)):
+        if st.may_try(probing) and (st.explore_in <= 0 or st.known != len(measured) + len(partial)):
             st.explore_in, st.known = st.explore_every, len(measured) + len(partial)
             target = self._to_explore(b, st, measured, partial, self._gains(decoding, held=held), rates[st.best],
                                       probing)
@@ -368,7 +368,7 @@ class SpecController:
         st.since_refresh += 1
         others = {k: r for k, r in rates.items() if k != st.best}
         b = len(decoding)
-        may = st.may_try(PROBE_SHARE if probing else TRY_SHARE)
+        may = st.may_try(probing)
         if st.since_refresh < st.refresh_every or not others or not may:
             due = min(st.refresh_every - st.since_refresh, st.explore_in) - 1 if may else HOLD
             st.hold = max(0, min(HOLD, due))

@@ -27,10 +27,7 @@ class CostTable:
 
     def observe(self, rows: int, seconds: float) -> None:
         b = bucket(rows)
-        got = self.samples.get(b)
-        if got is None:
-            got = self.samples[b] = collections.deque(maxlen=self.KEEP)
-        got.append(seconds)
+        self.samples.setdefault(b, collections.deque(maxlen=self.KEEP)).append(seconds)
         self.medians.pop(b, None)
         self.answers.clear()
 
@@ -118,9 +115,7 @@ class DepthTimes:
         self.stale: set = set()                   # depths sampled since their median was worked out
 
     def observe(self, k: int, seconds: float) -> None:
-        got = self.samples.get(k)
-        if got is None:
-            got = self.samples[k] = collections.deque(maxlen=self.KEEP)
+        got = self.samples.setdefault(k, collections.deque(maxlen=self.KEEP))
         got.append(seconds)
         if len(got) >= self.MIN_SAMPLES:
             self.stale.add(k)
