@@ -112,6 +112,34 @@ def test_int8_rows_on_amx_give_the_vector_loops_bits(n, k):
         so.llmd_amx_min_rows(before)
 
 
+@pytest.mark.parametrize("wide", [True, False])
+@pytest.mark.parametrize("n,k", [(576, 576), (960, 200), (64, 96), (192, 1536)])
+def test_block_products_give_the_same_bits_on_any_thread_count(n, k, wide):
+    """Threads share a product's blocks by halves (an odd count of blocks splits one down the middle):
+    every output's bits are the same on one, two or three threads, within float32 rounding of the
+    float64 product, with and without a bias, for every row count the vector loop takes."""
+    so = kernels.lib()
+    w = weight(n, k, n + k)
+    w = w if wide else w.bfloat16().float()
+    blocks = ops.f32_blocks(w)
+    assert (blocks.dtype == torch.float32) == wide
+    fn = so.llmd_f32 if wide else so.llmd_f32_w16
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(1))
+    for m in (1, 2, 3, 5, 6, 9, 16):
+        x = rows(m, k, m)
+        for b in (None, bias):
+            outs = []
+            for nt in (1, 2, 3):
+                y = torch.full((m, n), float("nan"))
+                assert fn(x.data_ptr(), m, k, blocks.data_ptr(), b.data_ptr() if b is not None else None,
+                          y.data_ptr(), n, nt) == 0
+                outs.append(y)
+            assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]), (m, b is None)
+            ref = x.double() @ w.double().t() + (b.double() if b is not None else 0)
+            bound = (k + 2) * 2.0 ** -24 * (x.double().abs() @ w.double().abs().t() + (b.double().abs() if b is not None else 0))
+            assert ((outs[0].double() - ref).abs() <= bound).all(), (m, b is None)
+
+
 @pytest.mark.parametrize("n,k", [(192, 576), (576, 1536), (64, 100)])
 def test_bfloat16_blocks_of_many_rows_on_amx_are_float32_products_row_by_row(n, k):
     """Where AMX multiplies bfloat16, products of more than 16 rows over bfloat16 blocks take the tile
