@@ -4,7 +4,8 @@
 
 1. The draft model (--draft) on code completion (the first lines of held-out stdlib functions): one
    stream, the engines taking turns prompt by prompt (decode tok/s after the first token), then
-   --streams requests at once (output tok/s over wall time), the order rotating each round.
+   --streams requests at once (output tok/s over wall time), --passes batches a round, the engines
+   taking turns batch by batch in an order that rotates.
 2. N-gram lookup on code edits (the answer copies the prompt), the same two ways.
 3. Instead (--replicas N): --streams requests on N engines with speculation off and N adaptive ones,
    made in turn, to show how far apart engines of one kind run in one process.
@@ -131,8 +132,10 @@ def one_stream(llms: dict, prompts: list[str], max_tokens: int, rounds: int) -> 
     return ratios({name: [t / s for t, s in zip(toks[name], secs[name])] for name in llms})
 
 
-def streams(llms: dict, prompts: list[str], max_tokens: int, rounds: int) -> dict:
-    """Output tok/s of each engine over all prompts at once (wall time), the order rotating each round.
+def streams(llms: dict, prompts: list[str], max_tokens: int, rounds: int, passes: int = 1) -> dict:
+    """Output tok/s of each engine over all prompts at once (wall time), the order rotating each pass;
+    a round's rate is its ``passes`` batches' tokens over their seconds (a batch of 16 short answers
+    is a fraction of a second, so one batch a round leaves each ratio a few per cent of noise).
     Beside it, ``cpu_ratio``: the same ratio from the process's CPU time, which other processes'
     load moves much less than the wall time (one torch thread: CPU time is the work done)."""
     warm(llms, prompts[0])
@@ -140,12 +143,19 @@ def streams(llms: dict, prompts: list[str], max_tokens: int, rounds: int) -> dic
     rates: dict[str, list[float]] = {name: [] for name in llms}
     cpu: dict[str, list[float]] = {name: [] for name in llms}
     for r in range(rounds):
-        for name, llm in rotated(llms, r):
-            t0, c0 = time.perf_counter(), time.process_time()
-            outs = llm.generate(prompts, params)
-            n = sum(len(o.token_ids) for o in outs)
-            rates[name].append(n / (time.perf_counter() - t0))
-            cpu[name].append(n / (time.process_time() - c0))
+        tokens = dict.fromkeys(llms, 0)
+        wall = dict.fromkeys(llms, 0.0)
+        busy = dict.fromkeys(llms, 0.0)
+        for p in range(passes):
+            for name, llm in rotated(llms, r * passes + p):
+                t0, c0 = time.perf_counter(), time.process_time()
+                outs = llm.generate(prompts, params)
+                wall[name] += time.perf_counter() - t0
+                busy[name] += time.process_time() - c0
+                tokens[name] += sum(len(o.token_ids) for o in outs)
+        for name in llms:
+            rates[name].append(tokens[name] / wall[name])
+            cpu[name].append(tokens[name] / busy[name])
     out = ratios(rates)
     for name, got in ratios(cpu).items():
         out[name]["cpu_ratio"] = got["ratio"]
@@ -170,20 +180,20 @@ def describe(llms: dict) -> dict:
 
 
 def sweep(target: str, draft: str, depths: list[int], n: int, max_tokens: int, rounds: int, batch: int,
-          prompts: list[str], max_k: int | None, control: bool = False) -> dict:
+          prompts: list[str], max_k: int | None, control: bool = False, passes: int = 1) -> dict:
     """Off, each fixed depth and adaptive, for one stream and for ``batch`` streams (fresh engines each)."""
     res = {}
     llms = engines(target, draft, depths, "64MiB", control, num_speculative_tokens=max_k)
     res["one_stream"] = one_stream(llms, prompts[:n], max_tokens, rounds)
     res["one_stream_detail"] = describe(llms)
     llms = engines(target, draft, depths, "128MiB", control, num_speculative_tokens=max_k)
-    res[f"streams_{batch}"] = streams(llms, prompts[:batch], max_tokens, rounds)
+    res[f"streams_{batch}"] = streams(llms, prompts[:batch], max_tokens, rounds, passes)
     res[f"streams_{batch}_detail"] = describe(llms)
     return res
 
 
 def replicas(target: str, draft: str, n: int, batch: int, prompts: list[str], max_tokens: int, rounds: int,
-             max_k: int | None) -> dict:
+             max_k: int | None, passes: int = 1) -> dict:
     """``batch`` streams on n engines with speculation off and n adaptive ones, made in turn (off,
     adaptive, off2, adaptive2, ...): how far apart engines of one kind run, so how much of a ratio
     is which engine was made when rather than what it does."""
@@ -192,7 +202,7 @@ def replicas(target: str, draft: str, n: int, batch: int, prompts: list[str], ma
         tag = "" if i == 1 else str(i)
         llms[f"off{tag}"] = LLM(target, draft="none", kv_memory="128MiB")
         llms[f"adaptive{tag}"] = LLM(target, draft=draft, kv_memory="128MiB", num_speculative_tokens=max_k)
-    return {f"streams_{batch}": streams(llms, prompts[:batch], max_tokens, rounds),
+    return {f"streams_{batch}": streams(llms, prompts[:batch], max_tokens, rounds, passes),
             f"streams_{batch}_detail": describe(llms)}
 
 
@@ -209,6 +219,9 @@ def main(argv=None) -> int:
     ap.add_argument("--streams", type=int, default=16, help="concurrent streams in the batched runs (default %(default)s)")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads (default %(default)s)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds; ratios are medians of the rounds' (default %(default)s)")
+    ap.add_argument("--passes", type=int, default=1,
+                    help="batches of --streams requests per engine and round, the engines taking turns batch by "
+                         "batch; a round's rate is over all of them (default %(default)s)")
     ap.add_argument("--only", choices=("draft", "edit"), action="append",
                     help="run only this workload (repeatable; default both)")
     ap.add_argument("--control", action="store_true",
@@ -217,16 +230,19 @@ def main(argv=None) -> int:
                     help="instead: --streams streams on this many engines with speculation off and as many "
                          "adaptive ones, made in turn (the spread between engines of one kind)")
     args = ap.parse_args(argv)
+    if args.passes < 1 or args.rounds < 1:
+        ap.error("--passes and --rounds take 1 or more")
     torch.set_num_threads(args.threads)
     parts = args.only or ["draft", "edit"]
     if args.replicas:
         res = {}
         if "draft" in parts:
             res["draft"] = replicas(args.target, args.draft, args.replicas, args.streams,
-                                    completion_prompts(args.streams), args.max_tokens, args.rounds, args.max_k)
+                                    completion_prompts(args.streams), args.max_tokens, args.rounds, args.max_k,
+                                    args.passes)
         if "edit" in parts:
             res["ngram_edit"] = replicas(args.target, "ngram", args.replicas, args.streams, edit_prompts(args.streams),
-                                         args.max_tokens, args.rounds, None)
+                                         args.max_tokens, args.rounds, None, args.passes)
         print(json.dumps(res, indent=1), flush=True)
         return 0
     ints = lambda text: [int(x) for x in text.split(",") if x]        # noqa: E731
@@ -234,12 +250,12 @@ def main(argv=None) -> int:
     if "draft" in parts:
         res["draft"] = sweep(args.target, args.draft, ints(args.depths), args.prompts, args.max_tokens, args.rounds,
                              args.streams, completion_prompts(max(args.prompts, args.streams)), args.max_k,
-                             args.control)
+                             args.control, args.passes)
         print(json.dumps(res["draft"], indent=1), flush=True)
     if "edit" in parts:
         res["ngram_edit"] = sweep(args.target, "ngram", ints(args.ngram_depths), args.prompts, args.max_tokens,
                                   args.rounds, args.streams, edit_prompts(max(args.prompts, args.streams)), None,
-                                  args.control)
+                                  args.control, args.passes)
         print(json.dumps(res["ngram_edit"], indent=1), flush=True)
     return 0
 

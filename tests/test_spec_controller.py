@@ -409,6 +409,30 @@ def test_the_benchmark_runs_engines_of_each_kind_made_in_turn(capsys):
     assert all(r["tok_s"] > 0 for r in runs.values()) and set(got["streams_2_detail"]) == {"adaptive", "adaptive2"}
 
 
+def test_the_benchmark_takes_several_batches_a_round_in_turn(tiny_model_dir):
+    """bench_spec --passes: each round runs every engine's batch that many times, the engines taking
+    turns batch by batch (no engine twice in a row within a pass), and the round's rate counts every
+    batch; --passes 0 is refused."""
+    from llmd import LLM
+    from llmd.bench.bench_spec import completion_prompts, main, streams
+    llms = {name: LLM(str(tiny_model_dir), draft="none", kv_memory="8MiB") for name in ("off", "again")}
+    calls = []
+    for name, llm in llms.items():
+        real = llm.generate
+
+        def spy(prompts, params, _name=name, _real=real):
+            calls.append((_name, len(prompts)))
+            return _real(prompts, params)
+        llm.generate = spy
+    got = streams(llms, completion_prompts(2), 3, rounds=2, passes=3)
+    timed = [name for name, n in calls if n == 2]           # the warm-up is one prompt
+    assert len(timed) == 2 * 3 * 2 and timed.count("off") == timed.count("again") == 6
+    assert all(timed[i] != timed[i + 1] for i in range(0, len(timed), 2))     # each pass: both engines
+    assert got["off"]["ratio"] == 1.0 and got["again"]["tok_s"] > 0
+    with pytest.raises(SystemExit):
+        main(["--passes", "0", "--only", "draft"])
+
+
 def test_yields_compare_per_request_where_a_bucket_holds_several_batch_sizes():
     """Plain steps of 10 requests beside speculating ones of 16 in one bucket (9-16 streams): per step
     the speculating ones yield more, per request less, and per request is what the choice is about."""
