@@ -4,6 +4,7 @@ A simulated engine charges each step what a cost table says (overhead + verifica
 catch-up and proposals), accepts proposals with a fixed per-token probability, and reports to the
 controller what the real engine reports. The controller must end at the best depth, and over the run
 reach most of the best fixed depth's speed and never fall much below plain decoding."""
+import collections
 import random
 
 import pytest
@@ -431,6 +432,62 @@ def test_the_benchmark_takes_several_batches_a_round_in_turn(tiny_model_dir):
     assert got["off"]["ratio"] == 1.0 and got["again"]["tok_s"] > 0
     with pytest.raises(SystemExit):
         main(["--passes", "0", "--only", "draft"])
+
+
+class WarmingCosts(Costs):
+    """Costs whose first steps at each depth run slow, as an engine's first calls at a shape do."""
+
+    def __init__(self, *args, slow=1.3, first=3):
+        super().__init__(*args)
+        self.seen, self.slow, self.first = collections.Counter(), slow, first
+
+    def step(self, ks, unseen=0):
+        k = max(ks)
+        self.seen[k] += 1
+        return super().step(ks, unseen) * (self.slow if self.seen[k] <= self.first else 1.0)
+
+
+def test_a_draft_depth_measured_in_the_warm_up_is_measured_again_once_another_takes_over():
+    """The first depth tried (half way down) is measured in the engine's first steps at its shapes,
+    which run slow, and a deeper one measured after them looked the faster: it took over and kept
+    the stream at a depth 5-10 % poorer for most of a run. The depth left behind is measured anew
+    when another takes over, so the best one is back within a few steps."""
+    alpha = 0.845
+    costs = WarmingCosts(0.0, linear(0.0008, 0.00001), 0.0003, 0.00035)
+    assert costs.best(1, alpha, 6) == 3 and costs.rate(1, 6, alpha) < 0.95 * costs.rate(1, 3, alpha)
+    for seed in range(8):            # seed 6 kept depth 6 before: 0.91 of the best depth's rate
+        costs.seen.clear()
+        ctrl = SpecController(6, 1 << 21)
+        rate, depths = simulate(ctrl, costs, alpha, 1, steps=600, seed=seed, noise=0.02)
+        assert depths.count(6) <= 12 and depths[-300:].count(3) >= 250, (seed, depths)
+        assert rate >= 0.95 * costs.rate(1, 3, alpha), seed
+
+
+def test_a_draft_depth_left_unmeasured_for_long_is_measured_anew_at_a_refresh():
+    """Only the runner-up was measured again: a median taken in a slow spell of the machine stood for
+    good where its depth was not the runner-up. Every other refresh now measures anew a depth not
+    sampled for STALE steps (its old samples dropped); a lookup's refreshes are unchanged."""
+    from llmd.runtime.spec.controller import STALE
+    for free in (False, True):
+        ctrl = SpecController(6, 1 << 21, proposer_is_free=free)
+        rs = reqs(1)
+        st = ctrl.batches.setdefault((0, 0), _Batch())
+        for k, t in ((2, 0.004), (0, 0.001), (6, 0.003)):       # depth 2's samples from a slow spell
+            for _ in range(3):
+                st.times.observe(k, t)
+        for _ in range(STALE + 1):
+            st.times.observe(3, 0.002)
+        st.best, st.since_refresh, st.refresh_every, st.elapsed = 3, 100, 32, 10.0     # trials within their share
+        rates = {0: 1 / 0.001, 2: 2.5 / 0.004, 3: 3.1 / 0.002, 6: 4.5 / 0.003}
+        picks = []
+        for _ in range(40):
+            st.since_refresh = 100
+            picks.append(ctrl._refresh(rs, st, rates, False))
+        if free:
+            assert (2, 1) not in picks and st.times.count(2) == 3
+        else:
+            assert picks[:2] == [(6, 1), (2, 1)] or picks[:2] == [(2, 1), (6, 1)], picks
+            assert st.times.count(2) == 0 and st.exploring == (2, 1)
 
 
 def test_yields_compare_per_request_where_a_bucket_holds_several_batch_sizes():

@@ -27,7 +27,12 @@ seconds. The controller picks the depth with the most expected tokens per second
 - Measurements stay current: every so often one step takes the runner-up depth, twice as rarely each
   time, unless either bound of the acceptance could still make the runner-up win or come within
   CLOSE (the medians' own noise) of the depth in force (then the interval stays). Where a draft is
-  off over several streams that step speculates on one request.
+  off over several streams that step speculates on one request. For a draft, every other refresh
+  instead measures anew (its old samples dropped) a depth not sampled for STALE steps, and the depth
+  left behind when another takes over is measured anew at once: the first steps at a shape run
+  slow, and a median from them, or from a slow spell of the machine, would otherwise stand for good
+  (the first depth tried, measured in the warm-up, lost to a deeper one measured after it, which
+  then held one stream at 90 % of the best for a whole run).
 - Speculation turns on at a batch size only where the steps that tried a depth there on the whole
   batch also yielded more tokens per second and request than the plain ones (their summed tokens
   over their summed seconds): the acceptance is pooled over all requests and overrates a batch whose
@@ -69,6 +74,7 @@ SWITCH_ON = 1.10        # ... and speculation, where a draft is off over several
 REFRESH_EVERY = 32      # steps of a batch size between refreshes of the runner-up depth ...
 REFRESH_MAX = 1024      # ... doubling each time it stays the runner-up, up to this many
 CLOSE = 0.05            # ... unless it comes within this share of the depth in force
+STALE = 256             # a draft's depth last measured this many steps ago is measured anew at a refresh
 EXPLORE_EVERY = 8       # steps of a batch size between looks at the depths not measured there ...
 EXPLORE_MAX = 64        # ... doubling each time nothing is worth trying, up to this many
 HOLD = 15               # steps a settled depth is kept without weighing the depths again (planning is Python)
@@ -275,9 +281,22 @@ class SpecController:
             can = {k: r for k, r in rates.items() if st.yielded(k) >= st.yielded(0)}
             best = max(can, key=can.get)
         if st.best not in rates or rates[best] > rates[st.best] * (SWITCH_ON if probing else SWITCH):
+            left = None
             if best != st.best:
                 st.refresh_every = REFRESH_EVERY
+                if st.best in rates and not probing and not self.proposer_is_free:
+                    # a draft's depth left behind is measured anew: its samples may be the engine's
+                    # first steps at their shapes, which run slow (the first depth tried looked dearer
+                    # than it is, and a deeper one measured after the warm-up took over for good). A
+                    # lookup's switches follow its text, and its plain refreshes keep 0 current.
+                    left = st.best
+                    st.times.forget(left)
+                    st.yields.forget(left)
             st.best = best
+            if left is not None:
+                self._in_force(st, measured, rates)
+                st.exploring = left, b
+                return left, b
         self._in_force(st, measured, rates)
         probing = self._probing(b, st)
         st.explore_in -= 1
@@ -378,6 +397,19 @@ class SpecController:
         if self.proposer_is_free and st.best and st.plain_turn and 0 in others:   # plain decoding, the reference
             return 0, b
         k = max(others, key=others.get)
+        sampled = [j for j in others if j in st.times.last]      # not the depths tried on some requests only
+        oldest = st.times.oldest(sampled) if sampled else k
+        if (not self.proposer_is_free and not probing and st.plain_turn and oldest != k
+                and st.times.clock - st.times.last[oldest] > STALE):
+            # every other refresh of a draft's depths: one not measured for STALE steps is measured
+            # anew (a median from a slow spell of the machine, or from the first steps at its
+            # shapes, would otherwise stand for good where that depth is not the runner-up)
+            if not self._could_win(decoding, st, k):
+                st.refresh_every = min(2 * st.refresh_every, REFRESH_MAX)
+            st.times.forget(oldest)
+            st.yields.forget(oldest)
+            st.exploring = oldest, b
+            return oldest, b
         if not self._could_win(decoding, st, k):
             st.refresh_every = min(2 * st.refresh_every, REFRESH_MAX)
         m = 1 if probing else b

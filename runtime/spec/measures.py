@@ -113,15 +113,29 @@ class DepthTimes:
         self.samples: dict[int, collections.deque] = {}
         self.medians: dict[int, float] = {}       # the trusted ones
         self.stale: set = set()                   # depths sampled since their median was worked out
+        self.clock = 0                            # samples taken, all depths
+        self.last: dict[int, int] = {}            # the clock at each depth's latest sample
 
     def observe(self, k: int, seconds: float) -> None:
         got = self.samples.setdefault(k, collections.deque(maxlen=self.KEEP))
         got.append(seconds)
+        self.clock += 1
+        self.last[k] = self.clock
         if len(got) >= self.MIN_SAMPLES:
             self.stale.add(k)
 
+    def oldest(self, depths) -> int:
+        """Of ``depths`` (sampled ones), the one sampled longest ago."""
+        return min(depths, key=lambda k: self.last.get(k, 0))
+
     def count(self, k: int) -> int:
         return len(self.samples.get(k, ()))
+
+    def forget(self, k: int) -> None:
+        """Drop depth k's samples: it is measured anew."""
+        self.samples.pop(k, None)
+        self.medians.pop(k, None)
+        self.stale.discard(k)
 
     def measured(self) -> dict[int, float]:
         while self.stale:
