@@ -11,6 +11,9 @@
    made in turn, to show how far apart engines of one kind run in one process.
 
 Each engine's ratio to speculation off is the median of the rounds' ratios (their range beside it).
+Engines made apart differ by a few per cent by where their memory lands (--control shows it), so
+--paired also runs the adaptive engine with its controller set aside (off_paired) and reports the
+adaptive ratio to that as well (paired_ratio): the same weights, memory and KV pool.
 The detail gives each fixed depth's per-token acceptance (from its mean accepted tokens per step; see
 alpha_from_accepted) and the adaptive controller's steps by depth and its depth in force per batch size.
 """
@@ -79,15 +82,36 @@ def alpha_from_accepted(mean_accepted: float, k: int) -> float:
     return lo
 
 
+class ControllerAside:
+    """The adaptive engine with its controller set aside for a call: speculation off on the same
+    weights, in the same memory, with the same KV pool. Engines made apart run a few per cent apart
+    from where their memory lands (the control engine shows it), so this is the adaptive engine's own
+    reference: its ratio to it is what the controller does, and nothing else."""
+
+    def __init__(self, llm: LLM):
+        self.llm = llm
+
+    def generate(self, prompts, params):
+        engine = self.llm.engine
+        controller, engine.spec = engine.spec, None
+        try:
+            return self.llm.generate(prompts, params)
+        finally:
+            engine.spec = controller
+
+
 def engines(target: str, draft: str, depths: list[int], kv_memory: str, control: bool = False,
-            **adaptive_kw) -> dict[str, LLM]:
+            paired: bool = False, **adaptive_kw) -> dict:
     """Speculation off, the proposer at each fixed depth, and the adaptive controller over it;
     ``control``: a second engine with speculation off, made last (its ratio to the first shows what
-    two identical engines differ by in this run)."""
+    two identical engines differ by in this run); ``paired``: the adaptive engine with its controller
+    set aside (off_paired, see ControllerAside)."""
     out = {"off": LLM(target, draft="none", kv_memory=kv_memory)}
     for k in depths:
         out[f"k{k}"] = LLM(target, draft=draft, kv_memory=kv_memory, num_speculative_tokens=k, adaptive_speculation=False)
     out["adaptive"] = LLM(target, draft=draft, kv_memory=kv_memory, **adaptive_kw)
+    if paired:
+        out["off_paired"] = ControllerAside(out["adaptive"])
     if control:
         out["off_again"] = LLM(target, draft="none", kv_memory=kv_memory)
     return out
@@ -103,23 +127,32 @@ def rotated(llms: dict, r: int) -> list:
 
 def ratios(rates: dict[str, list[float]]) -> dict:
     """Per engine: tok/s (median over rounds) and its ratio to speculation off (median of the rounds'
-    ratios, and their range)."""
+    ratios, and their range); the adaptive engine's also to itself with its controller set aside
+    (``paired_ratio``), where that ran."""
     out = {}
     for name, rs in rates.items():
         per_round = [x / o for x, o in zip(rs, rates["off"])]
         out[name] = {"tok_s": round(statistics.median(rs), 1), "ratio": round(statistics.median(per_round), 3),
                      "ratio_min": round(min(per_round), 3), "ratio_max": round(max(per_round), 3)}
+    if "off_paired" in rates and "adaptive" in rates:
+        paired = [a / o for a, o in zip(rates["adaptive"], rates["off_paired"])]
+        out["adaptive"].update(paired_ratio=round(statistics.median(paired), 3), paired_min=round(min(paired), 3))
     return out
 
 
-def warm(llms: dict, prompt: str) -> None:
+def warm(llms: dict, prompts: list[str]) -> None:
+    """A short answer to the first prompt on each engine; where an engine shares its prefix cache with
+    another (off_paired), every prompt, so that neither of the two finds the other's prompts cached
+    in the first round only."""
+    shared = any(isinstance(llm, ControllerAside) for llm in llms.values())
     for llm in llms.values():
-        llm.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))
+        for p in prompts if shared else prompts[:1]:
+            llm.generate([p], SamplingParams(max_tokens=4, ignore_eos=True))
 
 
 def one_stream(llms: dict, prompts: list[str], max_tokens: int, rounds: int) -> dict:
     """Decode tok/s of each engine, one request at a time, the engines taking turns prompt by prompt."""
-    warm(llms, prompts[0])
+    warm(llms, prompts)
     toks = {name: [0] * rounds for name in llms}
     secs = {name: [0.0] * rounds for name in llms}
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -138,7 +171,7 @@ def streams(llms: dict, prompts: list[str], max_tokens: int, rounds: int, passes
     is a fraction of a second, so one batch a round leaves each ratio a few per cent of noise).
     Beside it, ``cpu_ratio``: the same ratio from the process's CPU time, which other processes'
     load moves much less than the wall time (one torch thread: CPU time is the work done)."""
-    warm(llms, prompts[0])
+    warm(llms, prompts)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     rates: dict[str, list[float]] = {name: [] for name in llms}
     cpu: dict[str, list[float]] = {name: [] for name in llms}
@@ -166,6 +199,8 @@ def describe(llms: dict) -> dict:
     """Acceptance and the adaptive controller's choices, for the report."""
     out = {}
     for name, llm in llms.items():
+        if isinstance(llm, ControllerAside):
+            continue
         st, ctrl = llm.stats(), llm.engine.spec
         if ctrl is None:
             continue
@@ -180,13 +215,13 @@ def describe(llms: dict) -> dict:
 
 
 def sweep(target: str, draft: str, depths: list[int], n: int, max_tokens: int, rounds: int, batch: int,
-          prompts: list[str], max_k: int | None, control: bool = False, passes: int = 1) -> dict:
+          prompts: list[str], max_k: int | None, control: bool = False, passes: int = 1, paired: bool = False) -> dict:
     """Off, each fixed depth and adaptive, for one stream and for ``batch`` streams (fresh engines each)."""
     res = {}
-    llms = engines(target, draft, depths, "64MiB", control, num_speculative_tokens=max_k)
+    llms = engines(target, draft, depths, "64MiB", control, paired, num_speculative_tokens=max_k)
     res["one_stream"] = one_stream(llms, prompts[:n], max_tokens, rounds)
     res["one_stream_detail"] = describe(llms)
-    llms = engines(target, draft, depths, "128MiB", control, num_speculative_tokens=max_k)
+    llms = engines(target, draft, depths, "128MiB", control, paired, num_speculative_tokens=max_k)
     res[f"streams_{batch}"] = streams(llms, prompts[:batch], max_tokens, rounds, passes)
     res[f"streams_{batch}_detail"] = describe(llms)
     return res
@@ -226,6 +261,9 @@ def main(argv=None) -> int:
                     help="run only this workload (repeatable; default both)")
     ap.add_argument("--control", action="store_true",
                     help="add a second engine with speculation off (off_again): the run's noise floor")
+    ap.add_argument("--paired", action="store_true",
+                    help="add off_paired: the adaptive engine itself with its controller set aside, so that its "
+                         "ratio is also taken on the same weights in the same memory (paired_ratio)")
     ap.add_argument("--replicas", type=int, default=0,
                     help="instead: --streams streams on this many engines with speculation off and as many "
                          "adaptive ones, made in turn (the spread between engines of one kind)")
@@ -250,12 +288,12 @@ def main(argv=None) -> int:
     if "draft" in parts:
         res["draft"] = sweep(args.target, args.draft, ints(args.depths), args.prompts, args.max_tokens, args.rounds,
                              args.streams, completion_prompts(max(args.prompts, args.streams)), args.max_k,
-                             args.control, args.passes)
+                             args.control, args.passes, args.paired)
         print(json.dumps(res["draft"], indent=1), flush=True)
     if "edit" in parts:
         res["ngram_edit"] = sweep(args.target, "ngram", ints(args.ngram_depths), args.prompts, args.max_tokens,
                                   args.rounds, args.streams, edit_prompts(max(args.prompts, args.streams)), None,
-                                  args.control, args.passes)
+                                  args.control, args.passes, args.paired)
         print(json.dumps(res["ngram_edit"], indent=1), flush=True)
     return 0
 

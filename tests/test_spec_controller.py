@@ -410,6 +410,34 @@ def test_the_benchmark_runs_engines_of_each_kind_made_in_turn(capsys):
     assert all(r["tok_s"] > 0 for r in runs.values()) and set(got["streams_2_detail"]) == {"adaptive", "adaptive2"}
 
 
+def test_the_benchmark_pairs_the_adaptive_engine_with_itself_speculation_off(capsys):
+    """bench_spec --paired: off_paired is the adaptive engine with its controller set aside for the
+    call (it decodes plainly, and the controller is back afterwards); the adaptive row also gives its
+    ratio to it."""
+    import json
+
+    import torch
+
+    from llmd.bench.bench_spec import ControllerAside, engines, main
+    threads = torch.get_num_threads()
+    try:
+        assert main(["--paired", "--only", "draft", "--streams", "2", "--prompts", "2", "--max-tokens", "4",
+                     "--rounds", "1", "--depths", "1", "--threads", str(threads)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    got = json.loads(capsys.readouterr().out)
+    for part in ("one_stream", "streams_2"):
+        assert {"off", "k1", "adaptive", "off_paired"} <= set(got[part]) and "paired_ratio" in got[part]["adaptive"]
+    assert "off_paired" not in got["one_stream_detail"]
+    llms = engines("models/code-target", "models/code-draft", [], "16MiB", paired=True, num_speculative_tokens=3)
+    aside, ctrl = llms["off_paired"], llms["adaptive"].engine.spec
+    assert isinstance(aside, ControllerAside) and ctrl is not None
+    before = sum(ctrl.depth_steps.values())
+    out = aside.generate(["def add(a, b):"], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    assert len(out.token_ids) == 8 and llms["adaptive"].engine.spec is ctrl
+    assert sum(ctrl.depth_steps.values()) == before and llms["adaptive"].stats()["spec_mean_accepted_len"] is None
+
+
 def test_the_benchmark_takes_several_batches_a_round_in_turn(tiny_model_dir):
     """bench_spec --passes: each round runs every engine's batch that many times, the engines taking
     turns batch by batch (no engine twice in a row within a pass), and the round's rate counts every
