@@ -102,7 +102,7 @@ class _Batch:
         self.again: tuple | None = None  # (depth, requests) once more: a re-measure after its catch-up step
         self.since_refresh = 0
         self.refresh_every = REFRESH_EVERY
-        self.plain_turn = False         # a lookup in force: every other refresh measures a plain step
+        self.plain_turn = False         # flips every refresh: a lookup's plain step, or a draft's stale depth
         self.explore_in = 0             # steps until unmeasured depths are weighed again
         self.explore_every = EXPLORE_EVERY
         self.hold = 0                   # steps the depth in force is kept before the depths are weighed again
@@ -119,6 +119,13 @@ class _Batch:
         did, which per step would make plain decoding look the poorer."""
         seconds = sum(self.times.samples.get(k, ()))
         return sum(self.yields.samples[k]) / seconds if seconds else float("inf")
+
+    def measure_anew(self, k: int, b: int) -> tuple[int, int]:
+        """Drop depth k's samples and measure it again on all b requests, starting now."""
+        self.times.forget(k)
+        self.yields.forget(k)
+        self.exploring = k, b
+        return self.exploring
 
     def may_try(self, probing: bool = False) -> bool:
         """Whether a trial may start: the losses so far within the share of the time (PROBE_SHARE for
@@ -275,29 +282,24 @@ class SpecController:
                 return st.best, b
         st.exploring = None
         probing = self._probing(b, st)
+        left = None
         best = max(rates, key=rates.get)
         if best and (not st.best or self.proposer_is_free) and st.yielded(best) < st.yielded(0):
             # speculating only where what it yielded agrees (and, for a lookup, staying on)
             can = {k: r for k, r in rates.items() if st.yielded(k) >= st.yielded(0)}
             best = max(can, key=can.get)
         if st.best not in rates or rates[best] > rates[st.best] * (SWITCH_ON if probing else SWITCH):
-            left = None
             if best != st.best:
                 st.refresh_every = REFRESH_EVERY
-                if st.best in rates and not probing and not self.proposer_is_free:
-                    # a draft's depth left behind is measured anew: its samples may be the engine's
-                    # first steps at their shapes, which run slow (the first depth tried looked dearer
-                    # than it is, and a deeper one measured after the warm-up took over for good). A
-                    # lookup's switches follow its text, and its plain refreshes keep 0 current.
-                    left = st.best
-                    st.times.forget(left)
-                    st.yields.forget(left)
+                # a draft's depth left behind is measured anew: its samples may be the engine's first
+                # steps at their shapes, which run slow (the first depth tried looked dearer than it
+                # is, and a deeper one measured after the warm-up took over for good). A lookup's
+                # switches follow its text, and its plain refreshes keep 0 current.
+                left = st.best if st.best in rates and not probing and not self.proposer_is_free else None
             st.best = best
-            if left is not None:
-                self._in_force(st, measured, rates)
-                st.exploring = left, b
-                return left, b
         self._in_force(st, measured, rates)
+        if left is not None:
+            return st.measure_anew(left, b)
         probing = self._probing(b, st)
         st.explore_in -= 1
         # now and then the dear part, unless the trials so far lost more than their share of the time here
@@ -397,6 +399,8 @@ class SpecController:
         if self.proposer_is_free and st.best and st.plain_turn and 0 in others:   # plain decoding, the reference
             return 0, b
         k = max(others, key=others.get)
+        if not self._could_win(decoding, st, k):
+            st.refresh_every = min(2 * st.refresh_every, REFRESH_MAX)
         sampled = [j for j in others if j in st.times.last]      # not the depths tried on some requests only
         oldest = st.times.oldest(sampled) if sampled else k
         if (not self.proposer_is_free and not probing and st.plain_turn and oldest != k
@@ -404,14 +408,7 @@ class SpecController:
             # every other refresh of a draft's depths: one not measured for STALE steps is measured
             # anew (a median from a slow spell of the machine, or from the first steps at its
             # shapes, would otherwise stand for good where that depth is not the runner-up)
-            if not self._could_win(decoding, st, k):
-                st.refresh_every = min(2 * st.refresh_every, REFRESH_MAX)
-            st.times.forget(oldest)
-            st.yields.forget(oldest)
-            st.exploring = oldest, b
-            return oldest, b
-        if not self._could_win(decoding, st, k):
-            st.refresh_every = min(2 * st.refresh_every, REFRESH_MAX)
+            return st.measure_anew(oldest, b)
         m = 1 if probing else b
         if k and not self._measures(k, m):
             st.again = k, m
