@@ -2,6 +2,7 @@
 
     python bench/bench_engines.py ENGINE_A ENGINE_B [ENGINE_C ...] --rounds 5
     python bench/bench_engines.py ENGINE ENGINE::head_screen=false     # one engine, a setting changed
+    python bench/bench_engines.py ENGINE ENGINE::fused_rows=16 --streams 17,32   # N streams decoding at once
 
 Each model (an engine directory, a model directory, or a GGUF file, imported as ``llmd bench`` imports
 it) is loaded once; then every round runs one stream on each in turn (the prompt's first token, then
@@ -11,7 +12,13 @@ and each one's per-round ratio to the first engine, with the median of those rat
 formats of one model against each other (int4 against bfloat16 blocks, an int4 head against an
 int8g one), which ``llmd bench --against`` does not compare, and for one engine with a setting changed:
 ``PATH::name=value,...`` loads PATH with those engine settings (EngineConfig's fields; true / false
-for a flag), so the head screen can be timed against the whole head.
+for a flag), so the head screen can be timed against the whole head. ``fused_rows=N`` is the bench's
+own: the engine's fused step then takes at most N rows (16: as before bfloat16 blocks and the packed
+quantized forms took more), the Python forward the rest.
+
+``--streams N,...`` times N streams decoding together instead (decode tokens/s of all of them, with
+their prompts served from the prefix cache, as ``llmd bench --concurrency`` reports it), each count a
+round of its own for every engine in turn.
 """
 from __future__ import annotations
 
@@ -23,7 +30,7 @@ import sys
 
 import torch
 
-from llmd.bench.cli import collector_frozen, single_stream
+from llmd.bench.cli import collector_frozen, concurrent, single_stream
 from llmd.runtime.formats.gguf_import import is_gguf, resolve_model_path
 from llmd.runtime.llm import LLM
 
@@ -35,8 +42,13 @@ def load(spec: str, kv_memory: str) -> LLM:
     for item in filter(None, extra.split(",")):
         name, _, value = item.partition("=")
         options[name.strip()] = _value(value.strip())
+    fused_rows = options.pop("fused_rows", None)
     model = resolve_model_path(path, "float32") if is_gguf(path) else path
-    return LLM(model, **{"draft": "none", "kv_memory": kv_memory, **options})
+    llm = LLM(model, **{"draft": "none", "kv_memory": kv_memory, **options})
+    fused = llm.engine.runner.model.fused_decode
+    if fused_rows is not None and fused is not None:
+        fused.max_rows = min(fused.max_rows, int(fused_rows))
+    return llm
 
 
 def _value(text: str):
@@ -51,16 +63,19 @@ def _value(text: str):
     return text
 
 
-def compare(llms: list[LLM], rounds: int, prompt_len: int, gen: int) -> dict:
+def compare(llms: list[LLM], rounds: int, prompt_len: int, gen: int, streams: int = 1) -> dict:
     vocab = min(min(e.engine.model_config.vocab_size, e.tokenizer.vocab_size) for e in llms)
     rng = random.Random(0)
-    prompt = [rng.randrange(vocab) for _ in range(prompt_len)]
+    prompts = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(streams)]
     for e in llms:
-        single_stream(e, prompt[:8], 8)                 # warm-up
+        single_stream(e, prompts[0][:8], 8)              # warm-up
+        if streams > 1:
+            concurrent(e, [p[:8] for p in prompts], 8)
     rates: list[list[float]] = [[] for _ in llms]
     for _ in range(rounds):
         for i, e in enumerate(llms):
-            rates[i].append(single_stream(e, prompt, gen)["decode_tok_s"])
+            rates[i].append(single_stream(e, prompts[0], gen)["decode_tok_s"] if streams == 1
+                            else concurrent(e, prompts, gen)["decode_aggregate_tok_s"])
     ratios = [[r / b for r, b in zip(rates[i], rates[0])] for i in range(len(llms))]
     return {"rates": rates, "median_tok_s": [statistics.median(r) for r in rates],
             "ratios": ratios, "median_ratio": [statistics.median(r) for r in ratios]}
@@ -75,25 +90,40 @@ def main(argv=None) -> int:
     p.add_argument("--gen", type=int, default=65, help="tokens per stream, the first from the prompt (default 65)")
     p.add_argument("--threads", type=int, default=2, help="threads (default 2)")
     p.add_argument("--kv-memory", default="256MiB", help="KV pool of each engine (default 256MiB)")
+    p.add_argument("--streams", default="1", help="comma-separated stream counts: 1 (default) times one stream; "
+                   "N > 1 times N streams decoding together, each count compared on its own")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = p.parse_args(argv)
+    try:
+        counts = [int(c) for c in args.streams.split(",")]
+    except ValueError:
+        counts = []
     if len(args.models) < 2 or args.rounds < 1 or args.prompt_len < 1 or args.gen < 2 or args.threads < 1:
         p.error("give two or more models, --rounds >= 1, --prompt-len >= 1, --gen >= 2 and --threads >= 1")
+    if not counts or not all(1 <= c <= 256 for c in counts):
+        p.error(f"--streams takes stream counts from 1 to 256, comma-separated, got {args.streams!r}")
     torch.set_num_threads(args.threads)
     llms = [load(m, args.kv_memory) for m in args.models]
+    results = []
     with collector_frozen():
-        res = compare(llms, args.rounds, args.prompt_len, args.gen)
-    res.update(models=args.models, threads=args.threads, prompt_len=args.prompt_len, gen=args.gen)
+        for n in counts:
+            res = compare(llms, args.rounds, args.prompt_len, args.gen, n)
+            res.update(models=args.models, threads=args.threads, prompt_len=args.prompt_len, gen=args.gen, streams=n)
+            results.append(res)
+            if not args.json:
+                print_table(res, len(counts) > 1 or n > 1)
     if args.json:
-        print(json.dumps(res, indent=1))
-        return 0
-    for i, m in enumerate(args.models):
+        print(json.dumps(results[0] if len(results) == 1 else results, indent=1))
+    return 0
+
+
+def print_table(res: dict, with_streams: bool) -> None:
+    head = f"{res['streams']} streams, " if with_streams else ""
+    for i, m in enumerate(res["models"]):
         rounds = " ".join(f"{r:.1f}" for r in res["rates"][i])
         ratio = "" if i == 0 else (f"  {res['median_ratio'][i]:.2f}x the first (rounds "
                                    + " ".join(f"{r:.2f}" for r in res["ratios"][i]) + ")")
-        print(f"{m}: decode {res['median_tok_s'][i]:.1f} tok/s (rounds {rounds}){ratio}")
-    return 0
-
+        print(f"{head}{m}: decode {res['median_tok_s'][i]:.1f} tok/s (rounds {rounds}){ratio}", flush=True)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -25,7 +25,9 @@ def test_every_engine_runs_each_round_and_ratios_are_to_the_first(capsys):
 
 
 @pytest.mark.parametrize("argv", [[str(TARGET)], [str(TARGET), str(DRAFT), "--gen", "1"],
-                                  [str(TARGET), str(DRAFT), "--rounds", "0"]])
+                                  [str(TARGET), str(DRAFT), "--rounds", "0"],
+                                  [str(TARGET), str(DRAFT), "--streams", "0"],
+                                  [str(TARGET), str(DRAFT), "--streams", "4,x"]])
 def test_bad_arguments_are_refused(argv):
     with pytest.raises(SystemExit) as e:
         bench_engines.main(argv)
@@ -52,3 +54,29 @@ def test_settings_after_a_path_load_that_engine_with_them(monkeypatch):
     monkeypatch.setattr(bench_engines, "LLM", spy)
     bench_engines.load(f"{TARGET}::head_screen=false,max_num_seqs=4", "32MiB")
     assert seen[-1] == {"draft": "none", "kv_memory": "32MiB", "head_screen": False, "max_num_seqs": 4}
+
+
+def test_streams_time_each_count_of_streams_decoding_together(capsys, monkeypatch):
+    """--streams 1,3: one comparison per count; a count of N runs N prompts at once (every engine's
+    steps hold N rows)."""
+    rows = []
+    real = bench_engines.concurrent
+
+    def spy(llm, prompts, gen):
+        rows.append(len(prompts))
+        return real(llm, prompts, gen)
+    monkeypatch.setattr(bench_engines, "concurrent", spy)
+    assert bench_engines.main([str(TARGET), str(TARGET), "--rounds", "1", "--gen", "4", "--prompt-len", "8",
+                               "--kv-memory", "32MiB", "--streams", "1,3", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert [x["streams"] for x in r] == [1, 3]
+    assert all(len(x["rates"]) == 2 and all(v > 0 for row in x["rates"] for v in row) for x in r)
+    assert rows and set(rows) == {3}            # the one-stream count times single streams
+
+
+def test_fused_rows_caps_the_engines_fused_step():
+    llm = bench_engines.load(f"{TARGET}::fused_rows=3", "32MiB")
+    fused = llm.engine.runner.model.fused_decode
+    if fused is None:
+        pytest.skip("no fused step here (llmd kernels unavailable)")
+    assert fused.max_rows == 3
