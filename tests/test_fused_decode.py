@@ -105,7 +105,7 @@ def test_quantized_fused_step_is_bit_identical_to_the_python_forward(model_facto
     model = loaded(model_factory, f"fused-{name}", quant=spec, f32_scales=name.endswith("f32-scales"), **kw)
     assert all(isinstance(m, QuantLinear) for m in layer_linears(model))
     fused = model.fused_decode
-    assert fused is not None and fused.max_rows == 16
+    assert fused is not None and fused.max_rows == ops.fused_rows()        # the packed forms take many rows
     assert {p.kind for p in fused._products} == {kind}
     assert_steps_match(model, fused, kv_dtype)
 
@@ -122,7 +122,8 @@ def test_an_untied_embedding_table_keeps_no_packed_copy(model_factory):
 
 def assert_steps_match(model, fused, kv_dtype):
     """Prompts through the Python forward, then decode and verification steps each run both ways from
-    the same pools: the same logits and pools, bit for bit, and the fused step really ran."""
+    the same pools: the same logits and pools, bit for bit, and the fused step really ran (a step of 30
+    rows: where the products' kernels take that many, bfloat16 blocks on AMX and the packed forms)."""
     runner = ModelRunner(model, num_blocks=64, block_size=BS, dtype="float32", kv_dtype=kv_dtype)
     rng = random.Random(1)
     vocab = model.config.vocab_size
@@ -133,24 +134,33 @@ def assert_steps_match(model, fused, kv_dtype):
         blocks.append(list(range(start, start + need)))
         start += need
     prompts = [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
-    # the prompts through the Python path (more than 16 rows), then steps of decode and verification rows
-    runner.run(runner.prepare_feeds([Feed(p, 0, b, 1) for p, b in zip(prompts, blocks)]))
-    assert fused.steps == 0
+    # the prompts (254 rows: fused where the products take them), then steps of decode and verification rows
+    prefill = [Feed(p, 0, b, 1) for p, b in zip(prompts, blocks)]
+    fast, fast_pools, ran = one_step(runner, prefill, fused=True)
+    slow, slow_pools, _ = one_step(runner, prefill, fused=False)
+    assert ran == (sum(lengths) <= fused.max_rows)
+    assert torch.equal(fast, slow) and torch.equal(fast_pools[0], slow_pools[0])
+    assert torch.equal(fast_pools[1], slow_pools[1])
+    runner.k_pool.copy_(slow_pools[0])
+    runner.v_pool.copy_(slow_pools[1])
     steps = [
         [Feed([rng.randrange(vocab)], n, b, 1) for n, b in zip(lengths[:1], blocks)],             # one stream
         [Feed([rng.randrange(vocab)], n, b, 1) for n, b in zip(lengths, blocks)],                 # five streams
         [Feed([rng.randrange(vocab) for _ in range(k)], n, b, k)                                  # proposals verified
          for k, n, b in zip([5, 1, 4, 1, 3], lengths, blocks)],
+        [Feed([rng.randrange(vocab) for _ in range(k)], n, b, k)                                  # 30 rows
+         for k, n, b in zip([12, 9, 4, 2, 3], lengths, blocks)],
     ]
     for feeds in steps:
         fast, fast_pools, ran = one_step(runner, feeds, fused=True)
         slow, slow_pools, _ = one_step(runner, feeds, fused=False)
-        assert ran == 1, "the fused step did not run"
+        assert ran == (sum(len(f.token_ids) for f in feeds) <= fused.max_rows), "the fused step did not run"
         assert torch.equal(fast, slow)
         assert torch.equal(fast_pools[0], slow_pools[0]) and torch.equal(fast_pools[1], slow_pools[1])
 
 
 def test_rows_past_sixteen_or_a_long_prompt_chunk_take_the_python_forward(model_factory):
+    """float32 blocks: the kernel's 16 rows (more go to oneDNN in the Python forward)."""
     model = loaded(model_factory, "fused-rows")
     fused = force_fused(model)
     runner = ModelRunner(model, num_blocks=64, block_size=BS, dtype="float32")
@@ -162,6 +172,28 @@ def test_rows_past_sixteen_or_a_long_prompt_chunk_take_the_python_forward(model_
     assert ran == 0
     _, _, ran = one_step(runner, [Feed(list(range(16)), 0, [40, 41], 1)], fused=True)   # 16 rows: fused
     assert ran == 1
+
+
+def test_bfloat16_blocks_on_amx_take_rows_past_sixteen_up_to_the_fused_limit(model_factory):
+    """Where AMX multiplies bfloat16, the Python forward runs every product of bfloat16 blocks on the
+    kernel, so the fused step takes batches past 16 rows and prompt chunks, up to ``ops.fused_rows()``."""
+    model = loaded(model_factory, "fused-rows-bf16", bf16_values=True)
+    fused = force_fused(model)
+    if ops.bf16_max_rows() <= ops.F32_MAX_ROWS:
+        assert fused.max_rows == 16
+        pytest.skip("no AMX with bfloat16 products on this CPU (or LLMD_AMX=0)")
+    most = ops.fused_rows()
+    assert fused.max_rows == most > 16
+    runner = ModelRunner(model, num_blocks=64, block_size=BS, dtype="float32")
+    vocab = model.config.vocab_size
+    _, _, ran = one_step(runner, [Feed([i % vocab], 0, [i], 1) for i in range(17)], fused=True)     # 17 streams
+    assert ran == 1
+    chunk = list(range(1, most + 2))
+    width = -(-len(chunk) // BS)
+    _, _, ran = one_step(runner, [Feed(chunk[:most], 0, list(range(20, 20 + width)), 1)], fused=True)
+    assert ran == 1
+    _, _, ran = one_step(runner, [Feed(chunk, 0, list(range(20, 20 + width)), 1)], fused=True)   # one row too many
+    assert ran == 0
 
 
 def test_parts_without_a_kernel_form_keep_the_python_forward(model_factory):

@@ -5,9 +5,13 @@ a kernel form (llmd.runtime.models.fused_decode).
 Where the kernels are not built (no compiler, neither AVX-512 VNNI nor AVX2, ``LLMD_KERNELS=0``) it is decided
 once, when the backend is built: the step runs torch's ops and never asks again.
 
-    rows of a step   norms, silu*mul, rotary     attention                      whole step
-    up to 16         kernels (float32)           kernel, read in place          one call (fused form)
-    more             torch                       torch SDPA, at most two groups Python forward
+    norms, silu*mul, rotary   kernels (float32 rows), at every row count
+    attention                 kernel, read in place; a prompt chunk of more than 16 rows over more than
+                              1536 positions: torch SDPA, at most two groups
+    whole step                one call (fused form) where every product's kernel takes the step's rows
+                              (16 over float32 blocks; bfloat16 blocks on AMX and the packed quantized
+                              forms up to ``ops.fused_rows()``) and attention is all on the kernel; else
+                              the Python forward
 """
 from __future__ import annotations
 

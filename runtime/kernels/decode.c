@@ -86,7 +86,7 @@ static int layers(const Model *m, int T, float *x, float *out, const int64_t *po
     const int I = dims->intermediate, P = dims->rope_rows, table_width = dims->table_width;
     const int bs = dims->block_size, es = dims->pool_bytes, nt = m->nt;
     const float eps = m->eps;
-    if (!llmd_cpu_ok() || T < 1 || T > 16 || (es != 4 && es != 2)) return -1;
+    if (!llmd_cpu_ok() || T < 1 || T > LLMD_FUSED_ROWS || (es != 4 && es != 2)) return -1;
     const int F = (H + 2 * KVH) * D;                       /* qkv width */
     float *qkv = m->work, *q = qkv + (size_t)T * F, *k = q + (size_t)T * H * D, *att = k + (size_t)T * KVH * D;
     float *gu = att + (size_t)T * H * D, *act = gu + (size_t)T * 2 * I, *h = act + (size_t)T * I;
@@ -117,6 +117,8 @@ static int layers(const Model *m, int T, float *x, float *out, const int64_t *po
     if (!rc) rc = llmd_add_rmsnorm(x, mlp, T, E, m->final_norm, eps, x, out);
     return rc;
 }
+
+int llmd_fused_rows(void) { return LLMD_FUSED_ROWS; }
 
 /* One step of T packed rows (dims->rows) whose attention metadata the caller built. Returns 0, -1 (a
  * kernel refused the shape: a position past the rotary tables, a slot outside the pool), or -2

@@ -71,6 +71,14 @@ def bf16_max_rows() -> int:
 _bf16_rows: dict[int, int] = {}
 
 
+def fused_rows() -> int:
+    """The most rows one fused step takes (decode.c's ``llmd_decode2``): 16 in a library built before
+    it said (a kernel A/B)."""
+    so = lib()
+    fn = getattr(so, "llmd_fused_rows", None) if so is not None else None
+    return fn() if fn is not None else F32_MAX_ROWS
+
+
 def f32_matvec(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None):
     """x [M, K] float32 times a weight in ``f32_blocks`` layout (float32 or bfloat16 blocks) -> [M, N]."""
     so = lib()

@@ -9,8 +9,11 @@ to it). It serves a step when everything that step needs has a kernel form: each
 ``kernel_product()`` (float32 weights in the blocked layout, float32 or bfloat16 blocks; int8, int4
 or int8g weights on llmd's quantized kernels), rotary on adjacent pairs without q/k norms, a float32
 or bfloat16 KV pool (keys and values rounded to bfloat16 as torch rounds them), and every request on
-the attention kernel (at most 16 rows: decode, verification, short prompt chunks). Anything else
-returns None and the Python forward runs, as it always could.
+the attention kernel (decode, verification, short prompt chunks). It takes as many rows as every
+product's kernel takes in the Python forward too (``KernelProduct.max_rows``: 16 over float32
+blocks, whose larger products go to oneDNN; bfloat16 blocks on AMX and the packed quantized forms
+take more), up to ``ops.fused_rows()``. Anything else returns None and the Python forward runs, as
+it always could.
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ import torch
 from llmd.runtime import kernels
 from llmd.runtime.kernels import ops
 
-MAX_ROWS = ops.F32_MAX_ROWS
+DRAFT_ROWS = 16           # rows llmd_draft2 takes (its own arrays)
 POOL_DTYPES = (torch.float32, torch.bfloat16)     # KV pools the fused step writes and reads
 
 
@@ -51,8 +54,8 @@ class FusedDecode:
         self._dims = kernels.struct("llmd_dims")(layers=cfg.num_layers, hidden=e, heads=h, kv_heads=kvh, head_dim=d,
                                                  intermediate=i, rope_rows=model.rotary.cos.shape[0],
                                                  vocab=cfg.vocab_size)
-        per_row = (h + 2 * kvh) * d + 2 * h * d + kvh * d + 3 * i + e
-        self._work = torch.empty(MAX_ROWS * per_row)
+        self._per_row = (h + 2 * kvh) * d + 2 * h * d + kvh * d + 3 * i + e
+        self._work = torch.empty(min(max_rows, DRAFT_ROWS) * self._per_row)    # grows with a step's rows
         self.steps = 0           # steps served (tests check the fused path really ran)
         self.draft_steps = 0     # greedy draft forwards served by draft_greedy
 
@@ -86,7 +89,7 @@ class FusedDecode:
             return None
         # rows beyond what every product's plan sends to the kernel take the Python path, as they would anyway
         max_rows = min(f.max_rows for f in forms)
-        return cls(model, flat, forms, min(max_rows, MAX_ROWS)) if max_rows >= 1 else None
+        return cls(model, flat, forms, min(max_rows, ops.fused_rows())) if max_rows >= 1 else None
 
     def _step_dims(self, rows: int, pools: torch.Tensor, table_width: int, block_size: int):
         """The dims (kernels.h's llmd_dims) with this call's rows, pool slots, table width, block size
@@ -115,6 +118,8 @@ class FusedDecode:
         if fn is None:
             return None
         pools = attn.k_pool
+        if self._work.numel() < t * self._per_row:
+            self._work = torch.empty(t * self._per_row)
         dims = self._step_dims(t, pools, kr.table.shape[1], attn.block_size)
         rotary = self.rotary
         x = x.contiguous().clone()           # the residual stream, overwritten; the caller's x stays whole
@@ -146,8 +151,8 @@ class FusedDecode:
         attn = runner.attn
         head = self.head.kernel_product()
         table = self._table(head)
-        if (fn is None or not 1 <= t <= rows <= self.max_rows or not all(feeds) or steps < 1 or head is None
-                or head.max_rows < t or self.head.bias is not None or table is None):
+        if (fn is None or not 1 <= t <= rows <= min(self.max_rows, DRAFT_ROWS) or not all(feeds) or steps < 1
+                or head is None or head.max_rows < t or self.head.bias is not None or table is None):
             return None
         # a request's own blocks bound its steps (the table's zero padding is no block of its own): its
         # last position at step s is positions[i] + len(feeds[i]) - 1 + s
@@ -163,7 +168,7 @@ class FusedDecode:
         count = torch.tensor([len(f) for f in feeds], dtype=torch.int32)
         pos0 = torch.tensor(positions, dtype=torch.int64)
         out = torch.empty(t, steps, dtype=torch.int64)
-        x, hidden, logits = torch.empty(MAX_ROWS, e), torch.empty(MAX_ROWS, e), torch.empty(t, v)
+        x, hidden, logits = torch.empty(DRAFT_ROWS, e), torch.empty(DRAFT_ROWS, e), torch.empty(t, v)
         rotary = self.rotary
         head_struct, table_struct = head.struct(), table.struct()
         done = fn(ctypes.addressof(dims), ctypes.addressof(self._norms), ctypes.addressof(self._products),

@@ -77,7 +77,12 @@ class Linear(nn.Module):
         (for as many rows as the plan sends there), else None."""
         if self.plan.layout != "blocked" or self.stored is None:
             return None
-        return ops.KernelProduct.blocks(self.stored, self.plan.split_max_rows)
+        # planned_product: more rows than the split takes go to the packed copy, or without one to the
+        # kernel again (bfloat16 blocks on AMX take every row count)
+        most = self.plan.split_max_rows
+        if self.packed is None and self.stored.dtype == torch.bfloat16:
+            most = max(most, ops.bf16_max_rows())
+        return ops.KernelProduct.blocks(self.stored, most)
 
     def permute_outputs(self, rows: torch.Tensor) -> None:
         """Reorder the output features (before ``prepare()``): output i becomes old output rows[i]."""
