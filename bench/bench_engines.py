@@ -12,9 +12,11 @@ and each one's per-round ratio to the first engine, with the median of those rat
 formats of one model against each other (int4 against bfloat16 blocks, an int4 head against an
 int8g one), which ``llmd bench --against`` does not compare, and for one engine with a setting changed:
 ``PATH::name=value,...`` loads PATH with those engine settings (EngineConfig's fields; true / false
-for a flag), so the head screen can be timed against the whole head. ``fused_rows=N`` is the bench's
-own: the engine's fused step then takes at most N rows (16: as before bfloat16 blocks and the packed
-quantized forms took more), the Python forward the rest.
+for a flag), so the head screen can be timed against the whole head. Two are the bench's own:
+``fused_rows=N``: the engine's fused step takes at most N rows (16: as before bfloat16 blocks and
+the packed quantized forms took more), the Python forward the rest; ``f32_rows=N``: float32 blocks
+(and bfloat16 ones where AMX does not take them) take N rows on the kernel and more on a float32
+oneDNN copy of the weight, as before the kernel took every row count. Each round also times the first token (the prompt's forward).
 
 ``--streams N,...`` times N streams decoding together instead (decode tokens/s of all of them, with
 their prompts served from the prefix cache, as ``llmd bench --concurrency`` reports it), each count a
@@ -32,7 +34,10 @@ import torch
 
 from llmd.bench.cli import collector_frozen, concurrent, single_stream
 from llmd.runtime.formats.gguf_import import is_gguf, resolve_model_path
+from llmd.runtime.kernels import ops
 from llmd.runtime.llm import LLM
+from llmd.runtime.models.fused_decode import FusedDecode
+from llmd.runtime.models.layers import Linear, MatvecPlan, pack_weight
 
 
 def load(spec: str, kv_memory: str) -> LLM:
@@ -42,12 +47,19 @@ def load(spec: str, kv_memory: str) -> LLM:
     for item in filter(None, extra.split(",")):
         name, _, value = item.partition("=")
         options[name.strip()] = _value(value.strip())
-    fused_rows = options.pop("fused_rows", None)
+    fused_rows, f32_rows = options.pop("fused_rows", None), options.pop("f32_rows", None)
     model = resolve_model_path(path, "float32") if is_gguf(path) else path
     llm = LLM(model, **{"draft": "none", "kv_memory": kv_memory, **options})
-    fused = llm.engine.runner.model.fused_decode
-    if fused_rows is not None and fused is not None:
-        fused.max_rows = min(fused.max_rows, int(fused_rows))
+    net = llm.engine.runner.model
+    if f32_rows is not None:
+        for m in net.modules():
+            if (type(m) is Linear and m.plan.layout == "blocked"
+                    and (m.stored.dtype == torch.float32 or not ops.bf16_on_amx())):
+                m.plan = MatvecPlan("blocked", 1, int(f32_rows), packed=True)
+                m.packed = pack_weight(m.dense_weight().detach())
+        net.fused_decode = FusedDecode.build(net) if net.fused_decode is not None else None
+    if fused_rows is not None and net.fused_decode is not None:
+        net.fused_decode.max_rows = min(net.fused_decode.max_rows, int(fused_rows))
     return llm
 
 
@@ -72,13 +84,21 @@ def compare(llms: list[LLM], rounds: int, prompt_len: int, gen: int, streams: in
         if streams > 1:
             concurrent(e, [p[:8] for p in prompts], 8)
     rates: list[list[float]] = [[] for _ in llms]
+    ttfts: list[list[float]] = [[] for _ in llms]
     for _ in range(rounds):
         for i, e in enumerate(llms):
-            rates[i].append(single_stream(e, prompts[0], gen)["decode_tok_s"] if streams == 1
-                            else concurrent(e, prompts, gen)["decode_aggregate_tok_s"])
+            if streams == 1:
+                got = single_stream(e, prompts[0], gen)
+                rates[i].append(got["decode_tok_s"])
+                ttfts[i].append(got["ttft_s"])
+            else:
+                got = concurrent(e, prompts, gen)
+                rates[i].append(got["decode_aggregate_tok_s"])
+                ttfts[i].append(got["ttft_p50_s"])
     ratios = [[r / b for r, b in zip(rates[i], rates[0])] for i in range(len(llms))]
     return {"rates": rates, "median_tok_s": [statistics.median(r) for r in rates],
-            "ratios": ratios, "median_ratio": [statistics.median(r) for r in ratios]}
+            "ratios": ratios, "median_ratio": [statistics.median(r) for r in ratios],
+            "ttft_s": ttfts, "median_ttft_s": [statistics.median(t) for t in ttfts]}
 
 
 def main(argv=None) -> int:
@@ -123,7 +143,9 @@ def print_table(res: dict, with_streams: bool) -> None:
         rounds = " ".join(f"{r:.1f}" for r in res["rates"][i])
         ratio = "" if i == 0 else (f"  {res['median_ratio'][i]:.2f}x the first (rounds "
                                    + " ".join(f"{r:.2f}" for r in res["ratios"][i]) + ")")
-        print(f"{head}{m}: decode {res['median_tok_s'][i]:.1f} tok/s (rounds {rounds}){ratio}", flush=True)
+        first = res["median_ttft_s"][i] * 1e3
+        print(f"{head}{m}: decode {res['median_tok_s'][i]:.1f} tok/s (rounds {rounds}){ratio}; first token "
+              f"{first:.1f} ms", flush=True)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -448,7 +448,7 @@ class Engine:
         on = self.runner.execution.kernels
         return {"cpu_kernels": kernels.variant() if on else "none",
                 "cpu_amx_rows": kernels.lib().llmd_amx_min_rows(-1) if on else 0,
-                "cpu_amx_bf16": bool(on and ops.bf16_max_rows() > ops.F32_MAX_ROWS)}
+                "cpu_amx_bf16": bool(on and ops.bf16_on_amx())}
 
     def _screen_stats(self) -> dict:
         """The head screen's counters: greedy rows it served, the head rows it scored exactly per row,

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
@@ -80,3 +81,21 @@ def test_fused_rows_caps_the_engines_fused_step():
     if fused is None:
         pytest.skip("no fused step here (llmd kernels unavailable)")
     assert fused.max_rows == 3
+
+
+def test_f32_rows_keeps_float32_blocks_to_n_rows_with_a_onednn_copy():
+    from llmd.runtime.kernels import ops
+    from llmd.runtime.models.layers import Linear, can_pack
+    if not can_pack(torch.float32):
+        pytest.skip("oneDNN is not available in this torch build")
+    from llmd.runtime import kernels
+    if not kernels.available():
+        pytest.skip("llmd kernels unavailable: no blocked weights")
+    for path, f32_rows in ((DRAFT, None), (DRAFT, 16)):         # the bundled draft: float32 values
+        spec = str(path) if f32_rows is None else f"{path}::f32_rows={f32_rows}"
+        llm = bench_engines.load(spec, "32MiB")
+        blocked = [m for m in llm.engine.runner.model.modules() if type(m) is Linear and m.plan.layout == "blocked"]
+        assert blocked and all(m.stored.dtype == torch.float32 for m in blocked)
+        assert all((m.packed is not None) == (f32_rows is not None) for m in blocked)
+        fused = llm.engine.runner.model.fused_decode
+        assert fused.max_rows == (16 if f32_rows else ops.fused_rows())

@@ -22,8 +22,8 @@ BS = 16
 
 
 def force_fused(model) -> FusedDecode:
-    """Every layer product on llmd's float32 kernel for up to 16 rows, without oneDNN's copy for more
-    (as the plans already store them, less that copy), then the fused form."""
+    """Every layer product on llmd's float32 kernel, without oneDNN's copy (as the plans already store
+    them), then the fused form."""
     for m in model.layers.modules():
         if type(m) is Linear:
             m.apply_plan(MatvecPlan("blocked", 1, 16, packed=False))
@@ -123,7 +123,7 @@ def test_an_untied_embedding_table_keeps_no_packed_copy(model_factory):
 def assert_steps_match(model, fused, kv_dtype):
     """Prompts through the Python forward, then decode and verification steps each run both ways from
     the same pools: the same logits and pools, bit for bit, and the fused step really ran (a step of 30
-    rows: where the products' kernels take that many, bfloat16 blocks on AMX and the packed forms)."""
+    rows: where every product's kernel takes that many, as blocks and the packed forms do)."""
     runner = ModelRunner(model, num_blocks=64, block_size=BS, dtype="float32", kv_dtype=kv_dtype)
     rng = random.Random(1)
     vocab = model.config.vocab_size
@@ -159,29 +159,13 @@ def assert_steps_match(model, fused, kv_dtype):
         assert torch.equal(fast_pools[0], slow_pools[0]) and torch.equal(fast_pools[1], slow_pools[1])
 
 
-def test_rows_past_sixteen_or_a_long_prompt_chunk_take_the_python_forward(model_factory):
-    """float32 blocks: the kernel's 16 rows (more go to oneDNN in the Python forward)."""
-    model = loaded(model_factory, "fused-rows")
+@pytest.mark.parametrize("bf16_values", [False, True], ids=["float32-blocks", "bfloat16-blocks"])
+def test_rows_up_to_the_fused_limit_are_fused_and_more_take_the_python_forward(model_factory, bf16_values):
+    """The Python forward runs every product of blocks on the kernel (float32 on the vector loop at every
+    row count; bfloat16 past 16 rows on the tile unit where AMX has it), so the fused step takes
+    batches past 16 rows and prompt chunks, up to ``ops.fused_rows()``; one row more runs in Python."""
+    model = loaded(model_factory, f"fused-rows-{bf16_values}", bf16_values=bf16_values)
     fused = force_fused(model)
-    runner = ModelRunner(model, num_blocks=64, block_size=BS, dtype="float32")
-    vocab = model.config.vocab_size
-    feeds = [Feed([i % vocab], 0, [i], 1) for i in range(17)]             # 17 one-row requests
-    _, _, ran = one_step(runner, feeds, fused=True)
-    assert ran == 0
-    _, _, ran = one_step(runner, [Feed(list(range(17)), 0, [40, 41], 1)], fused=True)   # a 17-row prompt chunk
-    assert ran == 0
-    _, _, ran = one_step(runner, [Feed(list(range(16)), 0, [40, 41], 1)], fused=True)   # 16 rows: fused
-    assert ran == 1
-
-
-def test_bfloat16_blocks_on_amx_take_rows_past_sixteen_up_to_the_fused_limit(model_factory):
-    """Where AMX multiplies bfloat16, the Python forward runs every product of bfloat16 blocks on the
-    kernel, so the fused step takes batches past 16 rows and prompt chunks, up to ``ops.fused_rows()``."""
-    model = loaded(model_factory, "fused-rows-bf16", bf16_values=True)
-    fused = force_fused(model)
-    if ops.bf16_max_rows() <= ops.F32_MAX_ROWS:
-        assert fused.max_rows == 16
-        pytest.skip("no AMX with bfloat16 products on this CPU (or LLMD_AMX=0)")
     most = ops.fused_rows()
     assert fused.max_rows == most > 16
     runner = ModelRunner(model, num_blocks=64, block_size=BS, dtype="float32")

@@ -146,7 +146,7 @@ def test_bfloat16_blocks_of_many_rows_on_amx_are_float32_products_row_by_row(n, 
     unit with x split into three bfloat16 parts: within float32 rounding of the exact product (as close
     as the vector loop's 16 rows; two parts would be ~100x off), and a row's bits are the same whatever
     rows share its call (17 to 200 rows, any order, a bias, K not a multiple of 32)."""
-    if ops.bf16_max_rows() <= ops.F32_MAX_ROWS:
+    if not ops.bf16_on_amx():
         pytest.skip("no AMX with bfloat16 products on this CPU (or LLMD_AMX=0)")
     w = weight(n, k, n + k).bfloat16().float()
     blocks = ops.f32_blocks(w)
@@ -166,17 +166,21 @@ def test_bfloat16_blocks_of_many_rows_on_amx_are_float32_products_row_by_row(n, 
     assert torch.equal(ops.f32_matvec(x[:40], blocks, None) + bias, y[:40])     # the bias added to the sums
 
 
-def test_llmd_amx_0_keeps_bfloat16_blocks_to_16_rows():
-    """LLMD_AMX=0 turns the tile unit off for bfloat16 blocks too: the kernel then takes 16 rows of them
-    (more go to oneDNN's float32 copy, as on a CPU without AMX)."""
-    if ops.bf16_max_rows() <= ops.F32_MAX_ROWS:
+def test_llmd_amx_0_keeps_bfloat16_blocks_on_the_vector_loop_at_every_row_count():
+    """LLMD_AMX=0 turns the tile unit off for bfloat16 blocks too: the vector loop then takes every row
+    count of them (as on a CPU without AMX), each row summed as it is alone."""
+    if not ops.bf16_on_amx():
         pytest.skip("no AMX with bfloat16 products on this CPU")
     import subprocess
     import sys
-    code = "from llmd.runtime.kernels import ops; print(ops.bf16_max_rows())"
+    code = ("import torch; from llmd.runtime.kernels import ops\n"
+            "w = ops.f32_blocks(torch.randn(128, 96).bfloat16().float()); x = torch.randn(40, 96)\n"
+            "y = ops.f32_matvec(x, w, None)\n"
+            "print(ops.bf16_on_amx(), ops.bf16_max_rows(), all(torch.equal(ops.f32_matvec(x[i:i + 1], w, None), y[i:i + 1])"
+            " for i in range(40)))")
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "LLMD_AMX": "0"}, capture_output=True,
-                         text=True, check=True).stdout
-    assert int(out) == ops.F32_MAX_ROWS
+                         text=True, check=True).stdout.split()
+    assert out == ["False", str(ops.f32_rows()), "True"]
 
 
 @pytest.mark.parametrize("k", [1472, 4800])
@@ -570,7 +574,7 @@ def test_every_entry_point_is_declared_once_in_the_header_and_bound_by_it():
         assert set(re.findall(r" T (llmd_\w+)$", symbols, re.M)) == declared
     for source in kernels._SOURCES:
         assert not re.search(r"^\s*(?:int|void) llmd_\w+\([^{]*?\);", source.read_text(), re.M), source.name
-    assert len(declared) == 25
+    assert len(declared) == 27
     for name in declared:
         assert getattr(so, name).argtypes is not None, name
     assert so.llmd_q4_pack.restype is ctypes.c_int and so.llmd_rmsnorm.restype is ctypes.c_int

@@ -9,9 +9,8 @@ once, when the backend is built: the step runs torch's ops and never asks again.
     attention                 kernel, read in place; a prompt chunk of more than 16 rows over more than
                               1536 positions: torch SDPA, at most two groups
     whole step                one call (fused form) where every product's kernel takes the step's rows
-                              (16 over float32 blocks; bfloat16 blocks on AMX and the packed quantized
-                              forms up to ``ops.fused_rows()``) and attention is all on the kernel; else
-                              the Python forward
+                              (up to ``ops.fused_rows()``) and attention is all on the kernel; else the
+                              Python forward
 """
 from __future__ import annotations
 

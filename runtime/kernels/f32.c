@@ -1,4 +1,4 @@
-/* Float32 products of up to 16 rows over weights stored in blocks of 64 output columns. */
+/* Float32 products over weights stored in blocks of 64 output columns. */
 #include "kernels.h"
 
 /* ---- float32 weights in blocks of 64 output columns ------------------------------------- */
@@ -162,14 +162,23 @@ void f32_block(const float *x, const int MM, int K, const void *w, const float *
 #define F32_CASE(MM) f32_block(x + (size_t)m0 * K, MM, K, (const char *)w + (size_t)b * K * 64 * es, \
                             bias ? bias + 64 * b : 0, y + (size_t)m0 * N + 64 * b, N, next, gi, groups, wide);
 
-/* Up to F32_MAXM rows, in groups of four rows per block, so a block is read from memory once and
- * from cache for the later groups (verification of a few proposals, small batches). Where fours would
- * leave a group of one or two rows, whose sums wait on each FMA's latency, the rows are shared out
- * over one group fewer, of five or six: five rows (four proposals verified) take 0.81x the time of
- * four and one, nine rows 0.90x (`bench/bench_kernels.py --products 5,9`). From eleven rows the groups
- * are of five or six: fewer passes over the block, and each bfloat16 weight widened for more rows
- * (sixteen rows in three groups, not four). The same sums: each row's order over k is unchanged. */
+/* Rows in groups of four per block, so a block is read from memory once and from cache for the
+ * later groups (verification of a few proposals, small batches). Where fours would leave a group of
+ * one or two rows, whose sums wait on each FMA's latency, the rows are shared out over one group
+ * fewer, of five or six: five rows (four proposals verified) take 0.81x the time of four and one, nine
+ * rows 0.90x (`bench/bench_kernels.py --products 5,9`). From eleven rows the groups are of five or
+ * six: fewer passes over the block, and each bfloat16 weight widened for more rows (sixteen rows in
+ * three groups, not four). The same sums: each row's order over k is unchanged, whatever its group.
+ *
+ * So the loop takes any row count (F32_MANY_ROWS) with each row summed as it is alone: a decode row
+ * gets the same bits in a batch of 40 or beside a prompt chunk, and a prompt's rows whatever its
+ * chunks. From F32_SHARE_ROWS rows, where arithmetic bounds the product, the rows of a block are also
+ * shared out over the threads in slices (a weight of few blocks still keeps every thread busy); below,
+ * a thread takes whole blocks. bfloat16 blocks take the tile unit past F32_MAXM rows where AMX has
+ * bfloat16 products (below), which sums in its own order. */
 #define F32_MAXM 16
+#define F32_MANY_ROWS 8192
+#define F32_SHARE_ROWS 32
 
 /* ---- bfloat16 blocks of many rows on AMX -------------------------------------------------- */
 /* Where the CPU has AMX with bfloat16 products, products of more than F32_MAXM rows over bfloat16
@@ -326,9 +335,28 @@ static int bf16_amx(const uint16_t *w, const float *x, int M, int K, const float
 }
 #endif
 
-/* The most rows llmd_f32_w16 takes here: BF16_MANY_ROWS with AMX's bfloat16 products, else F32_MAXM. */
-int llmd_f32_w16_rows(void) {
-    return bf16_amx_usable() ? BF16_MANY_ROWS : F32_MAXM;
+int llmd_f32_w16_rows(void) { return bf16_amx_usable() ? BF16_MANY_ROWS : F32_MANY_ROWS; }
+int llmd_f32_rows(void) { return F32_MANY_ROWS; }
+int llmd_f32_w16_amx(void) { return bf16_amx_usable(); }
+
+/* Rows first .. first + rows - 1 of block b, in groups (see F32_MAXM above). */
+static inline TARGET __attribute__((always_inline))
+void f32_rows_of_block(const float *x, int first, int rows, int K, const void *w, int b, const float *bias, float *y,
+                       int N, const void *next, const int wide) {
+    const int es = wide ? 4 : 2;
+    const int groups = rows >= 11 ? (rows + 5) / 6 : (rows + 3) / 4 - (rows > 4 && (rows % 4 == 1 || rows % 4 == 2));
+    for (int gi = 0, m0 = first; gi < groups; gi++) {
+        const int g = rows / groups + (gi < rows % groups);
+        switch (g) {
+        case 1: F32_CASE(1) break;
+        case 2: F32_CASE(2) break;
+        case 3: F32_CASE(3) break;
+        case 4: F32_CASE(4) break;
+        case 5: F32_CASE(5) break;
+        default: F32_CASE(6) break;
+        }
+        m0 += g;
+    }
 }
 
 /* The product for one storage (wide: float32 blocks), as its own function so that each has its own
@@ -338,26 +366,23 @@ TARGET int NAME(const float *x, int M, int K, const WTYPE *w, const float *bias,
     const int wide = WIDE; \
     if (!wide && M > F32_MAXM && M <= BF16_MANY_ROWS && N % 64 == 0 && K >= 1 && bf16_amx_usable()) \
         return bf16_amx((const uint16_t *)w, x, M, K, bias, y, N, nt); \
-    if (!llmd_cpu_ok() || M < 1 || M > F32_MAXM || N % 64) return -1; \
-    const int groups = M >= 11 ? (M + 5) / 6 : (M + 3) / 4 - (M > 4 && (M % 4 == 1 || M % 4 == 2)); \
+    if (!llmd_cpu_ok() || M < 1 || M > F32_MANY_ROWS || N % 64) return -1; \
     const int nb = N / 64, es = wide ? 4 : 2; \
+    /* slices of a block's rows: as many as keep every thread busy, none under F32_MAXM rows */ \
+    int slices = 1; \
+    if (M >= F32_SHARE_ROWS) { \
+        slices = (8 * nt + nb - 1) / nb; \
+        if (slices > M / F32_MAXM) slices = M / F32_MAXM; \
+        if (slices < 1) slices = 1; \
+    } \
     _Pragma("omp parallel for num_threads(nt) schedule(static)") \
-    for (int b = 0; b < nb; b++) { \
+    for (int item = 0; item < nb * slices; item++) { \
+        const int b = item / slices, s = item % slices; \
+        const int m0 = (int)((long)M * s / slices), rows = (int)((long)M * (s + 1) / slices) - m0; \
         /* with several row groups a block is computed more than once from cache: the groups fetch \
-         * the thread's next block meanwhile (static schedule: a thread's blocks are consecutive) */ \
-        const void *next = groups > 1 && b + 1 < nb ? (const char *)w + (size_t)(b + 1) * K * 64 * es : 0; \
-        for (int gi = 0, m0 = 0; gi < groups; gi++) { \
-            const int rows = M / groups + (gi < M % groups); \
-            switch (rows) { \
-            case 1: F32_CASE(1) break; \
-            case 2: F32_CASE(2) break; \
-            case 3: F32_CASE(3) break; \
-            case 4: F32_CASE(4) break; \
-            case 5: F32_CASE(5) break; \
-            default: F32_CASE(6) break; \
-            } \
-            m0 += rows; \
-        } \
+         * the next block meanwhile (static schedule: a thread's items are consecutive) */ \
+        const void *next = rows > 6 && s == slices - 1 && b + 1 < nb ? (const char *)w + (size_t)(b + 1) * K * 64 * es : 0; \
+        f32_rows_of_block(x, m0, rows, K, w, b, bias, y, N, next, wide); \
     } \
     return 0; \
 }

@@ -75,8 +75,12 @@ int llmd_screen_select(const float *xp, int M, int K, int KM, float margin, cons
 /* f32.c: x [M, K] times a weight in blocks [N/64, K, 64] of float32 or (w16) bfloat16 values */
 int llmd_f32(const float *x, int M, int K, const float *w, const float *bias, float *y, int N, int nt);
 int llmd_f32_w16(const float *x, int M, int K, const uint16_t *w, const float *bias, float *y, int N, int nt);
-/* f32.c: the most rows llmd_f32_w16 takes on this machine (more than 16 where AMX takes bfloat16 blocks) */
+/* f32.c: the most rows llmd_f32_w16 takes on this machine */
 int llmd_f32_w16_rows(void);
+/* f32.c: the most rows llmd_f32 takes (the vector loop, each row's sums in one order at every count) */
+int llmd_f32_rows(void);
+/* f32.c: 1 where products of more than 16 rows over bfloat16 blocks take AMX's tile unit, else 0 */
+int llmd_f32_w16_amx(void);
 /* f32.c: the values llmd_f32 / llmd_f32_w16 (wide 0) give outputs idx [C] of a blocked weight of N outputs,
  * without a bias: y [M, C] */
 int llmd_f32_pick(const float *x, int M, int K, const void *w, int wide, int N, const int64_t *idx, int C,

@@ -11,7 +11,7 @@ from . import lib, struct, usable
 
 MAX_ROWS = 16             # rows of x the w8a8 kernel and the fused step take (decode batches, verification)
 MANY_MAX_ROWS = 8192      # ... the packed forms (int8, int8g, int4) up to this many (prompts too)
-F32_MAX_ROWS = 16         # rows of x the float32 kernel takes (bfloat16 blocks: see bf16_max_rows)
+F32_MAX_ROWS = 16         # rows of bfloat16 blocks on the vector loop where AMX takes more; f32_pick's rows
 _SERIAL_BELOW = 1 << 18      # multiply-adds in a product below which one thread beats the parallel split
 
 
@@ -58,25 +58,46 @@ def f32_unblock(blocks: torch.Tensor) -> torch.Tensor:
     return blocks.float().transpose(0, 1).reshape(k, nb * 64).t()
 
 
+def f32_rows() -> int:
+    """The most rows one call of the kernel takes over float32 blocks: every row on the vector loop,
+    summed in one order whatever the other rows (prompt chunks too: no oneDNN copy is kept for them).
+    16 in a library built before (a kernel A/B)."""
+    return _ask("llmd_f32_rows", F32_MAX_ROWS)
+
+
 def bf16_max_rows() -> int:
-    """The most rows the kernel takes over bfloat16 blocks here: more than ``F32_MAX_ROWS`` (prompt
-    chunks too) where AMX multiplies bfloat16 (f32.c), so such a weight needs no float32 copy for them."""
+    """The most rows one call of the kernel takes over bfloat16 blocks: past ``F32_MAX_ROWS`` the tile
+    unit's where AMX multiplies bfloat16 (``bf16_on_amx``), else the vector loop's."""
+    return _ask("llmd_f32_w16_rows", F32_MAX_ROWS)
+
+
+def bf16_on_amx() -> bool:
+    """Whether products of more than ``F32_MAX_ROWS`` rows over bfloat16 blocks take AMX's tile unit
+    (f32.c: x split into three bfloat16 parts, summed in the tile unit's order)."""
     so = lib()
-    if (got := _bf16_rows.get(id(so))) is None:          # asked on every product: one call per library
-        fn = getattr(so, "llmd_f32_w16_rows", None) if so is not None else None
-        got = _bf16_rows[id(so)] = fn() if fn is not None else F32_MAX_ROWS
+    if so is None:
+        return False
+    fn = getattr(so, "llmd_f32_w16_amx", None)
+    return bool(fn()) if fn is not None else bf16_max_rows() > F32_MAX_ROWS     # an earlier library
+
+
+def _ask(name: str, default: int) -> int:
+    """An entry point's answer that never changes for a library (asked on every product: one call per
+    library), ``default`` where it lacks the entry point."""
+    so = lib()
+    if (got := _answers.get((id(so), name))) is None:
+        fn = getattr(so, name, None) if so is not None else None
+        got = _answers[(id(so), name)] = fn() if fn is not None else default
     return got
 
 
-_bf16_rows: dict[int, int] = {}
+_answers: dict[tuple, int] = {}
 
 
 def fused_rows() -> int:
     """The most rows one fused step takes (decode.c's ``llmd_decode2``): 16 in a library built before
     it said (a kernel A/B)."""
-    so = lib()
-    fn = getattr(so, "llmd_fused_rows", None) if so is not None else None
-    return fn() if fn is not None else F32_MAX_ROWS
+    return _ask("llmd_fused_rows", F32_MAX_ROWS)
 
 
 def f32_matvec(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None):
@@ -84,16 +105,22 @@ def f32_matvec(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None)
     so = lib()
     m, k = x.shape
     n = blocks.shape[0] * 64
-    most = F32_MAX_ROWS if blocks.dtype == torch.float32 else bf16_max_rows()
-    if so is None or not 1 <= m <= most or x.dtype != torch.float32:
+    most = f32_rows() if blocks.dtype == torch.float32 else bf16_max_rows()
+    if so is None or m < 1 or x.dtype != torch.float32 or (m > most and most <= F32_MAX_ROWS):
         return None
     x = x.contiguous()
     y = torch.empty(m, n)
     fn = so.llmd_f32 if blocks.dtype == torch.float32 else getattr(so, "llmd_f32_w16", None)
     if fn is None:                   # a library built before bfloat16 blocks (a kernel A/B): torch's product
         return None
-    rc = fn(x.data_ptr(), m, k, blocks.data_ptr(), _ptr(bias), y.data_ptr(), n, _threads(m, n, k))
-    return y if rc == 0 else None
+    if m <= most:
+        rc = fn(x.data_ptr(), m, k, blocks.data_ptr(), _ptr(bias), y.data_ptr(), n, _threads(m, n, k))
+        return y if rc == 0 else None
+    for i in range(0, m, most):      # past the most rows of a call, in parts: each row's sums are its own
+        rows = min(most, m - i)
+        if fn(x[i].data_ptr(), rows, k, blocks.data_ptr(), _ptr(bias), y[i].data_ptr(), n, _threads(rows, n, k)):
+            return None
+    return y
 
 
 def f32_pick(x: torch.Tensor, blocks: torch.Tensor, idx: torch.Tensor):

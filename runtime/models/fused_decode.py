@@ -10,10 +10,8 @@ to it). It serves a step when everything that step needs has a kernel form: each
 or int8g weights on llmd's quantized kernels), rotary on adjacent pairs without q/k norms, a float32
 or bfloat16 KV pool (keys and values rounded to bfloat16 as torch rounds them), and every request on
 the attention kernel (decode, verification, short prompt chunks). It takes as many rows as every
-product's kernel takes in the Python forward too (``KernelProduct.max_rows``: 16 over float32
-blocks, whose larger products go to oneDNN; bfloat16 blocks on AMX and the packed quantized forms
-take more), up to ``ops.fused_rows()``. Anything else returns None and the Python forward runs, as
-it always could.
+product's kernel takes in the Python forward too (``KernelProduct.max_rows``), up to
+``ops.fused_rows()``. Anything else returns None and the Python forward runs, as it always could.
 """
 from __future__ import annotations
 

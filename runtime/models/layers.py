@@ -24,10 +24,11 @@ class Linear(nn.Module):
       thread streams front to back, kept in bfloat16 when every value is one (a bfloat16 checkpoint:
       half the bytes, the same float32 products). Otherwise torch's own kernel, which streams the
       weight from one core, is split in ``threads`` parts run as one ``bmm`` over views of the weight;
-    - more rows (prompt chunks, batches, verification): float32 weights get a second copy in
-      oneDNN's blocked layout, whose kernel beats the default one there. That copy doubles the
-      float32 weight memory; bfloat16 and quantized models skip it, and so do bfloat16 blocks where
-      the kernel takes many rows itself (AMX: ``ops.bf16_max_rows``).
+    - more rows (prompt chunks, batches, verification): the blocks again, on the same kernel, so each
+      row is summed in one order at every row count (a request's output does not depend on its
+      batch or its prompt's chunks); bfloat16 blocks past 16 rows on AMX's tile unit where the CPU
+      has it (``ops.bf16_on_amx``: its own order). Weights outside the blocked layout get a second
+      copy in oneDNN's layout, whose kernel beats the default one there.
     Quantized variants replace this module as a whole (see llmd.runtime.formats.quantized).
     """
 
@@ -78,10 +79,10 @@ class Linear(nn.Module):
         if self.plan.layout != "blocked" or self.stored is None:
             return None
         # planned_product: more rows than the split takes go to the packed copy, or without one to the
-        # kernel again (bfloat16 blocks on AMX take every row count)
+        # kernel again
         most = self.plan.split_max_rows
-        if self.packed is None and self.stored.dtype == torch.bfloat16:
-            most = max(most, ops.bf16_max_rows())
+        if self.packed is None:
+            most = max(most, ops.f32_rows() if self.stored.dtype == torch.float32 else ops.bf16_max_rows())
         return ops.KernelProduct.blocks(self.stored, most)
 
     def permute_outputs(self, rows: torch.Tensor) -> None:
@@ -118,12 +119,13 @@ class MatvecPlan:
 
 def plan_packs(plan: MatvecPlan, stored: torch.Tensor | None) -> bool:
     """Whether a weight stored by ``plan`` (``stored``: its blocks, or None) gets oneDNN's copy for
-    products of more than ``plan.split_max_rows`` rows: not where llmd's kernel takes those itself
-    (bfloat16 blocks on AMX)."""
+    products of more than ``plan.split_max_rows`` rows: not where llmd's kernel takes those itself."""
     if not plan.packed:
         return False
-    return not (plan.layout == "blocked" and stored is not None and stored.dtype == torch.bfloat16
-                and ops.bf16_max_rows() > plan.split_max_rows)
+    if plan.layout != "blocked" or stored is None:
+        return True
+    most = ops.f32_rows() if stored.dtype == torch.float32 else ops.bf16_max_rows()
+    return most <= plan.split_max_rows
 
 
 def can_pack(dtype: torch.dtype) -> bool:
@@ -169,7 +171,7 @@ def planned_product(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | Non
     elif packed is not None:
         y = torch.ops.mkldnn._linear_pointwise(x2, packed, bias, "none", [], "")
     elif plan.layout == "blocked" and kernels.usable(x2):
-        y = ops.f32_matvec(x2, w, bias)         # bfloat16 blocks on AMX (plan_packs), else None
+        y = ops.f32_matvec(x2, w, bias)         # the kernel takes these rows itself (plan_packs)
     if y is None:
         y = (x2 @ w if bias is None else torch.addmm(bias, x2, w)) if plan.layout == "in_out" else \
             F.linear(x2, unstore(w, plan.layout), bias)
@@ -208,9 +210,10 @@ def matvec_plan(in_features: int, out_features: int, dtype: torch.dtype, threads
     of a model sums its products in the same order and gives the same logits, whatever else the
     machine was doing then.
 
-    - llmd's float32 kernel where it serves the shape (``can_block``): every product of up to
-      ``ops.F32_MAX_ROWS`` rows on the kernel (each row's sums in one order, whatever the row count),
-      more rows on oneDNN's packed copy;
+    - llmd's float32 kernel where it serves the shape (``can_block``): every product on the kernel
+      (each row's sums in one order, whatever the row count; bfloat16 blocks past
+      ``ops.F32_MAX_ROWS`` rows on AMX where the CPU has it), and oneDNN's packed copy for more rows
+      only with a kernel library that takes no more (``plan_packs``);
     - else torch's product over the checkpoint layout. In float32 a single row is split over the
       threads by output columns (torch's own kernel streams the weight from one core) once the weight
       is large enough to pay for waking them, and more rows go to one matmul over oneDNN's packed
