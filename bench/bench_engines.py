@@ -16,7 +16,8 @@ for a flag), so the head screen can be timed against the whole head. Two are the
 ``fused_rows=N``: the engine's fused step takes at most N rows (16: as before bfloat16 blocks and
 the packed quantized forms took more), the Python forward the rest; ``f32_rows=N``: float32 blocks
 (and bfloat16 ones where AMX does not take them) take N rows on the kernel and more on a float32
-oneDNN copy of the weight, as before the kernel took every row count. Each round also times the first token (the prompt's forward).
+oneDNN copy of the weight, as before the kernel took every row count. Each round also times the
+first token (the prompt's forward).
 
 ``--streams N,...`` times N streams decoding together instead (decode tokens/s of all of them, with
 their prompts served from the prefix cache, as ``llmd bench --concurrency`` reports it), each count a
@@ -54,7 +55,7 @@ def load(spec: str, kv_memory: str) -> LLM:
     if f32_rows is not None:
         for m in net.modules():
             if (type(m) is Linear and m.plan.layout == "blocked"
-                    and (m.stored.dtype == torch.float32 or not ops.bf16_on_amx())):
+                    and (m.stored.dtype == torch.float32 or not ops.bf16_amx_rows())):
                 m.plan = MatvecPlan("blocked", 1, int(f32_rows), packed=True)
                 m.packed = pack_weight(m.dense_weight().detach())
         net.fused_decode = FusedDecode.build(net) if net.fused_decode is not None else None

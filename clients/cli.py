@@ -344,7 +344,7 @@ def format_status(s: dict) -> str:
         *([f"cpu kernels:  {_kernels(e['cpu_kernels'])}"
            + (f", AMX for int8 products of {e['cpu_amx_rows']} rows or more (int4: {2 * e['cpu_amx_rows']})"
               if e.get("cpu_amx_rows") else "")
-           + (", and for bfloat16 blocks of more than 16 rows" if e.get("cpu_amx_bf16") else "")]
+           + (f", and for bfloat16 blocks of more than {e['cpu_amx_bf16']} rows" if e.get("cpu_amx_bf16") else "")]
           if "cpu_kernels" in e else []),
         f"ttft ms:      {row('ttft')}   (p50 / p90 / p99)",
         f"e2e ms:       {row('e2e')}",

@@ -441,14 +441,14 @@ class Engine:
 
     def _kernel_stats(self) -> dict:
         """Which of llmd's CPU kernel libraries the cpu backend runs: avx512, avx2, or none (torch's ops);
-        from how many rows its int8 products take AMX's tile unit (0: never), and whether products of
-        more than 16 rows over bfloat16 blocks do."""
+        from how many rows its int8 products take AMX's tile unit (0: never), and past how many rows
+        products over bfloat16 blocks do (0: never)."""
         if not hasattr(self.runner.execution, "kernels"):
             return {}
         on = self.runner.execution.kernels
         return {"cpu_kernels": kernels.variant() if on else "none",
                 "cpu_amx_rows": kernels.lib().llmd_amx_min_rows(-1) if on else 0,
-                "cpu_amx_bf16": bool(on and ops.bf16_on_amx())}
+                "cpu_amx_bf16": ops.bf16_amx_rows() if on else 0}
 
     def _screen_stats(self) -> dict:
         """The head screen's counters: greedy rows it served, the head rows it scored exactly per row,

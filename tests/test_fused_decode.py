@@ -162,7 +162,7 @@ def assert_steps_match(model, fused, kv_dtype):
 @pytest.mark.parametrize("bf16_values", [False, True], ids=["float32-blocks", "bfloat16-blocks"])
 def test_rows_up_to_the_fused_limit_are_fused_and_more_take_the_python_forward(model_factory, bf16_values):
     """The Python forward runs every product of blocks on the kernel (float32 on the vector loop at every
-    row count; bfloat16 past 16 rows on the tile unit where AMX has it), so the fused step takes
+    row count; bfloat16 past ``ops.bf16_amx_rows()`` on the tile unit where AMX has it), so the fused step takes
     batches past 16 rows and prompt chunks, up to ``ops.fused_rows()``; one row more runs in Python."""
     model = loaded(model_factory, f"fused-rows-{bf16_values}", bf16_values=bf16_values)
     fused = force_fused(model)

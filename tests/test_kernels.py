@@ -142,12 +142,15 @@ def test_block_products_give_the_same_bits_on_any_thread_count(n, k, wide):
 
 @pytest.mark.parametrize("n,k", [(192, 576), (576, 1536), (64, 100)])
 def test_bfloat16_blocks_of_many_rows_on_amx_are_float32_products_row_by_row(n, k):
-    """Where AMX multiplies bfloat16, products of more than 16 rows over bfloat16 blocks take the tile
-    unit with x split into three bfloat16 parts: within float32 rounding of the exact product (as close
-    as the vector loop's 16 rows; two parts would be ~100x off), and a row's bits are the same whatever
-    rows share its call (17 to 200 rows, any order, a bias, K not a multiple of 32)."""
-    if not ops.bf16_on_amx():
+    """Where AMX multiplies bfloat16, products of more than ``bf16_amx_rows()`` rows over bfloat16 blocks
+    take the tile unit with x split into three bfloat16 parts: within float32 rounding of the exact
+    product (as close as the vector loop's 16 rows; two parts would be ~100x off), and a row's bits are
+    the same whatever rows share its call (from one past the vector loop's rows to 200, any order, a
+    bias, K not a multiple of 32); up to those rows, the vector loop's own."""
+    a = ops.bf16_amx_rows()
+    if not a:
         pytest.skip("no AMX with bfloat16 products on this CPU (or LLMD_AMX=0)")
+    assert ops.F32_MAX_ROWS <= a < 38
     w = weight(n, k, n + k).bfloat16().float()
     blocks = ops.f32_blocks(w)
     assert blocks.dtype == torch.bfloat16
@@ -161,26 +164,28 @@ def test_bfloat16_blocks_of_many_rows_on_amx_are_float32_products_row_by_row(n, 
     assert err < 5e-7 and err < 2 * vector, (err, vector)
     order = torch.randperm(200, generator=torch.Generator().manual_seed(1))
     assert torch.equal(ops.f32_matvec(x[order], blocks, bias), y[order])
-    for lo, hi in ((0, 17), (5, 38), (100, 200), (183, 200)):
+    for lo, hi in ((0, a + 1), (5, 38), (100, 200), (200 - a - 1, 200)):
         assert torch.equal(ops.f32_matvec(x[lo:hi], blocks, bias), y[lo:hi]), (lo, hi)
     assert torch.equal(ops.f32_matvec(x[:40], blocks, None) + bias, y[:40])     # the bias added to the sums
+    few = ops.f32_matvec(x[:a], blocks, bias)                                     # the vector loop's rows
+    assert all(torch.equal(ops.f32_matvec(x[i:i + 1], blocks, bias), few[i:i + 1]) for i in range(a))
 
 
 def test_llmd_amx_0_keeps_bfloat16_blocks_on_the_vector_loop_at_every_row_count():
     """LLMD_AMX=0 turns the tile unit off for bfloat16 blocks too: the vector loop then takes every row
     count of them (as on a CPU without AMX), each row summed as it is alone."""
-    if not ops.bf16_on_amx():
+    if not ops.bf16_amx_rows():
         pytest.skip("no AMX with bfloat16 products on this CPU")
     import subprocess
     import sys
     code = ("import torch; from llmd.runtime.kernels import ops\n"
             "w = ops.f32_blocks(torch.randn(128, 96).bfloat16().float()); x = torch.randn(40, 96)\n"
             "y = ops.f32_matvec(x, w, None)\n"
-            "print(ops.bf16_on_amx(), ops.bf16_max_rows(), all(torch.equal(ops.f32_matvec(x[i:i + 1], w, None), y[i:i + 1])"
+            "print(ops.bf16_amx_rows(), ops.bf16_max_rows(), all(torch.equal(ops.f32_matvec(x[i:i + 1], w, None), y[i:i + 1])"
             " for i in range(40)))")
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "LLMD_AMX": "0"}, capture_output=True,
                          text=True, check=True).stdout.split()
-    assert out == ["False", str(ops.f32_rows()), "True"]
+    assert out == ["0", str(ops.f32_rows()), "True"]
 
 
 @pytest.mark.parametrize("k", [1472, 4800])

@@ -79,8 +79,8 @@ int llmd_f32_w16(const float *x, int M, int K, const uint16_t *w, const float *b
 int llmd_f32_w16_rows(void);
 /* f32.c: the most rows llmd_f32 takes (the vector loop, each row's sums in one order at every count) */
 int llmd_f32_rows(void);
-/* f32.c: 1 where products of more than 16 rows over bfloat16 blocks take AMX's tile unit, else 0 */
-int llmd_f32_w16_amx(void);
+/* f32.c: the rows of bfloat16 blocks past which AMX's tile unit takes a product (0: it never does) */
+int llmd_f32_w16_amx_rows(void);
 /* f32.c: the values llmd_f32 / llmd_f32_w16 (wide 0) give outputs idx [C] of a blocked weight of N outputs,
  * without a bias: y [M, C] */
 int llmd_f32_pick(const float *x, int M, int K, const void *w, int wide, int N, const int64_t *idx, int C,

@@ -66,19 +66,20 @@ def f32_rows() -> int:
 
 
 def bf16_max_rows() -> int:
-    """The most rows one call of the kernel takes over bfloat16 blocks: past ``F32_MAX_ROWS`` the tile
-    unit's where AMX multiplies bfloat16 (``bf16_on_amx``), else the vector loop's."""
+    """The most rows one call of the kernel takes over bfloat16 blocks (past ``bf16_amx_rows()`` the
+    tile unit's, where AMX multiplies bfloat16)."""
     return _ask("llmd_f32_w16_rows", F32_MAX_ROWS)
 
 
-def bf16_on_amx() -> bool:
-    """Whether products of more than ``F32_MAX_ROWS`` rows over bfloat16 blocks take AMX's tile unit
-    (f32.c: x split into three bfloat16 parts, summed in the tile unit's order)."""
+def bf16_amx_rows() -> int:
+    """The rows of bfloat16 blocks past which a product takes AMX's tile unit (f32.c: x split into three
+    bfloat16 parts, summed in the tile unit's order); 0 where it never does (no AMX, ``LLMD_AMX=0``)."""
     so = lib()
     if so is None:
-        return False
-    fn = getattr(so, "llmd_f32_w16_amx", None)
-    return bool(fn()) if fn is not None else bf16_max_rows() > F32_MAX_ROWS     # an earlier library
+        return 0
+    if getattr(so, "llmd_f32_w16_amx_rows", None) is not None:
+        return _ask("llmd_f32_w16_amx_rows", 0)
+    return F32_MAX_ROWS if bf16_max_rows() > F32_MAX_ROWS else 0     # an earlier library: past 16 rows
 
 
 def _ask(name: str, default: int) -> int:

@@ -27,7 +27,7 @@ class Linear(nn.Module):
     - more rows (prompt chunks, batches, verification): the blocks again, on the same kernel, so each
       row is summed in one order at every row count (a request's output does not depend on its
       batch or its prompt's chunks); bfloat16 blocks past 16 rows on AMX's tile unit where the CPU
-      has it (``ops.bf16_on_amx``: its own order). Weights outside the blocked layout get a second
+      has it (``ops.bf16_amx_rows``: its own order). Weights outside the blocked layout get a second
       copy in oneDNN's layout, whose kernel beats the default one there.
     Quantized variants replace this module as a whole (see llmd.runtime.formats.quantized).
     """
