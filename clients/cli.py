@@ -317,6 +317,13 @@ def _screen(e: dict) -> str:
             f"{'-' if mean is None else mean} tokens scored exactly a row, {e.get('head_screen_whole', 0)} read whole")
 
 
+def _amx_bf16_rows(e: dict) -> int:
+    """Rows of bfloat16 blocks past which the daemon's products take AMX: a count, or True from a daemon
+    of an earlier release (16 then)."""
+    rows = e.get("cpu_amx_bf16")
+    return 16 if rows is True else int(rows)
+
+
 def _kernels(name: str) -> str:
     return {"avx512": "AVX-512 VNNI", "avx2": "AVX2 (same numbers as AVX-512, slower)",
             "none": "none: torch's ops (no compiler, or neither AVX-512 VNNI nor AVX2)"}.get(name, name)
@@ -344,7 +351,7 @@ def format_status(s: dict) -> str:
         *([f"cpu kernels:  {_kernels(e['cpu_kernels'])}"
            + (f", AMX for int8 products of {e['cpu_amx_rows']} rows or more (int4: {2 * e['cpu_amx_rows']})"
               if e.get("cpu_amx_rows") else "")
-           + (f", and for bfloat16 blocks of more than {e['cpu_amx_bf16']} rows" if e.get("cpu_amx_bf16") else "")]
+           + (f", and for bfloat16 blocks of more than {_amx_bf16_rows(e)} rows" if e.get("cpu_amx_bf16") else "")]
           if "cpu_kernels" in e else []),
         f"ttft ms:      {row('ttft')}   (p50 / p90 / p99)",
         f"e2e ms:       {row('e2e')}",

@@ -76,11 +76,16 @@ def test_streams_time_each_count_of_streams_decoding_together(capsys, monkeypatc
 
 
 def test_fused_rows_caps_the_engines_fused_step():
-    llm = bench_engines.load(f"{TARGET}::fused_rows=3", "32MiB")
-    fused = llm.engine.runner.model.fused_decode
-    if fused is None:
-        pytest.skip("no fused step here (llmd kernels unavailable)")
-    assert fused.max_rows == 3
+    """fused_rows=3: four streams decode in the Python forward; the engine as loaded fuses them."""
+    from llmd import SamplingParams
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    for spec, fuses in ((f"{TARGET}::fused_rows=3", False), (str(TARGET), True)):
+        llm = bench_engines.load(spec, "32MiB")
+        fused = llm.engine.runner.model.fused_decode
+        if fused is None:
+            pytest.skip("no fused step here (llmd kernels unavailable)")
+        llm.generate([[5, 6, 7], [8, 9], [10, 11, 12], [13]], params)
+        assert (fused.steps > 0) == fuses
 
 
 def test_f32_rows_keeps_float32_blocks_to_n_rows_with_a_onednn_copy():

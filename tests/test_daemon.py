@@ -470,6 +470,8 @@ def test_llmd_status_names_the_cpu_kernels_the_engine_runs(tiny_model_dir):
     bf16 = ops.bf16_amx_rows() if kernels.available() else 0
     assert stats["cpu_amx_bf16"] == bf16
     assert (f"and for bfloat16 blocks of more than {bf16} rows" in line) == (bf16 > 0)
+    older = {**stats, "cpu_kernels": "avx512", "cpu_amx_bf16": True}     # an earlier daemon's flag: 16 rows
+    assert "and for bfloat16 blocks of more than 16 rows" in format_status({"engine": older})
 
 
 def test_a_client_that_stops_reading_is_dropped(tiny_model_dir, tmp_path):

@@ -83,7 +83,7 @@ def test_float32_blocks_take_any_row_count_with_each_rows_own_sums():
     y = ops.f32_matvec(x, blocks, bias)
     exact = x.double() @ w.double().t() + bias.double()
     assert ((y.double() - exact).abs() / (x.double().abs() @ w.double().abs().t())).max() < 1e-6
-    for lo, hi in ((0, 1), (5, 6), (0, 17), (100, 140), (0, 600)):
+    for lo, hi in ((0, 1), (5, 6), (0, 17), (0, 31), (0, 32), (100, 140), (599, 600)):
         assert torch.equal(ops.f32_matvec(x[lo:hi], blocks, bias), y[lo:hi]), (lo, hi)
     order = torch.randperm(600, generator=g)
     assert torch.equal(ops.f32_matvec(x[order], blocks, bias), y[order])

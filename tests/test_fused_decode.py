@@ -170,12 +170,18 @@ def test_rows_up_to_the_fused_limit_are_fused_and_more_take_the_python_forward(m
     assert fused.max_rows == most > 16
     runner = ModelRunner(model, num_blocks=64, block_size=BS, dtype="float32")
     vocab = model.config.vocab_size
-    _, _, ran = one_step(runner, [Feed([i % vocab], 0, [i], 1) for i in range(17)], fused=True)     # 17 streams
-    assert ran == 1
+    amx = ops.bf16_amx_rows() if bf16_values else 0
+    for n in sorted({17, amx, amx + 1} - {0, 1}):       # streams, about the vector loop's last row on AMX
+        feeds = [Feed([i % vocab], 0, [i], 1) for i in range(n)]
+        fast, fast_pools, ran = one_step(runner, feeds, fused=True)
+        slow, slow_pools, _ = one_step(runner, feeds, fused=False)
+        assert ran == 1 and torch.equal(fast, slow) and torch.equal(fast_pools[0], slow_pools[0]), n
     chunk = list(range(1, most + 2))
     width = -(-len(chunk) // BS)
-    _, _, ran = one_step(runner, [Feed(chunk[:most], 0, list(range(20, 20 + width)), 1)], fused=True)
-    assert ran == 1
+    feeds = [Feed(chunk[:most], 0, list(range(20, 20 + width)), most)]
+    fast, fast_pools, ran = one_step(runner, feeds, fused=True)
+    slow, slow_pools, _ = one_step(runner, feeds, fused=False)
+    assert ran == 1 and torch.equal(fast, slow) and torch.equal(fast_pools[1], slow_pools[1])
     _, _, ran = one_step(runner, [Feed(chunk, 0, list(range(20, 20 + width)), 1)], fused=True)   # one row too many
     assert ran == 0
 

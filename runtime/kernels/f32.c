@@ -176,8 +176,8 @@ void f32_block(const float *x, const int MM, int K, const void *w, const float *
  * shared out over the threads in slices (a weight of few blocks still keeps every thread busy); below,
  * a thread takes whole blocks. bfloat16 blocks take the tile unit past F32_AMX_ROWS rows where AMX has
  * bfloat16 products (below), which sums in its own order: in a whole step, whose weights stream from
- * memory, the vector loop is the faster up to about 20 rows (SmolLM2-135M: 1.28x at 17 rows, 1.18x at
- * 20, even at 28; the bundled target even at 20), the tile unit past them. */
+ * memory, the vector loop is the faster up to about that many rows, the tile unit past them
+ * (docs/performance.md, "bfloat16 blocks on the vector loop up to 20 rows"). */
 #define F32_MAXM 16
 #define F32_AMX_ROWS 20
 #define F32_MANY_ROWS 8192
@@ -373,7 +373,7 @@ TARGET int NAME(const float *x, int M, int K, const WTYPE *w, const float *bias,
     const int nb = N / 64, es = wide ? 4 : 2; \
     /* slices of a block's rows: as many as keep every thread busy, none under F32_MAXM rows */ \
     int slices = 1; \
-    if (M >= F32_SHARE_ROWS) { \
+    if (M >= F32_SHARE_ROWS && nt > 1) { \
         slices = (8 * nt + nb - 1) / nb; \
         if (slices > M / F32_MAXM) slices = M / F32_MAXM; \
         if (slices < 1) slices = 1; \

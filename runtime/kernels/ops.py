@@ -9,9 +9,9 @@ import torch
 
 from . import lib, struct, usable
 
-MAX_ROWS = 16             # rows of x the w8a8 kernel and the fused step take (decode batches, verification)
+MAX_ROWS = 16             # rows of x the w8a8 kernel takes (decode batches, verification)
 MANY_MAX_ROWS = 8192      # ... the packed forms (int8, int8g, int4) up to this many (prompts too)
-F32_MAX_ROWS = 16         # rows of bfloat16 blocks on the vector loop where AMX takes more; f32_pick's rows
+F32_MAX_ROWS = 16         # f32_pick's rows (the head screen's float heads); an earlier library's float32 rows
 _SERIAL_BELOW = 1 << 18      # multiply-adds in a product below which one thread beats the parallel split
 
 
@@ -117,8 +117,9 @@ def f32_matvec(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None)
     if m <= most:
         rc = fn(x.data_ptr(), m, k, blocks.data_ptr(), _ptr(bias), y.data_ptr(), n, _threads(m, n, k))
         return y if rc == 0 else None
-    for i in range(0, m, most):      # past the most rows of a call, in parts: each row's sums are its own
-        rows = min(most, m - i)
+    part = -(-m // -(-m // most))    # past the most rows of a call, in even parts (each on the same path)
+    for i in range(0, m, part):
+        rows = min(part, m - i)
         if fn(x[i].data_ptr(), rows, k, blocks.data_ptr(), _ptr(bias), y[i].data_ptr(), n, _threads(rows, n, k)):
             return None
     return y
@@ -165,8 +166,8 @@ class Packed:
 
     @property
     def max_rows(self) -> int:
-        """Rows one call takes: prompts too, for every form (the fused step still takes at most
-        MAX_ROWS)."""
+        """Rows one call takes: prompts too, for every form (the fused step takes at most
+        ``fused_rows()``)."""
         return MANY_MAX_ROWS
 
     def product(self, max_rows: int | None = None) -> "KernelProduct":

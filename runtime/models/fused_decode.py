@@ -116,8 +116,9 @@ class FusedDecode:
         if fn is None:
             return None
         pools = attn.k_pool
-        if self._work.numel() < t * self._per_row:
+        if self._work.numel() < t * self._per_row:       # grown to the largest step so far, then kept
             self._work = torch.empty(t * self._per_row)
+        work = self._work                                # held by this call while the kernel writes it
         dims = self._step_dims(t, pools, kr.table.shape[1], attn.block_size)
         rotary = self.rotary
         x = x.contiguous().clone()           # the residual stream, overwritten; the caller's x stays whole
@@ -127,7 +128,7 @@ class FusedDecode:
                 ctypes.addressof(self._products), self.norm.data_ptr(), self.eps, rotary.cos.data_ptr(),
                 rotary.sin.data_ptr(), positions.data_ptr(), pools.data_ptr(), attn.v_pool.data_ptr(),
                 attn.slot_mapping.data_ptr(), kr.rows.data_ptr(), kr.spans.data_ptr(), kr.lengths.data_ptr(),
-                kr.table.data_ptr(), self._work.data_ptr(), torch.get_num_threads())
+                kr.table.data_ptr(), work.data_ptr(), torch.get_num_threads())
         if rc == -2:
             raise MemoryError("the fused step's kernels could not allocate their buffers (out of memory)")
         if rc:

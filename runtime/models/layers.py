@@ -26,8 +26,8 @@ class Linear(nn.Module):
       weight from one core, is split in ``threads`` parts run as one ``bmm`` over views of the weight;
     - more rows (prompt chunks, batches, verification): the blocks again, on the same kernel, so each
       row is summed in one order at every row count (a request's output does not depend on its
-      batch or its prompt's chunks); bfloat16 blocks past 16 rows on AMX's tile unit where the CPU
-      has it (``ops.bf16_amx_rows``: its own order). Weights outside the blocked layout get a second
+      batch or its prompt's chunks); bfloat16 blocks past ``ops.bf16_amx_rows()`` rows on AMX's tile
+      unit where the CPU has it (its own order). Weights outside the blocked layout get a second
       copy in oneDNN's layout, whose kernel beats the default one there.
     Quantized variants replace this module as a whole (see llmd.runtime.formats.quantized).
     """
@@ -212,7 +212,7 @@ def matvec_plan(in_features: int, out_features: int, dtype: torch.dtype, threads
 
     - llmd's float32 kernel where it serves the shape (``can_block``): every product on the kernel
       (each row's sums in one order, whatever the row count; bfloat16 blocks past
-      ``ops.F32_MAX_ROWS`` rows on AMX where the CPU has it), and oneDNN's packed copy for more rows
+      ``ops.bf16_amx_rows()`` rows on AMX where the CPU has it), and oneDNN's packed copy for more rows
       only with a kernel library that takes no more (``plan_packs``);
     - else torch's product over the checkpoint layout. In float32 a single row is split over the
       threads by output columns (torch's own kernel streams the weight from one core) once the weight
