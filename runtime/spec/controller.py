@@ -13,7 +13,8 @@ seconds. The controller picks the depth with the most expected tokens per second
   draft first catches up on text it missed while speculation was off is not a sample.
 - A depth not yet measured is tried when even a lower bound on its cost would beat the best measured
   depth: the nearest shallower measured step, plus a draft forward per extra proposal (at least what
-  one cost over fewer rows) and the cheapest verification its rows could cost (CostTable). Optimism
+  one cost over fewer rows, and no more than the measured steps leave for one) and the cheapest
+  verification its rows could cost (CostTable). Optimism
   bounded by the cost model: a depth that cannot win is never tried, not even the first, so where
   speculation never pays it costs a few steps or none, and where a deep depth wins it is reached (the
   first try is already half way down).
@@ -363,13 +364,21 @@ class SpecController:
     def _cost_floor(self, b: int, k: int, measured: dict[int, float]) -> float:
         """A lower bound on a step at depth k: a shallower measured step j, plus k - j draft forwards
         (and the catch-up, one forward or more, from j = 0) and at least what its verification rows
-        cost beyond j's. Unknown forward costs count as free."""
+        cost beyond j's. Unknown forward costs count as free. A draft forward counts at most what the
+        measured steps leave for one (a step at depth j > 0 holds j + 1 of them beyond a plain step):
+        the draft's own timing of a forward carries its call's fixed costs, and a floor above a
+        measured step's time would keep a deeper depth from ever being tried."""
         d = 0.0 if self.proposer_is_free else (self.draft.estimate(b) or self.draft.floor(b))
+        rows = {j: self.target.estimate(b * (j + 1)) or 0.0 for j in measured}
+        if d and 0 in measured:
+            for j, t in measured.items():
+                if j:
+                    d = min(d, max(0.0, t - measured[0] - max(0.0, rows[j] - rows[0])) / (j + 1))
         floor = 0.0
         for j, t in measured.items():
             if j < k:
-                rows = self.target.floor(b * (k + 1)) - (self.target.estimate(b * (j + 1)) or 0.0)
-                floor = max(floor, t + (k - j + (j == 0)) * d + max(0.0, rows))
+                extra = self.target.floor(b * (k + 1)) - rows[j]
+                floor = max(floor, t + (k - j + (j == 0)) * d + max(0.0, extra))
         return floor
 
     def _with_other_tokens(self, b: int, held: int, other: int, measured: dict[int, float], gains: dict) -> int:
