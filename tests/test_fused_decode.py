@@ -268,29 +268,42 @@ def test_greedy_draft_rounds_in_one_call_match_the_forward_loop(model_factory, k
     blocks = [[2 * i, 2 * i + 1, 2 * i + 40, 2 * i + 41] for i in range(3)]
     prompts = [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
     runner.run(runner.prepare_feeds([Feed(p, 0, b, 1) for p, b in zip(prompts, blocks)]))
-    catch_up = [[rng.randrange(vocab) for _ in range(k)] for k in (2, 1, 3)]    # tokens the draft has not seen
     before = (runner.k_pool.clone(), runner.v_pool.clone())
 
-    loop = [[] for _ in lengths]
-    feeds = [Feed(f, n, b, 1) for f, n, b in zip(catch_up, lengths, blocks)]
-    for s in range(steps):
-        tok = argmax(runner.run(runner.prepare_feeds(feeds))).tolist()
-        for i, t in enumerate(tok):
-            loop[i].append(t)
-        feeds = [Feed([t], n + len(f) + s, b, 1) for t, n, f, b in zip(tok, lengths, catch_up, blocks)]
-    loop_pools = (runner.k_pool.clone(), runner.v_pool.clone())
-    runner.k_pool.copy_(before[0])
-    runner.v_pool.copy_(before[1])
+    def the_loop(catch_up, steps):
+        runner.k_pool.copy_(before[0])
+        runner.v_pool.copy_(before[1])
+        loop = [[] for _ in lengths]
+        feeds = [Feed(f, n, b, 1) for f, n, b in zip(catch_up, lengths, blocks)]
+        for s in range(steps):
+            tok = argmax(runner.run(runner.prepare_feeds(feeds))).tolist()
+            for i, t in enumerate(tok):
+                loop[i].append(t)
+            feeds = [Feed([t], n + len(f) + s, b, 1) for t, n, f, b in zip(tok, lengths, catch_up, blocks)]
+        loop_pools = (runner.k_pool.clone(), runner.v_pool.clone())
+        runner.k_pool.copy_(before[0])
+        runner.v_pool.copy_(before[1])
+        return loop, loop_pools
 
+    # 21 rows to catch up on first (past 16: the draft loop's call takes up to ops.draft_rows()), then 6
+    many = [[rng.randrange(vocab) for _ in range(k)] for k in (9, 5, 7)]
+    loop, loop_pools = the_loop(many, 3)
+    assert fused.draft_greedy(runner, many, lengths, blocks, 3) == loop and fused.draft_steps == 3
+    assert torch.equal(runner.k_pool, loop_pools[0]) and torch.equal(runner.v_pool, loop_pools[1])
+    catch_up = [[rng.randrange(vocab) for _ in range(k)] for k in (2, 1, 3)]    # tokens the draft has not seen
+    loop, loop_pools = the_loop(catch_up, steps)
     one_call = fused.draft_greedy(runner, catch_up, lengths, blocks, steps)
-    assert one_call == loop and fused.draft_steps == steps
+    assert one_call == loop and fused.draft_steps == 3 + steps
     assert torch.equal(runner.k_pool, loop_pools[0]) and torch.equal(runner.v_pool, loop_pools[1])
     # a request whose blocks hold positions up to 31 only: its catch-up ends at 29, which leaves room for
     # three steps, and so the call stops there for all (never writing into the table's zero padding: block 0)
     short = fused.draft_greedy(runner, catch_up, lengths, [blocks[0][:2], blocks[1], blocks[2][:1]], steps)
     assert short == [row[:3] for row in loop]
     assert torch.equal(runner.k_pool, loop_pools[0]) and torch.equal(runner.v_pool, loop_pools[1])
-    assert fused.draft_greedy(runner, [list(range(9))] * 2, [0, 0], blocks[:2], 2) is None     # 18 rows: the loop's
+    most = ops.draft_rows()
+    assert most >= 21
+    wide = [list(range(most // 2 + 1))] * 2                       # one row past the call's: the loop's
+    assert fused.draft_greedy(runner, wide, [0, 0], blocks[:2], 2) is None
 
 
 def propose_twice(model, ks, kv_dtype, draft_greedy=None, temperatures=(0.0, 0.0, 0.0)):

@@ -119,6 +119,7 @@ static int layers(const Model *m, int T, float *x, float *out, const int64_t *po
 }
 
 int llmd_fused_rows(void) { return LLMD_FUSED_ROWS; }
+int llmd_draft_rows(void) { return LLMD_DRAFT_ROWS; }
 
 /* One step of T packed rows (dims->rows) whose attention metadata the caller built. Returns 0, -1 (a
  * kernel refused the shape: a position past the rotary tables, a slot outside the pool), or -2
@@ -159,10 +160,10 @@ static void embed_row(const llmd_product *t, int64_t id, int E, float *xr) {
  *   ids [sum count]: the tokens fed first, request after request; table [T, dims->table_width]: each
  *   request's block ids, covering its last position; out [T, steps]: the tokens taken.
  *   head: the output head (no bias); embed: the token table (embed_row's kinds).
- *   x, hidden [16, hidden] and logits [T, V]: scratch. dims->rows is T.
+ *   x, hidden [LLMD_DRAFT_ROWS, hidden] and logits [T, V]: scratch. dims->rows is T.
  * Returns the steps completed: all, or fewer where a position falls outside the block table or the
  * rotary tables, a token is outside the vocabulary, or a row's logits hold NaN (the caller's own
- * loop goes on from there); or -1 (more than 16 rows, a table kind it does not read) or -2 (no
+ * loop goes on from there); or -1 (more than LLMD_DRAFT_ROWS rows, a table kind it does not read) or -2 (no
  * memory). */
 TARGET int llmd_draft2(const llmd_dims *dims, const float *const *norms, const llmd_product *products,
                        const float *final_norm, float eps, const float *cos_t, const float *sin_t, void *k_pool,
@@ -171,17 +172,19 @@ TARGET int llmd_draft2(const llmd_dims *dims, const float *const *norms, const l
                        float *x, float *hidden, float *logits, float *work, int nt) {
     const int T = dims->rows, E = dims->hidden, V = dims->vocab, tw = dims->table_width, bs = dims->block_size;
     const int k = embed->kind;
-    if (!llmd_cpu_ok() || T < 1 || T > 16 || E % 16 || head->bias || head->kind == LLMD_KIND_ROWS) return -1;
+    if (!llmd_cpu_ok() || T < 1 || T > LLMD_DRAFT_ROWS || E % 16 || head->bias || head->kind == LLMD_KIND_ROWS)
+        return -1;
     if ((head->kind == LLMD_KIND_F32 || head->kind == LLMD_KIND_BF16) && V % 64) return -1;
     if (k != LLMD_KIND_ROWS && k != LLMD_KIND_F32 && k != LLMD_KIND_BF16 && k != LLMD_KIND_INT8
         && !(k == LLMD_KIND_INT8G && embed->group > 0 && E % embed->group == 0))
         return -1;
     const Model m = {dims, norms, products, final_norm, cos_t, sin_t, eps, k_pool, v_pool, work, nt};
-    int64_t tok[16], pos[16], slots[16], next[16], start[16];
-    int32_t rows[16], spans[16], lengths[16], last[16];
+    int64_t tok[LLMD_DRAFT_ROWS], pos[LLMD_DRAFT_ROWS], slots[LLMD_DRAFT_ROWS], next[LLMD_DRAFT_ROWS];
+    int64_t start[LLMD_DRAFT_ROWS];
+    int32_t rows[LLMD_DRAFT_ROWS], spans[LLMD_DRAFT_ROWS], lengths[LLMD_DRAFT_ROWS], last[LLMD_DRAFT_ROWS];
     int R = 0;
     for (int t = 0; t < T; t++) {
-        if (count[t] < 1 || R + count[t] > 16) return -1;
+        if (count[t] < 1 || R + count[t] > LLMD_DRAFT_ROWS) return -1;
         R += count[t];
     }
     for (int s = 0; s < steps; s++) {

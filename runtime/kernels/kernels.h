@@ -109,8 +109,9 @@ int llmd_decode2(const llmd_dims *dims, float *x, float *out, const float *const
                  const float *sin_t, const int64_t *pos, void *k_pool, void *v_pool, const int64_t *slots,
                  const int32_t *rows, const int32_t *spans, const int32_t *lengths, const int32_t *table,
                  float *work, int nt);
-/* The most rows llmd_decode2 takes (LLMD_FUSED_ROWS); llmd_draft2 takes 16. */
+/* The most rows llmd_decode2 takes (LLMD_FUSED_ROWS); llmd_draft2 takes LLMD_DRAFT_ROWS. */
 int llmd_fused_rows(void);
+int llmd_draft_rows(void);
 int llmd_draft2(const llmd_dims *dims, const float *const *norms, const llmd_product *products,
                 const float *final_norm, float eps, const float *cos_t, const float *sin_t, void *k_pool,
                 void *v_pool, const int32_t *table, const llmd_product *head, const llmd_product *embed,
@@ -121,6 +122,9 @@ int llmd_draft2(const llmd_dims *dims, const float *const *norms, const llmd_pro
 /* Rows of one fused step (decode.c): decode batches up to 64 streams with four rows each to verify,
  * and short prompt chunks; its caller's scratch grows with the rows it passes. */
 #define LLMD_FUSED_ROWS 256
+/* Rows of one forward of llmd_draft2: every request's catch-up, then one a request (16 streams with up
+ * to three tokens each to catch up on, say). */
+#define LLMD_DRAFT_ROWS 64
 
 /* llmd_product.kind (llmd.runtime.kernels.ops names them alike) */
 /* (INT8, INT8G: rows a token table is read from; KIND 3, int4 in an earlier layout, is no longer read) */

@@ -95,6 +95,12 @@ def _ask(name: str, default: int) -> int:
 _answers: dict[tuple, int] = {}
 
 
+def draft_rows() -> int:
+    """The most rows of one forward in a fused draft loop (decode.c's ``llmd_draft2``): 16 in a library
+    built before it said."""
+    return _ask("llmd_draft_rows", F32_MAX_ROWS)
+
+
 def fused_rows() -> int:
     """The most rows one fused step takes (decode.c's ``llmd_decode2``): 16 in a library built before
     it said (a kernel A/B)."""

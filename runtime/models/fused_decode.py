@@ -22,7 +22,6 @@ import torch
 from llmd.runtime import kernels
 from llmd.runtime.kernels import ops
 
-DRAFT_ROWS = 16           # rows llmd_draft2 takes (its own arrays)
 POOL_DTYPES = (torch.float32, torch.bfloat16)     # KV pools the fused step writes and reads
 
 
@@ -53,7 +52,7 @@ class FusedDecode:
                                                  intermediate=i, rope_rows=model.rotary.cos.shape[0],
                                                  vocab=cfg.vocab_size)
         self._per_row = (h + 2 * kvh) * d + 2 * h * d + kvh * d + 3 * i + e
-        self._work = torch.empty(min(max_rows, DRAFT_ROWS) * self._per_row)    # grows with a step's rows
+        self._work = torch.empty(min(max_rows, 16) * self._per_row)    # grows with a step's rows
         self.steps = 0           # steps served (tests check the fused path really ran)
         self.draft_steps = 0     # greedy draft forwards served by draft_greedy
 
@@ -150,7 +149,8 @@ class FusedDecode:
         attn = runner.attn
         head = self.head.kernel_product()
         table = self._table(head)
-        if (fn is None or not 1 <= t <= rows <= min(self.max_rows, DRAFT_ROWS) or not all(feeds) or steps < 1
+        most = min(self.max_rows, ops.draft_rows())
+        if (fn is None or not 1 <= t <= rows <= most or not all(feeds) or steps < 1
                 or head is None or head.max_rows < t or self.head.bias is not None or table is None):
             return None
         # a request's own blocks bound its steps (the table's zero padding is no block of its own): its
@@ -167,14 +167,17 @@ class FusedDecode:
         count = torch.tensor([len(f) for f in feeds], dtype=torch.int32)
         pos0 = torch.tensor(positions, dtype=torch.int64)
         out = torch.empty(t, steps, dtype=torch.int64)
-        x, hidden, logits = torch.empty(DRAFT_ROWS, e), torch.empty(DRAFT_ROWS, e), torch.empty(t, v)
+        x, hidden, logits = torch.empty(most, e), torch.empty(most, e), torch.empty(t, v)
+        if self._work.numel() < rows * self._per_row:
+            self._work = torch.empty(rows * self._per_row)
+        work = self._work                                # held by this call while the kernel writes it
         rotary = self.rotary
         head_struct, table_struct = head.struct(), table.struct()
         done = fn(ctypes.addressof(dims), ctypes.addressof(self._norms), ctypes.addressof(self._products),
                   self.norm.data_ptr(), self.eps, rotary.cos.data_ptr(), rotary.sin.data_ptr(),
                   attn.k_pool.data_ptr(), attn.v_pool.data_ptr(), blocks.data_ptr(), ctypes.addressof(head_struct),
                   ctypes.addressof(table_struct), ids.data_ptr(), count.data_ptr(), pos0.data_ptr(), steps,
-                  out.data_ptr(), x.data_ptr(), hidden.data_ptr(), logits.data_ptr(), self._work.data_ptr(),
+                  out.data_ptr(), x.data_ptr(), hidden.data_ptr(), logits.data_ptr(), work.data_ptr(),
                   torch.get_num_threads())
         if done == -2:
             raise MemoryError("the fused step's kernels could not allocate their buffers (out of memory)")
