@@ -82,6 +82,12 @@ def bf16_amx_rows() -> int:
     return F32_MAX_ROWS if bf16_max_rows() > F32_MAX_ROWS else 0     # an earlier library: past 16 rows
 
 
+def block_rows(blocks: torch.Tensor) -> int:
+    """The most rows one call of the kernel takes over these blocks (``f32_blocks``' float32 or
+    bfloat16 values)."""
+    return f32_rows() if blocks.dtype == torch.float32 else bf16_max_rows()
+
+
 def _ask(name: str, default: int) -> int:
     """An entry point's answer that never changes for a library (asked on every product: one call per
     library), ``default`` where it lacks the entry point."""
@@ -112,7 +118,7 @@ def f32_matvec(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None)
     so = lib()
     m, k = x.shape
     n = blocks.shape[0] * 64
-    most = f32_rows() if blocks.dtype == torch.float32 else bf16_max_rows()
+    most = block_rows(blocks)
     if so is None or m < 1 or x.dtype != torch.float32 or (m > most and most <= F32_MAX_ROWS):
         return None
     x = x.contiguous()

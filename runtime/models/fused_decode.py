@@ -88,6 +88,12 @@ class FusedDecode:
         max_rows = min(f.max_rows for f in forms)
         return cls(model, flat, forms, min(max_rows, ops.fused_rows())) if max_rows >= 1 else None
 
+    def _scratch(self, rows: int) -> torch.Tensor:
+        """The kernels' work buffer for a call of ``rows`` rows: grown to the largest call so far, then kept."""
+        if self._work.numel() < rows * self._per_row:
+            self._work = torch.empty(rows * self._per_row)
+        return self._work
+
     def _step_dims(self, rows: int, pools: torch.Tensor, table_width: int, block_size: int):
         """The dims (kernels.h's llmd_dims) with this call's rows, pool slots, table width, block size
         and pool value size filled in."""
@@ -115,9 +121,7 @@ class FusedDecode:
         if fn is None:
             return None
         pools = attn.k_pool
-        if self._work.numel() < t * self._per_row:       # grown to the largest step so far, then kept
-            self._work = torch.empty(t * self._per_row)
-        work = self._work                                # held by this call while the kernel writes it
+        work = self._scratch(t)                          # held by this call while the kernel writes it
         dims = self._step_dims(t, pools, kr.table.shape[1], attn.block_size)
         rotary = self.rotary
         x = x.contiguous().clone()           # the residual stream, overwritten; the caller's x stays whole
@@ -168,9 +172,7 @@ class FusedDecode:
         pos0 = torch.tensor(positions, dtype=torch.int64)
         out = torch.empty(t, steps, dtype=torch.int64)
         x, hidden, logits = torch.empty(most, e), torch.empty(most, e), torch.empty(t, v)
-        if self._work.numel() < rows * self._per_row:
-            self._work = torch.empty(rows * self._per_row)
-        work = self._work                                # held by this call while the kernel writes it
+        work = self._scratch(rows)                       # held by this call while the kernel writes it
         rotary = self.rotary
         head_struct, table_struct = head.struct(), table.struct()
         done = fn(ctypes.addressof(dims), ctypes.addressof(self._norms), ctypes.addressof(self._products),

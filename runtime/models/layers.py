@@ -82,7 +82,7 @@ class Linear(nn.Module):
         # kernel again
         most = self.plan.split_max_rows
         if self.packed is None:
-            most = max(most, ops.f32_rows() if self.stored.dtype == torch.float32 else ops.bf16_max_rows())
+            most = max(most, ops.block_rows(self.stored))
         return ops.KernelProduct.blocks(self.stored, most)
 
     def permute_outputs(self, rows: torch.Tensor) -> None:
@@ -124,8 +124,7 @@ def plan_packs(plan: MatvecPlan, stored: torch.Tensor | None) -> bool:
         return False
     if plan.layout != "blocked" or stored is None:
         return True
-    most = ops.f32_rows() if stored.dtype == torch.float32 else ops.bf16_max_rows()
-    return most <= plan.split_max_rows
+    return ops.block_rows(stored) <= plan.split_max_rows
 
 
 def can_pack(dtype: torch.dtype) -> bool:
