@@ -53,7 +53,10 @@ DRAFT_K, NGRAM_K = 6, 8         # default most proposals per step, by proposer
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = setting(help="model directory (Hugging Face layout) or engine directory from `llmd export`")
-    dtype: str = setting("float32", help="weight and activation dtype", choices=("float32", "bfloat16"))
+    dtype: str = setting(
+        "auto", choices=("auto", "float32", "bfloat16"),
+        help="weights: auto serves a GGUF file from its own quantized blocks (mapped, never converted) and "
+             "any other model in float32; float32 or bfloat16 converts a GGUF file to that type first")
     kv_memory: str | int = setting(
         "512MiB", unit="bytes",
         help="memory for the paged KV cache, target and draft together, e.g. 256MiB or 2GiB")
@@ -145,3 +148,8 @@ class EngineConfig:
     @property
     def kv_memory_bytes(self) -> int:
         return parse_bytes(self.kv_memory)
+
+
+def float_dtype(dtype: str) -> str:
+    """The float type of activations and of a float model's weights: ``auto`` computes in float32."""
+    return "float32" if dtype == "auto" else dtype

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from .block_manager import BlockManager
-from .config import DRAFT_K, NGRAM_K, EngineConfig
+from .config import DRAFT_K, NGRAM_K, EngineConfig, float_dtype
 from .detokenizer import IncrementalDetokenizer
 from .errors import CapacityError, EngineDirError, InvalidRequest
 from . import kernels
@@ -114,12 +114,12 @@ class Engine:
         c = self.config
         if loaded.device == "cuda":
             from .execution.cuda.backend import CudaBackend     # needs triton: imported for the GPU only
-            return CudaBackend(model, loaded.num_blocks, c.block_size, c.dtype, loaded.kv_dtype, "cuda",
+            return CudaBackend(model, loaded.num_blocks, c.block_size, float_dtype(c.dtype), loaded.kv_dtype, "cuda",
                                    c.max_num_seqs, num_spec_tokens, self.max_model_len)
         if draft:
-            return ModelRunner(model, loaded.num_blocks, c.block_size, c.dtype, kv_dtype=loaded.kv_dtype,
+            return ModelRunner(model, loaded.num_blocks, c.block_size, float_dtype(c.dtype), kv_dtype=loaded.kv_dtype,
                                execution=choose(c.execution))
-        return ModelRunner(model, loaded.num_blocks, c.block_size, c.dtype, reference_attention=c.attention == "reference",
+        return ModelRunner(model, loaded.num_blocks, c.block_size, float_dtype(c.dtype), reference_attention=c.attention == "reference",
                            kv_dtype=loaded.kv_dtype, backend=loaded.backend, execution=loaded.execution)
 
     # ---- requests in -----------------------------------------------------------------------

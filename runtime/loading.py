@@ -9,13 +9,14 @@ from pathlib import Path
 
 import torch
 
-from .config import EngineConfig
+from .config import EngineConfig, float_dtype
 from .backends.base import create_backend
 from .errors import EngineDirError, ModelLoadError
 from .formats.engine_dir import engine_draft_dir, load_engine_draft, load_engine_model
 from .formats.manifest import read_manifest
 from .execution import backend_class, choose
-from .formats.gguf_import import resolve_model_path
+from .formats.gguf_import import imported_dir, resolve_model_path
+from .formats.gguf_native import is_gguf_file, load_native
 from .formats.head_screen import HeadScreen
 from .model_runner import kv_bytes_per_block
 from .models.config import ModelConfig
@@ -40,15 +41,29 @@ class LoadedModel:
     device: str = "cpu"                       # where llmd's own model code runs: cpu, or cuda (CudaBackend)
 
 
+def native_gguf(model: str | None, dtype: str) -> bool:
+    """Is ``model`` a GGUF file (by its magic bytes) to serve from its own blocks (``--dtype auto``)?"""
+    return bool(model) and dtype == "auto" and Path(model).is_file() and is_gguf_file(model)
+
+
+def resolve_path(model: str, dtype: str) -> Path:
+    """A model directory as given, or for a GGUF file (by its magic bytes) its cached import in ``dtype``."""
+    if Path(model).is_file() and is_gguf_file(model):
+        return imported_dir(model, float_dtype(dtype))
+    return Path(resolve_model_path(model, float_dtype(dtype)))
+
+
 def load_for_engine(config: EngineConfig, progress=None) -> LoadedModel:
-    path = Path(resolve_model_path(config.model, config.dtype))      # a .gguf file: its cached import
+    if native_gguf(config.model, config.dtype):
+        return _load_native(config)
+    path = resolve_path(config.model, config.dtype)      # a GGUF file under --dtype float32: its cached import
     if not path.exists():
         raise ModelLoadError(f"{path}: no such model directory; pass a Hugging Face model directory "
                              "(config.json, *.safetensors, tokenizer.json) or an llmd engine directory")
     kv_dtype = config.kv_dtype
     backend = None
     device = "cpu"
-    draft_path = (Path(resolve_model_path(config.draft, config.dtype))
+    draft_path = (resolve_path(config.draft, config.dtype)
                   if config.draft and config.draft not in ("ngram", "auto", "none") else None)
     if (path / "manifest.json").is_file():
         manifest = read_manifest(path, verify_hashes=False)     # its values are used once load_engine_model verified it
@@ -64,7 +79,7 @@ def load_for_engine(config: EngineConfig, progress=None) -> LoadedModel:
                              "run `llmd export` again")
     else:
         device = hf_device(config)
-        model, cfg, tokenizer = load_hf_model(path, config.dtype, progress, own_execution(config, device))
+        model, cfg, tokenizer = load_hf_model(path, float_dtype(config.dtype), progress, own_execution(config, device))
     if device == "cuda" and draft_path is not None and (draft_path / "manifest.json").is_file():
         raise EngineDirError(f"{draft_path}: a draft from an engine directory runs on the CPU only; with "
                              "--device cuda give a Hugging Face directory as --draft, or 'ngram'")
@@ -82,6 +97,33 @@ def load_for_engine(config: EngineConfig, progress=None) -> LoadedModel:
         draft, draft_cfg = load_draft(draft_path, config, tokenizer, own_execution(config, device))
     blocks = kv_blocks([cfg] + ([draft_cfg] if draft_cfg else []), config, kv_dtype)
     return LoadedModel(model, cfg, tokenizer, blocks, draft, draft_cfg, kv_dtype, backend, execution, device)
+
+
+def _load_native(config: EngineConfig) -> LoadedModel:
+    """A GGUF file served from its own blocks on the cpu backend; its draft likewise (a GGUF file),
+    or a model directory, 'ngram' or none."""
+    if config.device == "cuda":
+        raise ModelLoadError(f"{config.model}: a GGUF file is served from its own blocks on the CPU; for --device "
+                             "cuda pass --dtype bfloat16 (or float32) to import it, or use --device cpu")
+    execution = choose(config.execution)
+    if execution != "cpu":
+        raise ModelLoadError(f"{config.model}: a GGUF file's own blocks run on the cpu execution backend; pass "
+                             f"--execution cpu, or --dtype float32 to import it for {execution}")
+    model, cfg, tokenizer = load_native(config.model)
+    backend_class(execution).prepare(model)
+    draft = draft_cfg = None
+    if config.draft and config.draft not in ("ngram", "auto", "none"):
+        if native_gguf(config.draft, config.dtype):
+            draft, draft_cfg, tok = load_native(config.draft, progress=False)
+            if tok.vocab_size != tokenizer.vocab_size or tok.encode(PROBE) != tokenizer.encode(PROBE):
+                raise ModelLoadError(f"{config.draft}: the draft's tokenizer differs from the target's; speculative "
+                                     "decoding needs the same tokenizer")
+            backend_class(execution).prepare(draft)
+        else:
+            draft, draft_cfg = load_draft(resolve_path(config.draft, config.dtype), config, tokenizer, execution)
+    kv_dtype = config.kv_dtype
+    blocks = kv_blocks([cfg] + ([draft_cfg] if draft_cfg else []), config, kv_dtype)
+    return LoadedModel(model, cfg, tokenizer, blocks, draft, draft_cfg, kv_dtype, None, execution, "cpu")
 
 
 def cpu_bf16(cpuinfo: str = "/proc/cpuinfo") -> Optional[bool]:
@@ -144,7 +186,7 @@ def load_draft(path: Path, config: EngineConfig, target_tokenizer: Tokenizer, ex
     if (path / "manifest.json").is_file():
         model, cfg, tok = load_engine_draft(path, config) if engine_draft_dir(path) else load_engine_model(path, config)
     else:
-        model, cfg, tok = load_hf_model(path, config.dtype, execution=execution)
+        model, cfg, tok = load_hf_model(path, float_dtype(config.dtype), execution=execution)
     if tok.vocab_size != target_tokenizer.vocab_size or tok.encode(PROBE) != target_tokenizer.encode(PROBE):
         raise ModelLoadError(f"{path / 'tokenizer.json'}: the draft's tokenizer differs from the target's; "
                              "speculative decoding needs the same tokenizer")
@@ -196,7 +238,7 @@ def load_hf_model(path: Path, dtype: str, progress=None,
 
 def kv_blocks(cfgs: list[ModelConfig], config: EngineConfig, kv_dtype: str = "auto") -> int:
     """Blocks that fit the budget when each block holds KV for every model in ``cfgs``."""
-    per_block = sum(kv_bytes_per_block(c, config.block_size, config.dtype, kv_dtype) for c in cfgs)
+    per_block = sum(kv_bytes_per_block(c, config.block_size, float_dtype(config.dtype), kv_dtype) for c in cfgs)
     num_blocks = config.kv_memory_bytes // per_block
     if num_blocks < 1:
         raise ModelLoadError(f"kv_memory {config.kv_memory} cannot hold one block of {config.block_size} tokens "

@@ -128,11 +128,30 @@ class Tokenizer:
             raise ModelLoadError(f"{tok_path}: file is missing")
         try:
             text = tok_path.read_text(encoding="utf-8")
-            toks = HFTokenizer.from_str(_controls_marked_special(text)), HFTokenizer.from_str(text)
-        except Exception as e:  # the tokenizers library raises a bare Exception for bad files
-            raise ModelLoadError(f"{tok_path}: not a valid tokenizer: {e}") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ModelLoadError(f"{tok_path}: cannot read: {e}") from None
         config = _read_json(root / "tokenizer_config.json", required=False) or {}
         gen_config = _read_json(root / "generation_config.json", required=False) or {}
+        return cls._build(text, config, gen_config, root, tok_path)
+
+    @classmethod
+    def from_texts(cls, files: dict[str, str], source: str | Path) -> "Tokenizer":
+        """The tokenizer of a model file that carries its own (a GGUF file): ``files`` maps
+        tokenizer.json, tokenizer_config.json and generation_config.json to their JSON text."""
+        source = Path(source)
+        try:
+            config = json.loads(files.get("tokenizer_config.json") or "{}")
+            gen_config = json.loads(files.get("generation_config.json") or "{}")
+        except ValueError as e:
+            raise ModelLoadError(f"{source}: tokenizer metadata is not valid JSON: {e}") from None
+        return cls._build(files["tokenizer.json"], config, gen_config, source, source)
+
+    @classmethod
+    def _build(cls, text: str, config: dict, gen_config: dict, root: Path, where: Path) -> "Tokenizer":
+        try:
+            toks = HFTokenizer.from_str(_controls_marked_special(text)), HFTokenizer.from_str(text)
+        except Exception as e:  # the tokenizers library raises a bare Exception for bad files
+            raise ModelLoadError(f"{where}: not a valid tokenizer: {e}") from None
         return cls(toks[0], toks[1], config, gen_config, root)
 
     # ---- loading helpers -------------------------------------------------------------------

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from ..config import float_dtype
 from ..errors import EngineDirError, ModelLoadError
 from ..models.config import ModelConfig
 from ..models.llama import LlamaForCausalLM
@@ -75,7 +76,7 @@ def load_engine_model(path, config, progress=None):
     manifest = read_manifest(path)
     if progress:
         progress(1, 2)
-    loaded = load_engine_part(path, manifest, "target", config.dtype)
+    loaded = load_engine_part(path, manifest, "target", float_dtype(config.dtype))
     if progress:
         progress(2, 2)
     return loaded
@@ -112,4 +113,4 @@ def engine_draft_dir(path) -> Path | None:
 def load_engine_draft(path, config):
     """The draft recorded in an engine directory, verified like the target: (model, cfg, tokenizer)."""
     path = Path(path)
-    return load_engine_part(path, read_manifest(path), "draft", config.dtype)
+    return load_engine_part(path, read_manifest(path), "draft", float_dtype(config.dtype))

@@ -54,6 +54,7 @@ static int product(const float *x, int M, int K, const llmd_product *p, float *y
     case LLMD_KIND_Q8G: rc = llmd_q8_x(x, M, K, p->group, p->w, y, N, threads); break;
     case LLMD_KIND_Q4: rc = llmd_q4_x(x, M, K, p->group, p->w, y, N, product_threads(M, N, K / 2, nt)); break;
     case LLMD_KIND_Q4H: rc = llmd_q4h_x(x, M, K, p->group, p->w, y, N, product_threads(M, N, K / 2, nt)); break;
+    case LLMD_KIND_GG: rc = llmd_gg_x(x, M, K, p->w, p->group, y, N, product_threads(M, N, K / 2, nt)); break;
     default: return -1;
     }
     if (!rc && p->bias)
@@ -149,6 +150,11 @@ static void embed_row(const llmd_product *t, int64_t id, int E, float *xr) {
         for (int e = 0; e < E; e++)
             xr[e] = (float)((const int8_t *)t->w)[row + e] * t->scales[(size_t)id * (E / t->group) + e / t->group];
         break;
+    case LLMD_KIND_GG: {
+        const llmd_gg_part *part = t->w;
+        llmd_gg_rows(part->data, part->type, E, &id, 1, xr);
+        break;
+    }
     }
 }
 
@@ -176,7 +182,8 @@ TARGET int llmd_draft2(const llmd_dims *dims, const float *const *norms, const l
         return -1;
     if ((head->kind == LLMD_KIND_F32 || head->kind == LLMD_KIND_BF16) && V % 64) return -1;
     if (k != LLMD_KIND_ROWS && k != LLMD_KIND_F32 && k != LLMD_KIND_BF16 && k != LLMD_KIND_INT8
-        && !(k == LLMD_KIND_INT8G && embed->group > 0 && E % embed->group == 0))
+        && !(k == LLMD_KIND_INT8G && embed->group > 0 && E % embed->group == 0)
+        && !(k == LLMD_KIND_GG && embed->group == 1 && !((const llmd_gg_part *)embed->w)->order))
         return -1;
     const Model m = {dims, norms, products, final_norm, cos_t, sin_t, eps, k_pool, v_pool, work, nt};
     int64_t tok[LLMD_DRAFT_ROWS], pos[LLMD_DRAFT_ROWS], slots[LLMD_DRAFT_ROWS], next[LLMD_DRAFT_ROWS];

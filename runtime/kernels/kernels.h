@@ -38,7 +38,7 @@ typedef struct {
 /* One weight as a fused step reads it (decode.c): its kind (LLMD_KIND_* below) says what the
  * pointers hold. A bias (or NULL) is added after the product, as the layer-by-layer forward adds it. */
 typedef struct {
-    const void *w;          /* f32, bf16: blocks [N/64, K, 64] (f32.c); q8, q8g, q4, q4h: packed blocks
+    const void *w;          /* gg: llmd_gg_part [group]; f32, bf16: blocks [N/64, K, 64] (f32.c); q8, q8g, q4, q4h: packed blocks
                                (quant.c); int8, int8g rows (token tables only): int8 [N, K]; rows: float32 [N, K] */
     const float *scales;    /* int8 rows: [N]; int8g rows: [N, K/group] */
     const float *offsets;   /* unused */
@@ -46,6 +46,16 @@ typedef struct {
     int kind;
     int group;              /* q8g, q4, q4h, int8g rows: the columns per scale */
 } llmd_product;
+
+/* One part of a weight in GGUF's blocks (blocks.c): `rows` outputs of `type` (ggml's type number), each
+ * a row of the tensor at data, row order[i] for output i where order is not NULL (a row permutation
+ * without a copy). A weight of several parts (q, k and v; gate and up) lays their outputs end to end. */
+typedef struct {
+    const void *data;
+    const int32_t *order;
+    int type;
+    int rows;
+} llmd_gg_part;
 
 /* quant.c: AVX-512 F/BW/VL/DQ and VNNI present (the AVX2 library: AVX2, FMA and F16C) */
 int llmd_cpu_ok(void);
@@ -117,6 +127,13 @@ int llmd_draft2(const llmd_dims *dims, const float *const *norms, const llmd_pro
                 void *v_pool, const int32_t *table, const llmd_product *head, const llmd_product *embed,
                 const int64_t *ids, const int32_t *count, const int64_t *pos0, int steps, int64_t *out, float *x,
                 float *hidden, float *logits, float *work, int nt);
+/* blocks.c: values per block of a GGUF type (0: a type llmd does not read) and its bytes into *bytes;
+ * n values of a type as float32; rows ids [C] of a [?, K] tensor as float32 [C, K]; x [M, K] times a
+ * weight of P parts (N outputs in all): y [M, N] */
+int llmd_gg_block(int type, int *bytes);
+int llmd_gg_dequant(const void *data, int type, int64_t n, float *out);
+int llmd_gg_rows(const void *data, int type, int K, const int64_t *ids, int C, float *out);
+int llmd_gg_x(const float *x, int M, int K, const llmd_gg_part *parts, int P, float *y, int N, int nt);
 /* llmd API end */
 
 /* Rows of one fused step (decode.c): decode batches up to 64 streams with four rows each to verify,
@@ -129,7 +146,8 @@ int llmd_draft2(const llmd_dims *dims, const float *const *norms, const llmd_pro
 /* llmd_product.kind (llmd.runtime.kernels.ops names them alike) */
 /* (INT8, INT8G: rows a token table is read from; KIND 3, int4 in an earlier layout, is no longer read) */
 enum { LLMD_KIND_F32, LLMD_KIND_BF16, LLMD_KIND_INT8, LLMD_KIND_INT4_ROWS, LLMD_KIND_INT8G, LLMD_KIND_ROWS,
-       LLMD_KIND_Q8, LLMD_KIND_Q8G, LLMD_KIND_Q4, LLMD_KIND_Q4H };
+       LLMD_KIND_Q8, LLMD_KIND_Q8G, LLMD_KIND_Q4, LLMD_KIND_Q4H, LLMD_KIND_GG };
+/* LLMD_KIND_GG: w points to `group` llmd_gg_part (blocks.c), GGUF's blocks where they lie */
 
 /* quant.c: this thread's scratch buffer `which` (0 or 1), at least `bytes` long and 64-byte aligned, kept
  * from call to call (NULL, the old one kept, where it cannot grow). */

@@ -3,6 +3,8 @@ x [M, K] and return float32 [M, N]; every wrapper returns None when its kernel c
 built, unsupported CPU or shape), and the caller then uses torch's ops."""
 from __future__ import annotations
 
+import ctypes
+
 from dataclasses import dataclass
 
 import torch
@@ -253,6 +255,20 @@ def packed_matvec(x: torch.Tensor, form: Packed, bias: torch.Tensor | None = Non
     return y if bias is None else y.add_(bias)
 
 
+def gg_matvec(x: torch.Tensor, parts, count: int, n: int) -> torch.Tensor | None:
+    """x [M, K] (float32, contiguous) times a weight of GGUF blocks (``parts``: ``count`` llmd_gg_part,
+    n outputs in all) -> float32 [M, N], or None where the kernel refuses the shape."""
+    so = lib()
+    m, k = x.shape
+    if so is None or m < 1:
+        return None
+    y = torch.empty(m, n)
+    rc = so.llmd_gg_x(x.data_ptr(), m, k, ctypes.addressof(parts), count, y.data_ptr(), n, _threads(m, n, k // 2))
+    if rc == -2:
+        raise MemoryError("the GGUF block product could not allocate its buffer (out of memory)")
+    return None if rc else y
+
+
 def q8_pick(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, idx: torch.Tensor):
     """The values ``packed_matvec`` gives outputs ``idx`` (int64, any order) of the int8 / int8g weight
     [N, K] with scales [N] or [N, K/G], computed from those rows alone: float32 [M, len(idx)], or None
@@ -302,7 +318,7 @@ def w8a8_matvec(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bi
 
 # kernels.h's llmd_product kinds
 (KIND_F32, KIND_BF16, KIND_INT8, KIND_INT4_ROWS, KIND_INT8G, KIND_ROWS, KIND_Q8, KIND_Q8G, KIND_Q4,
- KIND_Q4H) = range(10)
+ KIND_Q4H, KIND_GG) = range(11)
 
 
 @dataclass(frozen=True, eq=False)
@@ -316,6 +332,7 @@ class KernelProduct:
     offsets: torch.Tensor | None = None
     group: int = 0
     max_rows: int = MAX_ROWS
+    held: tuple = ()          # further storage the weight's pointers reach (KIND_GG: the file's blocks)
 
     @classmethod
     def blocks(cls, stored: torch.Tensor, max_rows: int) -> "KernelProduct | None":
@@ -324,7 +341,7 @@ class KernelProduct:
         return cls(kinds[stored.dtype], stored, max_rows=max_rows) if stored.dtype in kinds else None
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.weight, self.scales, self.offsets) if t is not None]
+        return [t for t in (self.weight, self.scales, self.offsets, *self.held) if t is not None]
 
     def struct(self, bias: torch.Tensor | None = None):
         """The llmd_product the kernels read (its pointers stay valid while these tensors live)."""

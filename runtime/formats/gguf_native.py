@@ -1,0 +1,305 @@
+"""A GGUF file served from its own blocks: the file is mapped into memory and every weight is read
+where it lies, by llmd's kernels for GGUF's block types (llmd.runtime.kernels' blocks.c). Nothing is
+dequantized ahead of time, no copy goes to disk, and the model's size in memory is the file's.
+
+    load_native(path)  -> (LlamaForCausalLM, ModelConfig, Tokenizer), ready for the cpu backend
+
+Loading walks the header (gguf_check), reads the metadata and tokenizer (gguf, gguf_tokenizer), maps
+the file copy-on-write (pages are shared with the page cache and never written), and builds the model
+on the meta device with a ``GGUFLinear`` per product: q, k and v (gate and up) stay three (two) tensors
+of the file, each of its own type, read as one product's parts. llama and mistral files store q and k
+rows with rotary pairs adjacent; that is the order llmd's prepared models use, so each part holds a
+row order (an index, not a copy) that ``permute_outputs`` composes with.
+
+Norms and biases (float32 vectors) are copied: a few MB. Token rows are dequantized as they are looked
+up. A tensor type the kernels do not read (or a machine without them) is refused here with what to do:
+``--dtype float32`` still imports any file the `gguf` package reads.
+"""
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from llmd.runtime import kernels
+from llmd.runtime.kernels import ops
+
+from ..models.config import ModelConfig
+from ..models.llama import LlamaForCausalLM
+from ..tokenizer import Tokenizer, check_vocab
+from .gguf import ROTARY_ADJACENT, GGUFFile, hf_config, hf_name, open_gguf
+from .gguf_check import GGUFError
+from .gguf_tokenizer import tokenizer_files
+
+# GGUF tensor types the kernels read in place (ggml's numbers) and their (values, bytes) per block
+TYPES = {"F32": 0, "F16": 1, "BF16": 30, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "IQ4_NL": 20,
+         "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "IQ4_XS": 23}
+BLOCKS = {0: (1, 4), 1: (1, 2), 30: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 20: (32, 18),
+          10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210), 23: (256, 136)}
+NAMES = {v: k for k, v in TYPES.items()}
+F32 = 0
+MAGIC = b"GGUF"
+
+
+def is_gguf_file(path: str | Path) -> bool:
+    """A GGUF file by its first four bytes, whatever its name (an Ollama blob has no extension)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == MAGIC
+    except OSError:
+        return False
+
+
+class GGUFLinear(nn.Module):
+    """A product whose weight is GGUF blocks: ``parts`` [(ggml type, uint8 rows [n, row bytes])], their
+    outputs end to end; forward(x [..., in]) -> [..., out] in float32. The tensors are views of the mapped
+    file (never written)."""
+
+    method = "gguf"
+
+    def __init__(self, in_features: int, parts: list[tuple[int, torch.Tensor]], bias: torch.Tensor | None = None):
+        super().__init__()
+        for t, rows in parts:
+            per, size = BLOCKS[t]
+            if in_features % per or rows.dim() != 2 or rows.shape[1] != in_features // per * size:
+                raise GGUFError(f"a {NAMES[t]} tensor of rows {tuple(rows.shape)} does not hold {in_features} columns")
+        self.in_features = in_features
+        self.out_features = sum(int(r.shape[0]) for _, r in parts)
+        self.types = [t for t, _ in parts]
+        self.blocks = [r for _, r in parts]                     # not buffers: no state_dict copy of the file
+        self.orders: list[torch.Tensor | None] = [None] * len(parts)
+        self.register_buffer("bias", None if bias is None else bias.float().contiguous())
+        self._struct = None
+
+    # ---- layout ----------------------------------------------------------------------------
+    def permute_outputs(self, rows: torch.Tensor) -> None:
+        """Output i becomes output rows[i]: each part's rows are taken through an index (no copy). A
+        permutation must keep every part's outputs within that part."""
+        at = 0
+        for p, block in enumerate(self.blocks):
+            n = int(block.shape[0])
+            local = rows[at:at + n] - at
+            if local.numel() != n or int(local.min()) < 0 or int(local.max()) >= n:
+                raise ValueError("a permutation of a GGUF product's outputs must keep each part's rows in that part")
+            old = self.orders[p]
+            self.orders[p] = (local if old is None else old[local]).to(torch.int32).contiguous()
+            at += n
+        if self.bias is not None:
+            self.bias = self.bias[rows].contiguous()
+        self._struct = None
+
+    def parts(self):
+        """The llmd_gg_part array the kernels read (kept with this module)."""
+        if self._struct is None:
+            cls = kernels.struct("llmd_gg_part") * len(self.blocks)
+            self._struct = cls(*(kernels.struct("llmd_gg_part")(
+                data=b.data_ptr(), order=None if o is None else o.data_ptr(), type=t, rows=int(b.shape[0]))
+                for t, b, o in zip(self.types, self.blocks, self.orders)))
+            self._struct_bytes = torch.frombuffer(self._struct, dtype=torch.uint8)
+        return self._struct
+
+    def prepare(self, use_kernels: bool = True) -> None:
+        self.parts()
+
+    # ---- products --------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features).float().contiguous()
+        y = ops.gg_matvec(x2, self.parts(), len(self.blocks), self.out_features) if kernels.usable(x2) else None
+        if y is None:
+            y = x2 @ self.dense_weight().t()
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def kernel_product(self) -> ops.KernelProduct | None:
+        if not kernels.available():
+            return None
+        self.parts()
+        return ops.KernelProduct(ops.KIND_GG, self._struct_bytes, group=len(self.blocks), max_rows=ops.MANY_MAX_ROWS,
+                                 held=(*self.blocks, *(o for o in self.orders if o is not None)))
+
+    def table_form(self) -> ops.KernelProduct | None:
+        """The weight as a token table whose rows a draft loop reads (one part, rows in file order)."""
+        if len(self.blocks) != 1 or self.orders[0] is not None:
+            return None
+        return self.kernel_product()
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of a one-part weight (a token table), dequantized exactly."""
+        ids = ids.reshape(-1).to(torch.int64).contiguous()
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.out_features):
+            raise IndexError("token id outside the vocabulary")
+        out = torch.empty(ids.numel(), self.in_features)
+        if ids.numel():
+            dequantize_rows(self.blocks[0], self.types[0], self.in_features, ids, out)
+        return out
+
+    def dense_weight(self) -> torch.Tensor:
+        """The whole weight as float32 [out, in] (exact): for references and machines without the kernels."""
+        parts = []
+        for t, b, o in zip(self.types, self.blocks, self.orders):
+            w = torch.empty(b.shape[0], self.in_features)
+            dequantize_rows(b, t, self.in_features, torch.arange(b.shape[0]), w)
+            parts.append(w if o is None else w[o.long()])
+        return torch.cat(parts)
+
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self.blocks)
+
+    def extra_repr(self) -> str:
+        kinds = "+".join(NAMES[t] for t in self.types)
+        return f"gguf {kinds}, in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
+
+
+class GGUFEmbedding(nn.Module):
+    """Token rows of a GGUF table, dequantized as they are looked up; ``table`` is the head's own module
+    in a tied model."""
+
+    def __init__(self, table: GGUFLinear, owns_table: bool):
+        super().__init__()
+        if owns_table:
+            self.table = table
+        else:
+            object.__setattr__(self, "table", table)
+
+    @property
+    def weight(self):          # LlamaForCausalLM.embed() checks this is not None
+        return self.table.blocks[0]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.table.rows(ids).view(*ids.shape, -1)
+
+
+def dequantize_rows(blocks: torch.Tensor, type_: int, k: int, ids: torch.Tensor, out: torch.Tensor) -> None:
+    so = kernels.lib()
+    ids = ids.to(torch.int64).contiguous()
+    if so is not None:
+        rc = so.llmd_gg_rows(blocks.data_ptr(), type_, k, ids.data_ptr(), ids.numel(), out.data_ptr())
+        if rc == 0:
+            return
+    import gguf
+    raw = blocks[ids].numpy()
+    out.copy_(torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(type_)).reshape(-1, k)))
+
+
+# ---- loading ---------------------------------------------------------------------------------
+
+def native_types(f: GGUFFile) -> dict[str, str]:
+    """Each 2-D tensor's type name; refuses a type the kernels do not read."""
+    out = {}
+    for s in f.spans:
+        if len(s.dims) == 2 and s.type not in NAMES:
+            import gguf
+            name = gguf.GGMLQuantizationType(s.type).name if s.type in gguf.GGMLQuantizationType._value2member_map_ \
+                else str(s.type)
+            f.fail(s.name, f"tensor type {name} is not one llmd reads in place ({', '.join(TYPES)}); serve the "
+                           "file with --dtype float32 (or bfloat16) to import it dequantized")
+        out[s.name] = NAMES.get(s.type, str(s.type))
+    return out
+
+
+def _rotary_rows(rows: int, heads: int) -> torch.Tensor:
+    """llama.cpp's q/k row order (rotary pairs adjacent within a head) back to halves order: row j of
+    the result is row order[j] of the file."""
+    return torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(rows)
+
+
+def load_native(path: str | Path, progress: bool = True):
+    """The model in GGUF file ``path`` with its weights read in place: (model, config, tokenizer).
+    The model is not prepared yet (the cpu backend's ``prepare`` does that)."""
+    path = Path(path)
+    if not kernels.available():
+        raise GGUFError(f"{path}: serving a GGUF file from its own blocks needs llmd's CPU kernels, which are "
+                        f"unavailable here ({kernels.why()}); serve it with --dtype float32 instead")
+    f = open_gguf(path)
+    raw = hf_config(f, "float32")
+    cfg = ModelConfig.from_dict(raw, source=f"{path} (metadata)")
+    files = tokenizer_files(f)
+    tokenizer = Tokenizer.from_texts(files, path)
+    check_vocab(path, tokenizer, cfg)
+    types = native_types(f)
+    mapped = np.memmap(path, dtype=np.uint8, mode="c")          # copy-on-write: never written, so shared
+    spans = {s.name: s for s in f.spans}
+
+    def blocks(name: str) -> tuple[int, torch.Tensor]:
+        s = spans.get(name)
+        if s is None:
+            f.fail(name, "missing")
+        if len(s.dims) != 2:
+            f.fail(name, f"expected a matrix, found shape {list(s.dims)}")
+        view = mapped[s.start:s.start + s.nbytes].reshape(int(s.dims[1]), -1)
+        return s.type, torch.from_numpy(view)
+
+    def vector(name: str, n: int) -> torch.Tensor:
+        s = spans.get(name)
+        if s is None:
+            f.fail(name, "missing")
+        if s.type != F32 or s.dims != (n,):
+            f.fail(name, f"expected float32 [{n}], found type {s.type} shape {list(s.dims)}")
+        v = torch.from_numpy(mapped[s.start:s.start + s.nbytes].view(np.float32).copy())
+        if not torch.isfinite(v).all():
+            f.fail(name, "contains NaN or infinity")
+        return v
+
+    for name in spans:
+        hf_name(f, name)                          # every tensor is one llmd knows
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    adjacent = raw["model_type"] in ROTARY_ADJACENT
+    h = cfg.hidden_size
+    for i, layer in enumerate(tqdm(model.layers, desc=f"mapping {path.name}", unit="layer", disable=not progress,
+                                   leave=False)):
+        p = f"blk.{i}."
+        attn, mlp = layer.self_attn, layer.mlp
+        q, k, v = (blocks(p + n + ".weight") for n in ("attn_q", "attn_k", "attn_v"))
+        for (t, rows), want in zip((q, k, v), (cfg.q_size, cfg.kv_size, cfg.kv_size)):
+            if rows.shape[0] != want:
+                f.fail(p + "attn_*", f"{rows.shape[0]} rows where the metadata implies {want}")
+        bias = None
+        if cfg.attention_bias:
+            bias = torch.cat([vector(p + n + ".bias", w) for n, w in
+                              (("attn_q", cfg.q_size), ("attn_k", cfg.kv_size), ("attn_v", cfg.kv_size))])
+        qkv = GGUFLinear(h, [q, k, v], bias)
+        if adjacent:                              # the file's rows are in rotary-adjacent order: to halves
+            qo = _rotary_rows(cfg.q_size, cfg.num_heads)
+            ko = _rotary_rows(cfg.kv_size, cfg.num_kv_heads)
+            qkv.permute_outputs(torch.cat([qo, ko + cfg.q_size, torch.arange(cfg.kv_size) + cfg.q_size + cfg.kv_size]))
+        attn.qkv_proj = qkv
+        attn.o_proj = GGUFLinear(cfg.q_size, [blocks(p + "attn_output.weight")],
+                                 vector(p + "attn_output.bias", h) if cfg.o_proj_bias else None)
+        if cfg.qk_norm:
+            attn.q_norm.weight = nn.Parameter(vector(p + "attn_q_norm.weight", cfg.head_dim), requires_grad=False)
+            attn.k_norm.weight = nn.Parameter(vector(p + "attn_k_norm.weight", cfg.head_dim), requires_grad=False)
+        gate, up = blocks(p + "ffn_gate.weight"), blocks(p + "ffn_up.weight")
+        mlp.gate_up_proj = GGUFLinear(h, [gate, up])
+        mlp.down_proj = GGUFLinear(cfg.intermediate_size, [blocks(p + "ffn_down.weight")])
+        layer.input_layernorm.weight = nn.Parameter(vector(p + "attn_norm.weight", h), requires_grad=False)
+        layer.post_attention_layernorm.weight = nn.Parameter(vector(p + "ffn_norm.weight", h), requires_grad=False)
+    model.norm.weight = nn.Parameter(vector("output_norm.weight", h), requires_grad=False)
+    table = GGUFLinear(h, [blocks("token_embd.weight")])
+    if cfg.tie_word_embeddings:
+        model.lm_head = table
+        model.embed_tokens = GGUFEmbedding(table, owns_table=False)
+    else:
+        model.lm_head = GGUFLinear(h, [blocks("output.weight")])
+        model.embed_tokens = GGUFEmbedding(table, owns_table=True)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t is not None and t.is_meta]
+    if left:
+        f.fail(left[0], "no tensor of the file filled this weight")
+    model.eval()
+    model.gguf_source = path
+    model.gguf_types = types
+    model._gguf_map = mapped                      # the mapping lives as long as the model
+    return model, cfg, tokenizer
+
+
+def type_summary(types: dict[str, str]) -> str:
+    """'Q4_K x 169, Q6_K x 29, F32 x 57'-style count of a file's tensor types."""
+    counts: dict[str, int] = {}
+    for t in types.values():
+        counts[t] = counts.get(t, 0) + 1
+    return ", ".join(f"{t} x {n}" for t, n in sorted(counts.items(), key=lambda kv: -kv[1]))

@@ -1,0 +1,712 @@
+/* GGUF's block types read where they lie (a model file mapped into memory): products x [M, K] times
+ * a weight of such blocks, token rows, and the types' dequantization.
+ *
+ * Types (ggml's numbering, llmd.runtime.formats.gguf_native.TYPES): F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1,
+ * Q8_0, IQ4_NL (blocks of 32) and Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS (super-blocks of 256).
+ *
+ * A product quantizes each row of x alone to 8-bit integers: per 32 columns (a float scale, and the
+ * scaled sum for types with a minimum) for the 32-blocks, per 256 columns (one scale, and sums per 16
+ * columns for the minimums and offsets) for the super-blocks; F32, F16 and BF16 take x as float32. The
+ * integer sums of a (sub-)block are exact; each block adds one float product to the row's sum, in
+ * column order, whatever M is, so a row's result does not depend on the other rows of its call.
+ *
+ * Written with AVX2, FMA and F16C operations alone, so both libraries (AVX-512 and AVX2) build the same
+ * code and give the same numbers. */
+#include "kernels.h"
+
+#define GT __attribute__((target("avx2,fma,f16c")))
+#define GI static inline __attribute__((target("avx2,fma,f16c"), always_inline))
+
+enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q2_K = 10,
+       T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20, T_IQ4_XS = 23, T_BF16 = 30 };
+
+/* x's form a type reads */
+enum { A_F32, A_32, A_256 };
+
+static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+/* Values per block and bytes per block of a type; 0 for a type this file does not read. */
+static int type_block(int type, int *bytes) {
+    switch (type) {
+    case T_F32: *bytes = 4; return 1;
+    case T_F16: case T_BF16: *bytes = 2; return 1;
+    case T_Q4_0: *bytes = 18; return 32;
+    case T_Q4_1: *bytes = 20; return 32;
+    case T_Q5_0: *bytes = 22; return 32;
+    case T_Q5_1: *bytes = 24; return 32;
+    case T_Q8_0: *bytes = 34; return 32;
+    case T_IQ4_NL: *bytes = 18; return 32;
+    case T_Q2_K: *bytes = 84; return 256;
+    case T_Q3_K: *bytes = 110; return 256;
+    case T_Q4_K: *bytes = 144; return 256;
+    case T_Q5_K: *bytes = 176; return 256;
+    case T_Q6_K: *bytes = 210; return 256;
+    case T_IQ4_XS: *bytes = 136; return 256;
+    default: *bytes = 0; return 0;
+    }
+}
+
+static int type_act(int type) {
+    switch (type) {
+    case T_F32: case T_F16: case T_BF16: return A_F32;
+    case T_Q2_K: case T_Q3_K: case T_Q4_K: case T_Q5_K: case T_Q6_K: case T_IQ4_XS: return A_256;
+    default: return A_32;
+    }
+}
+
+static float half(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1F, m = h & 0x3FF;
+    uint32_t u;
+    if (e == 0x1F) u = sign | 0x7F800000 | (m << 13);
+    else if (e) u = sign | ((e + 112) << 23) | (m << 13);
+    else if (!m) u = sign;
+    else {                                  /* subnormal: m 2^-24, exact in float32 */
+        float f = (float)m * 5.9604644775390625e-8f;
+        memcpy(&u, &f, 4);
+        u |= sign;
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+GI float halfv(const uint8_t *p) {      /* the same value as half(), by F16C */
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+static float bf16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* The 6-bit scale and minimum j (0-7) of a Q4_K / Q5_K super-block's 12 scale bytes. */
+static void scale_min_k4(int j, const uint8_t *q, uint8_t *d, uint8_t *m) {
+    if (j < 4) {
+        *d = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *d = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+/* Q3_K's sixteen 6-bit scales (as stored, 0-63) from its 12 bytes. */
+static void scales_q3k(const uint8_t *s, int8_t *out) {
+    for (int j = 0; j < 16; j++) {
+        const int low = j < 8 ? (s[j] & 0xF) : (s[j - 8] >> 4);
+        const int high = (s[8 + j % 4] >> (2 * (j / 4))) & 3;
+        out[j] = (int8_t)(low | high << 4);
+    }
+}
+
+/* ---- dequantization: each value as the gguf package's numpy code computes it in float32 ------- */
+
+static void dequant_block(int type, const uint8_t *b, float *y) {
+    switch (type) {
+    case T_F32: memcpy(y, b, 4); return;
+    case T_F16: y[0] = half(b); return;
+    case T_BF16: y[0] = bf16(b); return;
+    case T_Q8_0: {
+        const float d = half(b);
+        for (int j = 0; j < 32; j++) y[j] = d * (float)(int8_t)b[2 + j];
+        return;
+    }
+    case T_Q4_0: case T_IQ4_NL: {
+        const float d = half(b);
+        for (int j = 0; j < 16; j++) {
+            const int lo = b[2 + j] & 0xF, hi = b[2 + j] >> 4;
+            y[j] = d * (float)(type == T_Q4_0 ? lo - 8 : IQ4_VALUES[lo]);
+            y[j + 16] = d * (float)(type == T_Q4_0 ? hi - 8 : IQ4_VALUES[hi]);
+        }
+        return;
+    }
+    case T_Q4_1: {
+        const float d = half(b), m = half(b + 2);
+        for (int j = 0; j < 16; j++) {
+            y[j] = d * (float)(b[4 + j] & 0xF) + m;
+            y[j + 16] = d * (float)(b[4 + j] >> 4) + m;
+        }
+        return;
+    }
+    case T_Q5_0: case T_Q5_1: {
+        const int one = type == T_Q5_1;
+        const float d = half(b), m = one ? half(b + 2) : 0.f;
+        uint32_t qh;
+        memcpy(&qh, b + 2 + 2 * one, 4);
+        const uint8_t *qs = b + 6 + 2 * one;
+        for (int j = 0; j < 16; j++) {
+            const int lo = (qs[j] & 0xF) | ((qh >> j) & 1) << 4, hi = (qs[j] >> 4) | ((qh >> (j + 16)) & 1) << 4;
+            if (one) {
+                y[j] = d * (float)lo + m;
+                y[j + 16] = d * (float)hi + m;
+            } else {
+                y[j] = d * (float)(lo - 16);
+                y[j + 16] = d * (float)(hi - 16);
+            }
+        }
+        return;
+    }
+    case T_Q2_K: {
+        const uint8_t *sc = b, *q = b + 16;
+        const float d = half(b + 80), dmin = half(b + 82);
+        for (int c = 0; c < 2; c++)
+            for (int j = 0; j < 4; j++)
+                for (int h = 0; h < 2; h++) {
+                    const int s = sc[8 * c + 2 * j + h];
+                    const float dl = d * (float)(s & 0xF), ml = dmin * (float)(s >> 4);
+                    for (int l = 0; l < 16; l++)
+                        y[128 * c + 32 * j + 16 * h + l] = dl * (float)((q[32 * c + 16 * h + l] >> (2 * j)) & 3) - ml;
+                }
+        return;
+    }
+    case T_Q3_K: {
+        const uint8_t *hm = b, *q = b + 32;
+        int8_t sc[16];
+        scales_q3k(b + 96, sc);
+        const float d = half(b + 108);
+        for (int c = 0; c < 2; c++)
+            for (int j = 0; j < 4; j++)
+                for (int h = 0; h < 2; h++) {
+                    const float dl = d * (float)(sc[8 * c + 2 * j + h] - 32);
+                    for (int l = 16 * h; l < 16 * h + 16; l++) {
+                        const int v = ((q[32 * c + l] >> (2 * j)) & 3) - ((hm[l] >> (4 * c + j)) & 1 ? 0 : 4);
+                        y[128 * c + 32 * j + l] = dl * (float)v;
+                    }
+                }
+        return;
+    }
+    case T_Q4_K: case T_Q5_K: {
+        const int five = type == T_Q5_K;
+        const float d = half(b), dmin = half(b + 2);
+        const uint8_t *sc = b + 4, *qh = b + 16, *qs = b + 16 + 32 * five;
+        for (int j = 0; j < 4; j++) {
+            uint8_t s0, m0, s1, m1;
+            scale_min_k4(2 * j, sc, &s0, &m0);
+            scale_min_k4(2 * j + 1, sc, &s1, &m1);
+            const float d0 = d * (float)s0, n0 = dmin * (float)m0, d1 = d * (float)s1, n1 = dmin * (float)m1;
+            for (int l = 0; l < 32; l++) {
+                int lo = qs[32 * j + l] & 0xF, hi = qs[32 * j + l] >> 4;
+                if (five) {
+                    lo |= ((qh[l] >> (2 * j)) & 1) << 4;
+                    hi |= ((qh[l] >> (2 * j + 1)) & 1) << 4;
+                }
+                y[64 * j + l] = d0 * (float)lo - n0;
+                y[64 * j + 32 + l] = d1 * (float)hi - n1;
+            }
+        }
+        return;
+    }
+    case T_Q6_K: {
+        const float d = half(b + 208);
+        for (int c = 0; c < 2; c++) {
+            const uint8_t *ql = b + 64 * c, *qh = b + 128 + 32 * c;
+            const int8_t *sc = (const int8_t *)(b + 192 + 8 * c);
+            for (int l = 0; l < 32; l++) {
+                const int is = l / 16;
+                const int q1 = ((ql[l] & 0xF) | ((qh[l] >> 0) & 3) << 4) - 32;
+                const int q2 = ((ql[l + 32] & 0xF) | ((qh[l] >> 2) & 3) << 4) - 32;
+                const int q3 = ((ql[l] >> 4) | ((qh[l] >> 4) & 3) << 4) - 32;
+                const int q4 = ((ql[l + 32] >> 4) | ((qh[l] >> 6) & 3) << 4) - 32;
+                y[128 * c + l] = d * (float)sc[is] * (float)q1;
+                y[128 * c + l + 32] = d * (float)sc[is + 2] * (float)q2;
+                y[128 * c + l + 64] = d * (float)sc[is + 4] * (float)q3;
+                y[128 * c + l + 96] = d * (float)sc[is + 6] * (float)q4;
+            }
+        }
+        return;
+    }
+    case T_IQ4_XS: {
+        const float d = half(b);
+        const uint16_t sh = (uint16_t)(b[2] | b[3] << 8);
+        const uint8_t *sl = b + 4, *qs = b + 8;
+        for (int ib = 0; ib < 8; ib++) {
+            const int ls = ((sl[ib / 2] >> (4 * (ib % 2))) & 0xF) | ((sh >> (2 * ib)) & 3) << 4;
+            const float dl = d * (float)(ls - 32);
+            for (int j = 0; j < 16; j++) {
+                y[32 * ib + j] = dl * (float)IQ4_VALUES[qs[16 * ib + j] & 0xF];
+                y[32 * ib + j + 16] = dl * (float)IQ4_VALUES[qs[16 * ib + j] >> 4];
+            }
+        }
+        return;
+    }
+    }
+}
+
+/* ---- x quantized per row ---------------------------------------------------------------------- */
+
+typedef struct {
+    const float *f;         /* A_F32: x's row */
+    const int8_t *q;        /* A_32, A_256: K integers */
+    const float *d;         /* scales: K/32 or K/256 */
+    const float *ds;        /* A_32: d times the block's sum of q */
+    const int16_t *bs;      /* A_256: sums of q per 16 columns */
+} xrow;
+
+static GT float hsum8(__m256 v) {
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    a = _mm_add_ss(a, _mm_movehdup_ps(a));
+    return _mm_cvtss_f32(a);
+}
+
+/* n floats (a multiple of 32) -> integers q = round(x / d), d = max|x| / 127 (0 where x is all 0). */
+static GT float quantize_span(const float *x, int n, int8_t *q) {
+    __m256 mx = _mm256_setzero_ps();
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    for (int k = 0; k < n; k += 8) mx = _mm256_max_ps(mx, _mm256_and_ps(_mm256_loadu_ps(x + k), abs_mask));
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    const float amax = _mm_cvtss_f32(m);
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    const __m256 vi = _mm256_set1_ps(inv);
+    for (int k = 0; k < n; k += 32) {
+        __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k), vi));
+        __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k + 8), vi));
+        __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k + 16), vi));
+        __m256i e = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k + 24), vi));
+        __m256i ab = _mm256_packs_epi32(a, b), ce = _mm256_packs_epi32(c, e);
+        __m256i p = _mm256_packs_epi16(ab, ce);               /* lanes in order 0 4 1 5 2 6 3 7 (of 4 each) */
+        p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)(q + k), p);
+    }
+    return amax / 127.f;
+}
+
+static int row_sum(const int8_t *q, int n) {
+    int s = 0;
+    for (int i = 0; i < n; i++) s += q[i];
+    return s;
+}
+
+/* ---- dot products of one weight row with R <= 4 rows of x ------------------------------------- */
+
+#define MAXR 4
+
+GI __m256i dot_us(__m256i w, __m256i x) {          /* unsigned w (< 128) times signed x, by 4 */
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+}
+GI __m256i dot_ss(__m256i w, __m256i x) {          /* signed w times signed x (|x| <= 127), by 4 */
+    return dot_us(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+}
+GI __m256i nibbles16(const uint8_t *p) {          /* 16 bytes -> 32: the low nibbles, then the high */
+    const __m128i t = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(0xF));
+}
+GI __m256i bits_to_bytes(uint32_t bits) {         /* byte i all ones where bit i is set */
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i b = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), spread);
+    return _mm256_cmpeq_epi8(_mm256_and_si256(b, bit), bit);
+}
+GI __m256i loadq(const int8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+GI __m256i scales2(int lo, int hi) { return _mm256_set_m128i(_mm_set1_epi16((short)hi), _mm_set1_epi16((short)lo)); }
+
+/* 32-blocks: the block's weights as signed (or, with a minimum, unsigned) bytes, times each row. */
+GI void dot_32(int type, int K, const uint8_t *w, const xrow *x, int R, float *out) {
+    __m256 acc[MAXR];
+    float accm[MAXR];
+    for (int r = 0; r < R; r++) {
+        acc[r] = _mm256_setzero_ps();
+        accm[r] = 0.f;
+    }
+    const __m256i iq4 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_VALUES));
+    int bytes;
+    type_block(type, &bytes);
+    for (int b = 0; b < K / 32; b++) {
+        const uint8_t *blk = w + (size_t)b * bytes;
+        const float dw = halfv(blk);
+        float m = 0.f;
+        int has_min = 0;
+        __m256i q;
+        switch (type) {
+        case T_Q8_0: q = _mm256_loadu_si256((const __m256i *)(blk + 2)); break;
+        case T_Q4_0: q = _mm256_sub_epi8(nibbles16(blk + 2), _mm256_set1_epi8(8)); break;
+        case T_IQ4_NL: q = _mm256_shuffle_epi8(iq4, nibbles16(blk + 2)); break;
+        case T_Q4_1: q = nibbles16(blk + 4); m = halfv(blk + 2); has_min = 1; break;
+        case T_Q5_0: {
+            uint32_t qh;
+            memcpy(&qh, blk + 2, 4);
+            q = _mm256_or_si256(nibbles16(blk + 6), _mm256_andnot_si256(bits_to_bytes(qh), _mm256_set1_epi8((char)0xF0)));
+            break;
+        }
+        default: {      /* Q5_1 */
+            uint32_t qh;
+            memcpy(&qh, blk + 4, 4);
+            q = _mm256_or_si256(nibbles16(blk + 8), _mm256_and_si256(bits_to_bytes(qh), _mm256_set1_epi8(0x10)));
+            m = halfv(blk + 2);
+            has_min = 1;
+        }
+        }
+        for (int r = 0; r < R; r++) {
+            const __m256i xq = loadq(x[r].q + 32 * b);
+            const __m256i p = has_min ? dot_us(q, xq) : dot_ss(q, xq);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * x[r].d[b]), _mm256_cvtepi32_ps(p), acc[r]);
+            if (has_min) accm[r] += m * x[r].ds[b];
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]) + accm[r];
+}
+
+/* Q4_K and Q5_K: eight sub-blocks of 32 with 6-bit scales and minimums. */
+static GT void dot_q45k(int five, int K, const uint8_t *w, const xrow *x, int R, float *out) {
+    __m256 acc[MAXR];
+    float accm[MAXR];
+    for (int r = 0; r < R; r++) {
+        acc[r] = _mm256_setzero_ps();
+        accm[r] = 0.f;
+    }
+    const int bytes = five ? 176 : 144;
+    const __m256i low = _mm256_set1_epi8(0xF), one = _mm256_set1_epi8(1);
+    for (int b = 0; b < K / 256; b++) {
+        const uint8_t *blk = w + (size_t)b * bytes;
+        const float d = halfv(blk), dmin = halfv(blk + 2);
+        uint8_t sc[8], mn[8];
+        for (int j = 0; j < 8; j++) scale_min_k4(j, blk + 4, sc + j, mn + j);
+        const uint8_t *qs = blk + 16 + 32 * five;
+        __m256i q[8];
+        const __m256i hb = five ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {
+            const __m256i t = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+            q[2 * j] = _mm256_and_si256(t, low);
+            q[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(t, 4), low);
+            if (five) {
+                const __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(hb, 2 * j), one);
+                const __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(hb, 2 * j + 1), one);
+                q[2 * j] = _mm256_or_si256(q[2 * j], _mm256_slli_epi16(h0, 4));
+                q[2 * j + 1] = _mm256_or_si256(q[2 * j + 1], _mm256_slli_epi16(h1, 4));
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const int8_t *xq = x[r].q + 256 * b;
+            __m256i sum = _mm256_setzero_si256();
+            for (int j = 0; j < 8; j++) {
+                const __m256i p = _mm256_maddubs_epi16(q[j], loadq(xq + 32 * j));
+                sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, _mm256_set1_epi16(sc[j])));
+            }
+            const int16_t *bs = x[r].bs + 16 * b;
+            int mins = 0;
+            for (int j = 0; j < 8; j++) mins += mn[j] * (bs[2 * j] + bs[2 * j + 1]);
+            const float xd = x[r].d[b];
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd), _mm256_cvtepi32_ps(sum), acc[r]);
+            accm[r] += dmin * xd * (float)mins;
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]) - accm[r];
+}
+
+/* Unsigned values q (8 x 32 columns) times x's integers xq, each 16 columns times its scale s: 8 sums. */
+GI __m256i scaled_sums(const __m256i *q, const __m256i *s, const int8_t *xq) {
+    __m256i sum = _mm256_setzero_si256();
+    for (int j = 0; j < 8; j++)
+        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(q[j], loadq(xq + 32 * j)), s[j]));
+    return sum;
+}
+
+/* Q6_K and Q3_K: super-block b's unsigned values q (8 x 32 columns) times each row, each 16 columns
+ * by its scale (s as vectors, sc as integers), less `offset` times the scaled sums of x's 16 columns. */
+GI void rows_offset(const __m256i *q, const __m256i *s, const int8_t *sc, int offset, float d, int b, const xrow *x,
+                    int R, __m256 *acc) {
+    for (int r = 0; r < R; r++) {
+        const int8_t *xq = x[r].q + 256 * b;
+        __m256i sum = scaled_sums(q, s, xq);
+        const int16_t *bs = x[r].bs + 16 * b;
+        int off = 0;
+        for (int g = 0; g < 16; g++) off += sc[g] * bs[g];
+        sum = _mm256_sub_epi32(sum, _mm256_setr_epi32(offset * off, 0, 0, 0, 0, 0, 0, 0));
+        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[r].d[b]), _mm256_cvtepi32_ps(sum), acc[r]);
+    }
+}
+
+static GT void dot_q6k(int K, const uint8_t *w, const xrow *x, int R, float *out) {
+    __m256 acc[MAXR];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(0xF), three = _mm256_set1_epi8(3);
+    for (int b = 0; b < K / 256; b++) {
+        const uint8_t *blk = w + (size_t)b * 210;
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        const float d = halfv(blk + 208);
+        __m256i q[8], s[8];
+        for (int c = 0; c < 2; c++) {
+            const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * c));
+            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * c + 32));
+            const __m256i h = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * c));
+            q[4 * c] = _mm256_or_si256(_mm256_and_si256(l0, low), _mm256_slli_epi16(_mm256_and_si256(h, three), 4));
+            q[4 * c + 1] = _mm256_or_si256(_mm256_and_si256(l1, low),
+                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), three), 4));
+            q[4 * c + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
+                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), three), 4));
+            q[4 * c + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low),
+                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), three), 4));
+            for (int k = 0; k < 4; k++) s[4 * c + k] = scales2(sc[8 * c + 2 * k], sc[8 * c + 2 * k + 1]);
+        }
+        rows_offset(q, s, sc, 32, d, b, x, R, acc);
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]);
+}
+
+static GT void dot_q3k(int K, const uint8_t *w, const xrow *x, int R, float *out) {
+    __m256 acc[MAXR];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+    for (int b = 0; b < K / 256; b++) {
+        const uint8_t *blk = w + (size_t)b * 110;
+        int8_t sc[16];
+        scales_q3k(blk + 96, sc);
+        for (int g = 0; g < 16; g++) sc[g] = (int8_t)(sc[g] - 32);
+        const float d = halfv(blk + 108);
+        const __m256i hm = _mm256_loadu_si256((const __m256i *)blk);
+        __m256i q[8], s[8];
+        for (int c = 0; c < 2; c++) {
+            const __m256i t = _mm256_loadu_si256((const __m256i *)(blk + 32 + 32 * c));
+            for (int j = 0; j < 4; j++) {
+                const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(t, 2 * j), three);
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(hm, 4 * c + j), one);
+                q[4 * c + j] = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 2));
+                s[4 * c + j] = scales2(sc[8 * c + 2 * j], sc[8 * c + 2 * j + 1]);
+            }
+        }
+        rows_offset(q, s, sc, 4, d, b, x, R, acc);
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]);
+}
+
+static GT void dot_q2k(int K, const uint8_t *w, const xrow *x, int R, float *out) {
+    __m256 acc[MAXR];
+    float accm[MAXR];
+    for (int r = 0; r < R; r++) {
+        acc[r] = _mm256_setzero_ps();
+        accm[r] = 0.f;
+    }
+    const __m256i three = _mm256_set1_epi8(3);
+    for (int b = 0; b < K / 256; b++) {
+        const uint8_t *blk = w + (size_t)b * 84;
+        const float d = halfv(blk + 80), dmin = halfv(blk + 82);
+        __m256i q[8], s[8];
+        for (int c = 0; c < 2; c++) {
+            const __m256i t = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c));
+            for (int j = 0; j < 4; j++) {
+                q[4 * c + j] = _mm256_and_si256(_mm256_srli_epi16(t, 2 * j), three);
+                s[4 * c + j] = scales2(blk[8 * c + 2 * j] & 0xF, blk[8 * c + 2 * j + 1] & 0xF);
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const int8_t *xq = x[r].q + 256 * b;
+            __m256i sum = scaled_sums(q, s, xq);
+            const int16_t *bs = x[r].bs + 16 * b;
+            int mins = 0;
+            for (int g = 0; g < 16; g++) mins += (blk[g] >> 4) * bs[g];
+            const float xd = x[r].d[b];
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd), _mm256_cvtepi32_ps(sum), acc[r]);
+            accm[r] += dmin * xd * (float)mins;
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]) - accm[r];
+}
+
+static GT void dot_iq4xs(int K, const uint8_t *w, const xrow *x, int R, float *out) {
+    __m256 acc[MAXR];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    const __m256i iq4 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_VALUES));
+    for (int b = 0; b < K / 256; b++) {
+        const uint8_t *blk = w + (size_t)b * 136;
+        const float d = halfv(blk);
+        const uint16_t sh = (uint16_t)(blk[2] | blk[3] << 8);
+        __m256i q[8], s[8];
+        for (int ib = 0; ib < 8; ib++) {
+            const int ls = ((blk[4 + ib / 2] >> (4 * (ib % 2))) & 0xF) | ((sh >> (2 * ib)) & 3) << 4;
+            q[ib] = _mm256_shuffle_epi8(iq4, nibbles16(blk + 8 + 16 * ib));
+            s[ib] = _mm256_set1_epi16((short)(ls - 32));
+        }
+        for (int r = 0; r < R; r++) {
+            const int8_t *xq = x[r].q + 256 * b;
+            __m256i sum = _mm256_setzero_si256();
+            for (int j = 0; j < 8; j++) {
+                const __m256i xv = loadq(xq + 32 * j);
+                const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(q[j], q[j]), _mm256_sign_epi8(xv, q[j]));
+                sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, s[j]));
+            }
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[r].d[b]), _mm256_cvtepi32_ps(sum), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]);
+}
+
+/* F32, F16 and BF16 weights times float32 x: two sums of 8 lanes per row, added at the end. */
+GI __m256 wide8(int bf, const uint8_t *w, int k) {       /* 8 weights from column k as float32 */
+    if (bf == 2) return _mm256_loadu_ps((const float *)w + k);
+    const __m128i h = _mm_loadu_si128((const __m128i *)(w + 2 * k));
+    if (bf) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    return _mm256_cvtph_ps(h);
+}
+
+GI float one_weight(int bf, const uint8_t *w, int t) {
+    if (bf == 2) return ((const float *)w)[t];
+    return bf ? bf16(w + 2 * t) : halfv(w + 2 * t);
+}
+
+GI void dot_wide(int bf, int K, const uint8_t *w, const xrow *x, int R, float *out) {
+    __m256 a0[MAXR], a1[MAXR];
+    for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm256_setzero_ps();
+    int k = 0;
+    for (; k + 16 <= K; k += 16) {
+        const __m256 w0 = wide8(bf, w, k), w1 = wide8(bf, w, k + 8);
+        for (int r = 0; r < R; r++) {
+            a0[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x[r].f + k), a0[r]);
+            a1[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x[r].f + k + 8), a1[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        float s = hsum8(_mm256_add_ps(a0[r], a1[r]));
+        for (int t = k; t < K; t++) s += one_weight(bf, w, t) * x[r].f[t];
+        out[r] = s;
+    }
+}
+
+static GT void dot_f16(int K, const uint8_t *w, const xrow *x, int R, float *out) { dot_wide(0, K, w, x, R, out); }
+static GT void dot_bf16(int K, const uint8_t *w, const xrow *x, int R, float *out) { dot_wide(1, K, w, x, R, out); }
+static GT void dot_f32(int K, const uint8_t *w, const xrow *x, int R, float *out) { dot_wide(2, K, w, x, R, out); }
+
+#define DOT32(name, type) \
+    static GT void name(int K, const uint8_t *w, const xrow *x, int R, float *out) { dot_32(type, K, w, x, R, out); }
+DOT32(dot_q8_0, T_Q8_0)
+DOT32(dot_q4_0, T_Q4_0)
+DOT32(dot_q4_1, T_Q4_1)
+DOT32(dot_q5_0, T_Q5_0)
+DOT32(dot_q5_1, T_Q5_1)
+DOT32(dot_iq4nl, T_IQ4_NL)
+
+static void dot_row(int type, int K, const uint8_t *w, const xrow *x, int R, float *out) {
+    switch (type) {
+    case T_F32: dot_f32(K, w, x, R, out); return;
+    case T_F16: dot_f16(K, w, x, R, out); return;
+    case T_BF16: dot_bf16(K, w, x, R, out); return;
+    case T_Q4_K: dot_q45k(0, K, w, x, R, out); return;
+    case T_Q5_K: dot_q45k(1, K, w, x, R, out); return;
+    case T_Q6_K: dot_q6k(K, w, x, R, out); return;
+    case T_Q3_K: dot_q3k(K, w, x, R, out); return;
+    case T_Q2_K: dot_q2k(K, w, x, R, out); return;
+    case T_IQ4_XS: dot_iq4xs(K, w, x, R, out); return;
+    case T_Q8_0: dot_q8_0(K, w, x, R, out); return;
+    case T_Q4_0: dot_q4_0(K, w, x, R, out); return;
+    case T_Q4_1: dot_q4_1(K, w, x, R, out); return;
+    case T_Q5_0: dot_q5_0(K, w, x, R, out); return;
+    case T_Q5_1: dot_q5_1(K, w, x, R, out); return;
+    case T_IQ4_NL: dot_iq4nl(K, w, x, R, out); return;
+    }
+}
+
+/* ---- entry points ----------------------------------------------------------------------------- */
+
+/* This thread's buffer for x's quantized rows, grown as calls need it. */
+static void *act_buffer(size_t bytes) {
+    static __thread void *buf;
+    static __thread size_t have;
+    if (bytes > have) {
+        free(buf);
+        buf = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        have = buf ? bytes : 0;
+    }
+    return buf;
+}
+
+int llmd_gg_block(int type, int *bytes) { return type_block(type, bytes); }
+
+int llmd_gg_dequant(const void *data, int type, int64_t n, float *out) {
+    int bytes, per = type_block(type, &bytes);
+    if (!per || n % per) return -1;
+    for (int64_t b = 0; b < n / per; b++) dequant_block(type, (const uint8_t *)data + b * bytes, out + b * per);
+    return 0;
+}
+
+int llmd_gg_rows(const void *data, int type, int K, const int64_t *ids, int C, float *out) {
+    int bytes, per = type_block(type, &bytes);
+    if (!per || K % per) return -1;
+    const size_t row = (size_t)(K / per) * bytes;
+    for (int c = 0; c < C; c++) llmd_gg_dequant((const uint8_t *)data + (size_t)ids[c] * row, type, K, out + (size_t)c * K);
+    return 0;
+}
+
+/* Rows of x a tile of outputs reads while its quantized rows stay in cache. */
+#define M_TILE 64
+
+int llmd_gg_x(const float *x, int M, int K, const llmd_gg_part *parts, int P, float *y, int N, int nt) {
+    if (!llmd_cpu_ok() || M < 1 || K < 1 || P < 1 || P > 64 || N < 1) return -1;
+    int start[65], need[3] = {0, 0, 0};
+    size_t rowbytes[64];
+    start[0] = 0;
+    for (int p = 0; p < P; p++) {
+        int bytes, per = type_block(parts[p].type, &bytes);
+        if (!per || K % per || parts[p].rows < 1 || !parts[p].data) return -1;
+        rowbytes[p] = (size_t)(K / per) * bytes;
+        need[type_act(parts[p].type)] = 1;
+        start[p + 1] = start[p] + parts[p].rows;
+    }
+    if (start[P] != N || ((need[A_32] || need[A_256]) && K % 32)) return -1;
+    if (need[A_256] && K % 256) return -1;
+    /* x's forms: xrow [3][M], then q32, d32, ds32, q256, d256, bs256 */
+    const size_t n32 = need[A_32] ? (size_t)M * K : 0, n256 = need[A_256] ? (size_t)M * K : 0;
+    const size_t sz_rows = sizeof(xrow) * 3 * (size_t)M;
+    const size_t sz = sz_rows + n32 + n32 / 32 * 8 + n256 + n256 / 256 * 4 + n256 / 16 * 2 + 256;
+    char *buf = act_buffer(sz);
+    if (!buf) return -2;
+    xrow *xr = (xrow *)buf;
+    int8_t *q32 = (int8_t *)(buf + sz_rows);
+    float *d32 = (float *)(q32 + n32), *ds32 = d32 + n32 / 32;
+    int8_t *q256 = (int8_t *)(ds32 + n32 / 32);
+    float *d256 = (float *)(q256 + n256);
+    int16_t *bs256 = (int16_t *)(d256 + n256 / 256);
+    #pragma omp parallel for num_threads(nt) schedule(static) if ((size_t)M * K > (1u << 16))
+    for (int m = 0; m < M; m++) {
+        const float *xm = x + (size_t)m * K;
+        xr[m].f = xm;
+        if (need[A_32]) {
+            xrow *a = xr + M + m;
+            int8_t *q = q32 + (size_t)m * K;
+            float *d = d32 + (size_t)m * (K / 32), *ds = ds32 + (size_t)m * (K / 32);
+            for (int b = 0; b < K / 32; b++) {
+                d[b] = quantize_span(xm + 32 * b, 32, q + 32 * b);
+                ds[b] = d[b] * (float)row_sum(q + 32 * b, 32);
+            }
+            a->q = q, a->d = d, a->ds = ds;
+        }
+        if (need[A_256]) {
+            xrow *a = xr + 2 * M + m;
+            int8_t *q = q256 + (size_t)m * K;
+            float *d = d256 + (size_t)m * (K / 256);
+            int16_t *bs = bs256 + (size_t)m * (K / 16);
+            for (int b = 0; b < K / 256; b++) d[b] = quantize_span(xm + 256 * b, 256, q + 256 * b);
+            for (int g = 0; g < K / 16; g++) bs[g] = (int16_t)row_sum(q + 16 * g, 16);
+            a->q = q, a->d = d, a->bs = bs;
+        }
+    }
+    #pragma omp parallel num_threads(nt) if ((size_t)N * K > (1u << 18))
+    for (int mt = 0; mt < M; mt += M_TILE) {
+        const int me = mt + M_TILE < M ? mt + M_TILE : M;
+        #pragma omp for schedule(static)
+        for (int n = 0; n < N; n++) {
+            int p = 0;
+            while (n >= start[p + 1]) p++;
+            const int local = n - start[p];
+            const int row = parts[p].order ? parts[p].order[local] : local;
+            const uint8_t *w = (const uint8_t *)parts[p].data + (size_t)row * rowbytes[p];
+            const xrow *xs = xr + (size_t)type_act(parts[p].type) * M;
+            float out[MAXR];
+            for (int m = mt; m < me; m += MAXR) {
+                const int R = me - m < MAXR ? me - m : MAXR;
+                dot_row(parts[p].type, K, w, xs + m, R, out);
+                for (int r = 0; r < R; r++) y[(size_t)(m + r) * N + n] = out[r];
+            }
+        }
+    }
+    return 0;
+}
