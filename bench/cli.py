@@ -26,7 +26,8 @@ import torch
 from llmd.options import add_flags, given
 from llmd.runtime.config import EngineConfig
 from llmd.runtime.errors import LLMDError
-from llmd.runtime.formats.gguf_import import is_gguf, resolve_model_path, source_gguf
+from llmd.runtime.formats.gguf_import import resolve_model_path, source_gguf
+from llmd.runtime.formats.gguf_native import is_gguf_file
 from llmd.runtime.llm import LLM
 from llmd.runtime.models.random_model import write_random_model
 from llmd.runtime.request import SamplingParams
@@ -119,7 +120,7 @@ def parse_levels(text: str | None, default: str) -> tuple[int, ...]:
 
 def llama_gguf(args, model: str) -> str:
     """The GGUF file llama.cpp reads: --llama-gguf, MODEL itself, or the file MODEL was imported from."""
-    path = args.llama_gguf or (args.model if is_gguf(args.model or "") else source_gguf(model))
+    path = args.llama_gguf or (args.model if is_gguf_file(args.model or "") else source_gguf(model))
     if not path:
         raise BenchArgumentError(f"{model} was not imported from a GGUF file: give the file llama.cpp should read "
                                  "with --llama-gguf FILE")
@@ -155,7 +156,8 @@ def _run_bench(args) -> int:
         torch.set_num_threads(args.threads)
     peers = peer_names(args)                                  # refuses bad combinations before any import
     if args.model is not None:
-        model = resolve_model_path(args.model, args.dtype or "float32")     # a GGUF file: its cached import
+        native = args.dtype in (None, "auto") and is_gguf_file(args.model)    # served from its own blocks
+        model = args.model if native else resolve_model_path(args.model, args.dtype or "float32")
         if "llamacpp-server" in peers:
             return against_llama_server(args, model)
         return bench_model(args, model)
@@ -200,7 +202,7 @@ def measure(args, model: str, llm, spec_llm) -> int:
     rng = random.Random(0)
     prompt = [rng.randrange(vocab) for _ in range(args.prompt_len)]
     res: dict = {"model": model, "threads": torch.get_num_threads(), "prompt_len": args.prompt_len, "gen": args.gen,
-                 "device": str(device), "dtype": args.dtype or "float32"}
+                 "device": str(device), "dtype": args.dtype or "auto"}
     singles, hfs, specs, concurrents, llamas = [], [], [], [], []
     single_stream(llm, prompt[:8], 8)                       # warm-up
     streams = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(args.concurrency)]

@@ -108,7 +108,8 @@ class GGUFLinear(nn.Module):
     # ---- products --------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features).float().contiguous()
-        y = ops.gg_matvec(x2, self.parts(), len(self.blocks), self.out_features) if kernels.usable(x2) else None
+        usable = kernels.usable(x2, has_gradient=x2.requires_grad)     # the file's weights take no gradient
+        y = ops.gg_matvec(x2, self.parts(), len(self.blocks), self.out_features) if usable else None
         if y is None:
             y = x2 @ self.dense_weight().t()
         if self.bias is not None:

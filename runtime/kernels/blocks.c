@@ -248,6 +248,7 @@ typedef struct {
     const float *d;         /* scales: K/32 or K/256 */
     const float *ds;        /* A_32: d times the block's sum of q */
     const int16_t *bs;      /* A_256: sums of q per 16 columns */
+    const int16_t *b32;     /* A_256: sums of q per 32 columns */
 } xrow;
 
 static GT float hsum8(__m256 v) {
@@ -357,51 +358,146 @@ GI void dot_32(int type, int K, const uint8_t *w, const xrow *x, int R, float *o
     for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]) + accm[r];
 }
 
-/* Q4_K and Q5_K: eight sub-blocks of 32 with 6-bit scales and minimums. */
-static GT void dot_q45k(int five, int K, const uint8_t *w, const xrow *x, int R, float *out) {
+/* Q4_K and Q5_K: eight sub-blocks of 32 with 6-bit scales and minimums. The scales are widened to
+ * 16 bits once per super-block and each sub-block's taken by a byte shuffle; the minimums meet x's
+ * sums per 32 columns in one vpmaddwd. R (1, 2 or 4, a constant where it is inlined) rows share each
+ * weight load. */
+static const uint8_t SHUF_PAIR[8][32] = {
+#define P(k) {2 * k, 2 * k + 1, 2 * k, 2 * k + 1, 2 * k, 2 * k + 1, 2 * k, 2 * k + 1, 2 * k, 2 * k + 1, 2 * k, 2 * k + 1, \
+               2 * k, 2 * k + 1, 2 * k, 2 * k + 1, 2 * k, 2 * k + 1, 2 * k, 2 * k + 1, 2 * k, 2 * k + 1, 2 * k, 2 * k + 1, \
+               2 * k, 2 * k + 1, 2 * k, 2 * k + 1, 2 * k, 2 * k + 1, 2 * k, 2 * k + 1}
+    P(0), P(1), P(2), P(3), P(4), P(5), P(6), P(7)
+#undef P
+};
+
+/* The 12 scale bytes of a Q4_K / Q5_K super-block -> scales (low 8 bytes) and minimums (high 8). */
+GI __m128i scales_mins_k4(const uint8_t *q) {
+    uint32_t u[4];
+    memcpy(u, q, 12);
+    const uint32_t m4 = 0x3f3f3f3f, m2 = 0xc0c0c0c0, m0 = 0x0f0f0f0f;
+    u[3] = ((u[2] >> 4) & m0) | ((u[1] & m2) >> 2);      /* minimums 4-7 */
+    const uint32_t s47 = (u[2] & m0) | ((u[0] & m2) >> 2);   /* scales 4-7 */
+    u[2] = u[1] & m4;                                    /* minimums 0-3 */
+    u[1] = s47;
+    u[0] &= m4;                                          /* scales 0-3 */
+    return _mm_loadu_si128((const __m128i *)u);
+}
+
+GI void q45k_rows(const int five, int K, const uint8_t *w, const xrow *x, float *out, const int R) {
     __m256 acc[MAXR];
-    float accm[MAXR];
+    __m128 accm[MAXR];
     for (int r = 0; r < R; r++) {
         acc[r] = _mm256_setzero_ps();
-        accm[r] = 0.f;
+        accm[r] = _mm_setzero_ps();
     }
     const int bytes = five ? 176 : 144;
     const __m256i low = _mm256_set1_epi8(0xF), one = _mm256_set1_epi8(1);
     for (int b = 0; b < K / 256; b++) {
         const uint8_t *blk = w + (size_t)b * bytes;
         const float d = halfv(blk), dmin = halfv(blk + 2);
-        uint8_t sc[8], mn[8];
-        for (int j = 0; j < 8; j++) scale_min_k4(j, blk + 4, sc + j, mn + j);
+        const __m128i sm = scales_mins_k4(blk + 4);
+        const __m256i sc = _mm256_cvtepu8_epi16(sm);                     /* 8 scales, 8 minimums as int16 */
+        const __m256i sc2 = _mm256_permute2x128_si256(sc, sc, 0x00);     /* the scales in both halves */
+        const __m128i mins = _mm256_extracti128_si256(sc, 1);
         const uint8_t *qs = blk + 16 + 32 * five;
-        __m256i q[8];
         const __m256i hb = five ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
+        __m256i sum[MAXR];
+        for (int r = 0; r < R; r++) sum[r] = _mm256_setzero_si256();
         for (int j = 0; j < 4; j++) {
             const __m256i t = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
-            q[2 * j] = _mm256_and_si256(t, low);
-            q[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(t, 4), low);
+            __m256i lo = _mm256_and_si256(t, low), hi = _mm256_and_si256(_mm256_srli_epi16(t, 4), low);
             if (five) {
-                const __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(hb, 2 * j), one);
-                const __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(hb, 2 * j + 1), one);
-                q[2 * j] = _mm256_or_si256(q[2 * j], _mm256_slli_epi16(h0, 4));
-                q[2 * j + 1] = _mm256_or_si256(q[2 * j + 1], _mm256_slli_epi16(h1, 4));
+                lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * j), one), 4));
+                hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * j + 1), one), 4));
+            }
+            const __m256i s_lo = _mm256_shuffle_epi8(sc2, _mm256_loadu_si256((const __m256i *)SHUF_PAIR[2 * j]));
+            const __m256i s_hi = _mm256_shuffle_epi8(sc2, _mm256_loadu_si256((const __m256i *)SHUF_PAIR[2 * j + 1]));
+            for (int r = 0; r < R; r++) {
+                const int8_t *xq = x[r].q + 256 * b + 64 * j;
+                const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, loadq(xq)), s_lo);
+                const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, loadq(xq + 32)), s_hi);
+                sum[r] = _mm256_add_epi32(sum[r], _mm256_add_epi32(p0, p1));
             }
         }
         for (int r = 0; r < R; r++) {
-            const int8_t *xq = x[r].q + 256 * b;
-            __m256i sum = _mm256_setzero_si256();
-            for (int j = 0; j < 8; j++) {
-                const __m256i p = _mm256_maddubs_epi16(q[j], loadq(xq + 32 * j));
-                sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, _mm256_set1_epi16(sc[j])));
-            }
-            const int16_t *bs = x[r].bs + 16 * b;
-            int mins = 0;
-            for (int j = 0; j < 8; j++) mins += mn[j] * (bs[2 * j] + bs[2 * j + 1]);
             const float xd = x[r].d[b];
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd), _mm256_cvtepi32_ps(sum), acc[r]);
-            accm[r] += dmin * xd * (float)mins;
+            const __m128i bs = _mm_loadu_si128((const __m128i *)(x[r].b32 + 8 * b));
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd), _mm256_cvtepi32_ps(sum[r]), acc[r]);
+            accm[r] = _mm_fmadd_ps(_mm_set1_ps(dmin * xd), _mm_cvtepi32_ps(_mm_madd_epi16(mins, bs)), accm[r]);
         }
     }
-    for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]) - accm[r];
+    for (int r = 0; r < R; r++) {
+        __m128 m = _mm_add_ps(accm[r], _mm_movehl_ps(accm[r], accm[r]));
+        m = _mm_add_ss(m, _mm_movehdup_ps(m));
+        out[r] = hsum8(acc[r]) - _mm_cvtss_f32(m);
+    }
+}
+
+/* Q6_K: 16 signed 8-bit scales per super-block, each of 16 columns; values 0-63 less 32, the 32 taken
+ * off as 32 times the scaled sums of x's 16 columns (one vpmaddwd). */
+static const uint8_t SHUF_Q6[8][16] = {
+#define P(k) {2 * k, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1, \
+               2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1}
+    P(0), P(1), P(2), P(3), P(4), P(5), P(6), P(7)
+#undef P
+};
+
+GI void q6k_rows(int K, const uint8_t *w, const xrow *x, float *out, const int R) {
+    __m256 acc[MAXR];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(0xF), three = _mm256_set1_epi8(3);
+    for (int b = 0; b < K / 256; b++) {
+        const uint8_t *blk = w + (size_t)b * 210;
+        const float d = halfv(blk + 208);
+        const __m128i sc8 = _mm_loadu_si128((const __m128i *)(blk + 192));
+        const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
+        __m256i sum[MAXR];
+        for (int r = 0; r < R; r++) sum[r] = _mm256_setzero_si256();
+        for (int c = 0; c < 2; c++) {
+            const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * c));
+            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * c + 32));
+            const __m256i h = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * c));
+            __m256i q[4];
+            q[0] = _mm256_or_si256(_mm256_and_si256(l0, low), _mm256_slli_epi16(_mm256_and_si256(h, three), 4));
+            q[1] = _mm256_or_si256(_mm256_and_si256(l1, low),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), three), 4));
+            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), three), 4));
+            q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), three), 4));
+            for (int k = 0; k < 4; k++) {
+                const __m256i s = _mm256_cvtepi8_epi16(
+                    _mm_shuffle_epi8(sc8, _mm_loadu_si128((const __m128i *)SHUF_Q6[4 * c + k])));
+                for (int r = 0; r < R; r++) {
+                    const __m256i p = _mm256_maddubs_epi16(q[k], loadq(x[r].q + 256 * b + 128 * c + 32 * k));
+                    sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(p, s));
+                }
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const __m256i bs = _mm256_loadu_si256((const __m256i *)(x[r].bs + 16 * b));
+            sum[r] = _mm256_sub_epi32(sum[r], _mm256_slli_epi32(_mm256_madd_epi16(bs, sc16), 5));
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[r].d[b]), _mm256_cvtepi32_ps(sum[r]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]);
+}
+
+/* Each row count its own copy, so the row loops unroll with their accumulators in registers. */
+static GT void dot_q4k(int K, const uint8_t *w, const xrow *x, int R, float *out) {
+    if (R == 4) q45k_rows(0, K, w, x, out, 4);
+    else if (R == 2) q45k_rows(0, K, w, x, out, 2);
+    else for (int r = 0; r < R; r++) q45k_rows(0, K, w, x + r, out + r, 1);
+}
+static GT void dot_q5k(int K, const uint8_t *w, const xrow *x, int R, float *out) {
+    if (R == 4) q45k_rows(1, K, w, x, out, 4);
+    else if (R == 2) q45k_rows(1, K, w, x, out, 2);
+    else for (int r = 0; r < R; r++) q45k_rows(1, K, w, x + r, out + r, 1);
+}
+static GT void dot_q6k(int K, const uint8_t *w, const xrow *x, int R, float *out) {
+    if (R == 4) q6k_rows(K, w, x, out, 4);
+    else if (R == 2) q6k_rows(K, w, x, out, 2);
+    else for (int r = 0; r < R; r++) q6k_rows(K, w, x + r, out + r, 1);
 }
 
 /* Unsigned values q (8 x 32 columns) times x's integers xq, each 16 columns times its scale s: 8 sums. */
@@ -425,33 +521,6 @@ GI void rows_offset(const __m256i *q, const __m256i *s, const int8_t *sc, int of
         sum = _mm256_sub_epi32(sum, _mm256_setr_epi32(offset * off, 0, 0, 0, 0, 0, 0, 0));
         acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[r].d[b]), _mm256_cvtepi32_ps(sum), acc[r]);
     }
-}
-
-static GT void dot_q6k(int K, const uint8_t *w, const xrow *x, int R, float *out) {
-    __m256 acc[MAXR];
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    const __m256i low = _mm256_set1_epi8(0xF), three = _mm256_set1_epi8(3);
-    for (int b = 0; b < K / 256; b++) {
-        const uint8_t *blk = w + (size_t)b * 210;
-        const int8_t *sc = (const int8_t *)(blk + 192);
-        const float d = halfv(blk + 208);
-        __m256i q[8], s[8];
-        for (int c = 0; c < 2; c++) {
-            const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * c));
-            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * c + 32));
-            const __m256i h = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * c));
-            q[4 * c] = _mm256_or_si256(_mm256_and_si256(l0, low), _mm256_slli_epi16(_mm256_and_si256(h, three), 4));
-            q[4 * c + 1] = _mm256_or_si256(_mm256_and_si256(l1, low),
-                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), three), 4));
-            q[4 * c + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
-                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), three), 4));
-            q[4 * c + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low),
-                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), three), 4));
-            for (int k = 0; k < 4; k++) s[4 * c + k] = scales2(sc[8 * c + 2 * k], sc[8 * c + 2 * k + 1]);
-        }
-        rows_offset(q, s, sc, 32, d, b, x, R, acc);
-    }
-    for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]);
 }
 
 static GT void dot_q3k(int K, const uint8_t *w, const xrow *x, int R, float *out) {
@@ -590,8 +659,8 @@ static void dot_row(int type, int K, const uint8_t *w, const xrow *x, int R, flo
     case T_F32: dot_f32(K, w, x, R, out); return;
     case T_F16: dot_f16(K, w, x, R, out); return;
     case T_BF16: dot_bf16(K, w, x, R, out); return;
-    case T_Q4_K: dot_q45k(0, K, w, x, R, out); return;
-    case T_Q5_K: dot_q45k(1, K, w, x, R, out); return;
+    case T_Q4_K: dot_q4k(K, w, x, R, out); return;
+    case T_Q5_K: dot_q5k(K, w, x, R, out); return;
     case T_Q6_K: dot_q6k(K, w, x, R, out); return;
     case T_Q3_K: dot_q3k(K, w, x, R, out); return;
     case T_Q2_K: dot_q2k(K, w, x, R, out); return;
@@ -656,7 +725,7 @@ int llmd_gg_x(const float *x, int M, int K, const llmd_gg_part *parts, int P, fl
     /* x's forms: xrow [3][M], then q32, d32, ds32, q256, d256, bs256 */
     const size_t n32 = need[A_32] ? (size_t)M * K : 0, n256 = need[A_256] ? (size_t)M * K : 0;
     const size_t sz_rows = sizeof(xrow) * 3 * (size_t)M;
-    const size_t sz = sz_rows + n32 + n32 / 32 * 8 + n256 + n256 / 256 * 4 + n256 / 16 * 2 + 256;
+    const size_t sz = sz_rows + n32 + n32 / 32 * 8 + n256 + n256 / 256 * 4 + n256 / 16 * 2 + n256 / 32 * 2 + 256;
     char *buf = act_buffer(sz);
     if (!buf) return -2;
     xrow *xr = (xrow *)buf;
@@ -664,7 +733,7 @@ int llmd_gg_x(const float *x, int M, int K, const llmd_gg_part *parts, int P, fl
     float *d32 = (float *)(q32 + n32), *ds32 = d32 + n32 / 32;
     int8_t *q256 = (int8_t *)(ds32 + n32 / 32);
     float *d256 = (float *)(q256 + n256);
-    int16_t *bs256 = (int16_t *)(d256 + n256 / 256);
+    int16_t *bs256 = (int16_t *)(d256 + n256 / 256), *b32 = bs256 + n256 / 16;
     #pragma omp parallel for num_threads(nt) schedule(static) if ((size_t)M * K > (1u << 16))
     for (int m = 0; m < M; m++) {
         const float *xm = x + (size_t)m * K;
@@ -686,7 +755,9 @@ int llmd_gg_x(const float *x, int M, int K, const llmd_gg_part *parts, int P, fl
             int16_t *bs = bs256 + (size_t)m * (K / 16);
             for (int b = 0; b < K / 256; b++) d[b] = quantize_span(xm + 256 * b, 256, q + 256 * b);
             for (int g = 0; g < K / 16; g++) bs[g] = (int16_t)row_sum(q + 16 * g, 16);
-            a->q = q, a->d = d, a->bs = bs;
+            int16_t *s32 = b32 + (size_t)m * (K / 32);
+            for (int g = 0; g < K / 32; g++) s32[g] = (int16_t)(bs[2 * g] + bs[2 * g + 1]);
+            a->q = q, a->d = d, a->bs = bs, a->b32 = s32;
         }
     }
     #pragma omp parallel num_threads(nt) if ((size_t)N * K > (1u << 18))
