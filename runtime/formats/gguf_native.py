@@ -42,6 +42,8 @@ BLOCKS = {0: (1, 4), 1: (1, 2), 30: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22
           10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210), 23: (256, 136)}
 NAMES = {v: k for k, v in TYPES.items()}
 F32 = 0
+PACKED8 = 100                     # a part's type + this: its rows interleaved in groups of 8 (blocks.c)
+PACKS8 = {TYPES["Q4_K"]}          # types with an 8-row layout
 MAGIC = b"GGUF"
 
 
@@ -61,7 +63,10 @@ class GGUFLinear(nn.Module):
 
     method = "gguf"
 
-    def __init__(self, in_features: int, parts: list[tuple[int, torch.Tensor]], bias: torch.Tensor | None = None):
+    def __init__(self, in_features: int, parts: list[tuple[int, torch.Tensor]], bias: torch.Tensor | None = None,
+                 release=None, packable: bool = True):
+        """``release(p)``, where given, hands part p's mapped pages back once an 8-row copy of them
+        exists; ``packable=False`` keeps the file's layout (a token table, whose rows are looked up)."""
         super().__init__()
         for t, rows in parts:
             per, size = BLOCKS[t]
@@ -74,6 +79,8 @@ class GGUFLinear(nn.Module):
         self.orders: list[torch.Tensor | None] = [None] * len(parts)
         self.register_buffer("bias", None if bias is None else bias.float().contiguous())
         self._struct = None
+        self._packed: list[torch.Tensor | None] | None = None     # 8-row copies, made on first use
+        self._release, self.packable = release, packable
 
     # ---- layout ----------------------------------------------------------------------------
     def permute_outputs(self, rows: torch.Tensor) -> None:
@@ -90,15 +97,37 @@ class GGUFLinear(nn.Module):
             at += n
         if self.bias is not None:
             self.bias = self.bias[rows].contiguous()
-        self._struct = None
+        self._struct = self._packed = None
+
+    def _pack(self) -> list[torch.Tensor | None]:
+        """Each part of a type with an 8-row layout, copied into it (its row order applied), or None."""
+        if self._packed is None:
+            so = kernels.lib()
+            self._packed = []
+            for p, (t, b, o) in enumerate(zip(self.types, self.blocks, self.orders)):
+                packed = None
+                if self.packable and so is not None and t in PACKS8 and b.shape[0] % 8 == 0:
+                    packed = torch.empty_like(b, memory_format=torch.contiguous_format)
+                    _huge_pages(packed)
+                    rc = so.llmd_gg_pack8(t, b.data_ptr(), None if o is None else o.data_ptr(), int(b.shape[0]),
+                                          self.in_features, packed.data_ptr())
+                    if rc:
+                        packed = None
+                    elif self._release is not None:
+                        self._release(b)
+                self._packed.append(packed)
+        return self._packed
 
     def parts(self):
-        """The llmd_gg_part array the kernels read (kept with this module)."""
+        """The llmd_gg_part array the kernels read (kept with this module): 8-row copies where a type
+        has that layout, else the file's rows through their order."""
         if self._struct is None:
-            cls = kernels.struct("llmd_gg_part") * len(self.blocks)
-            self._struct = cls(*(kernels.struct("llmd_gg_part")(
-                data=b.data_ptr(), order=None if o is None else o.data_ptr(), type=t, rows=int(b.shape[0]))
-                for t, b, o in zip(self.types, self.blocks, self.orders)))
+            packed = self._pack()
+            part = kernels.struct("llmd_gg_part")
+            self._struct = (part * len(self.blocks))(*(
+                part(data=b.data_ptr(), order=None if o is None else o.data_ptr(), type=t, rows=int(b.shape[0]))
+                if k is None else part(data=k.data_ptr(), order=None, type=t + PACKED8, rows=int(b.shape[0]))
+                for t, b, o, k in zip(self.types, self.blocks, self.orders, packed)))
             self._struct_bytes = torch.frombuffer(self._struct, dtype=torch.uint8)
         return self._struct
 
@@ -120,8 +149,9 @@ class GGUFLinear(nn.Module):
         if not kernels.available():
             return None
         self.parts()
+        held = (*self.blocks, *(o for o in self.orders if o is not None), *(k for k in self._packed if k is not None))
         return ops.KernelProduct(ops.KIND_GG, self._struct_bytes, group=len(self.blocks), max_rows=ops.MANY_MAX_ROWS,
-                                 held=(*self.blocks, *(o for o in self.orders if o is not None)))
+                                 held=held)
 
     def table_form(self) -> ops.KernelProduct | None:
         """The weight as a token table whose rows a draft loop reads (one part, rows in file order)."""
@@ -150,6 +180,10 @@ class GGUFLinear(nn.Module):
 
     def nbytes(self) -> int:
         return sum(b.numel() for b in self.blocks)
+
+    def packed_bytes(self) -> int:
+        """Bytes of the 8-row copies made so far (memory of their own; the file's pages are handed back)."""
+        return sum(k.numel() for k in self._packed or () if k is not None)
 
     def extra_repr(self) -> str:
         kinds = "+".join(NAMES[t] for t in self.types)
@@ -225,6 +259,7 @@ def load_native(path: str | Path, progress: bool = True):
     types = native_types(f)
     mapped = np.memmap(path, dtype=np.uint8, mode="c")          # copy-on-write: never written, so shared
     spans = {s.name: s for s in f.spans}
+    release = _releaser(mapped)
 
     def blocks(name: str) -> tuple[int, torch.Tensor]:
         s = spans.get(name)
@@ -264,29 +299,29 @@ def load_native(path: str | Path, progress: bool = True):
         if cfg.attention_bias:
             bias = torch.cat([vector(p + n + ".bias", w) for n, w in
                               (("attn_q", cfg.q_size), ("attn_k", cfg.kv_size), ("attn_v", cfg.kv_size))])
-        qkv = GGUFLinear(h, [q, k, v], bias)
+        qkv = GGUFLinear(h, [q, k, v], bias, release)
         if adjacent:                              # the file's rows are in rotary-adjacent order: to halves
             qo = _rotary_rows(cfg.q_size, cfg.num_heads)
             ko = _rotary_rows(cfg.kv_size, cfg.num_kv_heads)
             qkv.permute_outputs(torch.cat([qo, ko + cfg.q_size, torch.arange(cfg.kv_size) + cfg.q_size + cfg.kv_size]))
         attn.qkv_proj = qkv
         attn.o_proj = GGUFLinear(cfg.q_size, [blocks(p + "attn_output.weight")],
-                                 vector(p + "attn_output.bias", h) if cfg.o_proj_bias else None)
+                                 vector(p + "attn_output.bias", h) if cfg.o_proj_bias else None, release)
         if cfg.qk_norm:
             attn.q_norm.weight = nn.Parameter(vector(p + "attn_q_norm.weight", cfg.head_dim), requires_grad=False)
             attn.k_norm.weight = nn.Parameter(vector(p + "attn_k_norm.weight", cfg.head_dim), requires_grad=False)
         gate, up = blocks(p + "ffn_gate.weight"), blocks(p + "ffn_up.weight")
-        mlp.gate_up_proj = GGUFLinear(h, [gate, up])
-        mlp.down_proj = GGUFLinear(cfg.intermediate_size, [blocks(p + "ffn_down.weight")])
+        mlp.gate_up_proj = GGUFLinear(h, [gate, up], None, release)
+        mlp.down_proj = GGUFLinear(cfg.intermediate_size, [blocks(p + "ffn_down.weight")], None, release)
         layer.input_layernorm.weight = nn.Parameter(vector(p + "attn_norm.weight", h), requires_grad=False)
         layer.post_attention_layernorm.weight = nn.Parameter(vector(p + "ffn_norm.weight", h), requires_grad=False)
     model.norm.weight = nn.Parameter(vector("output_norm.weight", h), requires_grad=False)
-    table = GGUFLinear(h, [blocks("token_embd.weight")])
+    table = GGUFLinear(h, [blocks("token_embd.weight")], packable=False)        # its rows are looked up
     if cfg.tie_word_embeddings:
         model.lm_head = table
         model.embed_tokens = GGUFEmbedding(table, owns_table=False)
     else:
-        model.lm_head = GGUFLinear(h, [blocks("output.weight")])
+        model.lm_head = GGUFLinear(h, [blocks("output.weight")], None, release)
         model.embed_tokens = GGUFEmbedding(table, owns_table=True)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t is not None and t.is_meta]
     if left:
@@ -296,6 +331,45 @@ def load_native(path: str | Path, progress: bool = True):
     model.gguf_types = types
     model._gguf_map = mapped                      # the mapping lives as long as the model
     return model, cfg, tokenizer
+
+
+def _huge_pages(t: torch.Tensor) -> None:
+    """Ask for transparent huge pages under a large tensor not yet written (where the kernel gives them
+    only when asked): a weight stream then crosses a page every 2 MiB, not every 4 KiB."""
+    import mmap
+    if t.numel() < 4 << 20 or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        huge = 2 << 20
+        start = -(-t.data_ptr() // huge) * huge
+        end = (t.data_ptr() + t.numel()) // huge * huge
+        if end > start:
+            libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), mmap.MADV_HUGEPAGE)
+    except (OSError, AttributeError):
+        pass
+
+
+def _releaser(mapped: np.memmap):
+    """A function that hands the pages under a view of ``mapped`` back to the kernel (they are re-read
+    from the file if ever touched again): after a tensor is copied into an 8-row layout, its mapped
+    pages would otherwise stay resident beside the copy."""
+    import mmap
+    raw = getattr(mapped, "_mmap", None)
+    base = mapped.ctypes.data
+    page = mmap.PAGESIZE
+
+    def release(view: torch.Tensor) -> None:
+        if raw is None or not hasattr(raw, "madvise"):
+            return
+        start, end = view.data_ptr() - base, view.data_ptr() - base + view.numel()
+        start, end = -(-start // page) * page, end // page * page
+        if end > start:
+            try:
+                raw.madvise(mmap.MADV_DONTNEED, start, end - start)
+            except (OSError, ValueError):
+                pass
+    return release
 
 
 def type_summary(types: dict[str, str]) -> str:

@@ -20,6 +20,15 @@
 enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q2_K = 10,
        T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20, T_IQ4_XS = 23, T_BF16 = 30 };
 
+/* Eight rows of a type interleaved (llmd_gg_pack8): the same bytes, laid out so that each 32-bit lane
+ * of a vector holds one row's (see q4k8_rows). */
+#define PACKED8 100
+enum { T_Q4_K_X8 = PACKED8 + T_Q4_K };
+
+/* Bytes ahead of a weight stream that its kernel asks the caches for: rows (and 8-row groups) lie end
+ * to end and a thread takes consecutive ones, so the stream runs on past a row's end. */
+#define PREFETCH 4608
+
 /* x's form a type reads */
 enum { A_F32, A_32, A_256 };
 
@@ -38,7 +47,7 @@ static int type_block(int type, int *bytes) {
     case T_IQ4_NL: *bytes = 18; return 32;
     case T_Q2_K: *bytes = 84; return 256;
     case T_Q3_K: *bytes = 110; return 256;
-    case T_Q4_K: *bytes = 144; return 256;
+    case T_Q4_K: case T_Q4_K_X8: *bytes = 144; return 256;
     case T_Q5_K: *bytes = 176; return 256;
     case T_Q6_K: *bytes = 210; return 256;
     case T_IQ4_XS: *bytes = 136; return 256;
@@ -49,7 +58,7 @@ static int type_block(int type, int *bytes) {
 static int type_act(int type) {
     switch (type) {
     case T_F32: case T_F16: case T_BF16: return A_F32;
-    case T_Q2_K: case T_Q3_K: case T_Q4_K: case T_Q5_K: case T_Q6_K: case T_IQ4_XS: return A_256;
+    case T_Q2_K: case T_Q3_K: case T_Q4_K: case T_Q5_K: case T_Q6_K: case T_IQ4_XS: case T_Q4_K_X8: return A_256;
     default: return A_32;
     }
 }
@@ -325,6 +334,7 @@ GI void dot_32(int type, int K, const uint8_t *w, const xrow *x, int R, float *o
     type_block(type, &bytes);
     for (int b = 0; b < K / 32; b++) {
         const uint8_t *blk = w + (size_t)b * bytes;
+        if (!(b & 1)) _mm_prefetch((const char *)blk + PREFETCH, _MM_HINT_T0);
         const float dw = halfv(blk);
         float m = 0.f;
         int has_min = 0;
@@ -394,6 +404,7 @@ GI void q45k_rows(const int five, int K, const uint8_t *w, const xrow *x, float 
     const __m256i low = _mm256_set1_epi8(0xF), one = _mm256_set1_epi8(1);
     for (int b = 0; b < K / 256; b++) {
         const uint8_t *blk = w + (size_t)b * bytes;
+        for (int l = 0; l < bytes; l += 64) _mm_prefetch((const char *)blk + PREFETCH + l, _MM_HINT_T0);
         const float d = halfv(blk), dmin = halfv(blk + 2);
         const __m128i sm = scales_mins_k4(blk + 4);
         const __m256i sc = _mm256_cvtepu8_epi16(sm);                     /* 8 scales, 8 minimums as int16 */
@@ -448,6 +459,7 @@ GI void q6k_rows(int K, const uint8_t *w, const xrow *x, float *out, const int R
     const __m256i low = _mm256_set1_epi8(0xF), three = _mm256_set1_epi8(3);
     for (int b = 0; b < K / 256; b++) {
         const uint8_t *blk = w + (size_t)b * 210;
+        for (int l = 0; l < 210; l += 64) _mm_prefetch((const char *)blk + PREFETCH + l, _MM_HINT_T0);
         const float d = halfv(blk + 208);
         const __m128i sc8 = _mm_loadu_si128((const __m128i *)(blk + 192));
         const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
@@ -674,6 +686,115 @@ static void dot_row(int type, int K, const uint8_t *w, const xrow *x, int R, flo
     }
 }
 
+
+/* ---- eight rows interleaved ------------------------------------------------------------------
+ * Q4_K x8: for each group of 8 rows and super-block, 1152 bytes (8 x 144): the 8 rows' d (float16),
+ * their dmin, their 12 scale bytes transposed (byte c of row i at 32 + 8 c + i), then for each j (0-3)
+ * and t (0-7) 32 bytes: row i's quant bytes 32 j + 4 t .. + 3 at lane i. A vector's low nibbles are
+ * columns 64 j + 4 t .. + 3 of the 8 rows, its high nibbles columns 64 j + 32 + 4 t .. + 3: each lane
+ * is one row, x's four columns are broadcast, and 8 rows' sums come out in one vector, with no
+ * horizontal sum and no per-row scale shuffle. Eight products of a sub-block add exactly in 16 bits
+ * (8 x 2 x 15 x 127 < 32768) before one vpmaddwd by the rows' scales. */
+
+int llmd_gg_pack8(int type, const void *src, const int32_t *order, int rows, int K, void *dst) {
+    if (type != T_Q4_K || rows % 8 || K % 256) return -1;
+    const int nb = K / 256;
+    const uint8_t *in = src;
+    uint8_t *out = dst;
+    #pragma omp parallel for schedule(static)
+    for (int g = 0; g < rows / 8; g++) {
+        for (int b = 0; b < nb; b++) {
+            uint8_t *o = out + ((size_t)g * nb + b) * 1152;
+            for (int i = 0; i < 8; i++) {
+                const int row = order ? order[8 * g + i] : 8 * g + i;
+                const uint8_t *blk = in + ((size_t)row * nb + b) * 144;
+                memcpy(o + 2 * i, blk, 2);
+                memcpy(o + 16 + 2 * i, blk + 2, 2);
+                for (int c = 0; c < 12; c++) o[32 + 8 * c + i] = blk[4 + c];
+                for (int j = 0; j < 4; j++)
+                    for (int t = 0; t < 8; t++) memcpy(o + 128 + (8 * j + t) * 32 + 4 * i, blk + 16 + 32 * j + 4 * t, 4);
+            }
+        }
+    }
+    return 0;
+}
+
+/* Byte-wise (x >> 6) << 4 of 16 bytes: a scale's two high bits. */
+GI __m128i high2(__m128i v) { return _mm_and_si128(_mm_srli_epi16(v, 2), _mm_set1_epi8(0x30)); }
+/* 8 bytes (one per row) -> 8 lanes of two int16 copies */
+GI __m256i pairs_of(__m128i bytes8) { return _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(bytes8, bytes8)); }
+/* 8 bytes each of sub-blocks a and b (one per row) -> 8 lanes of (a, b) as int16 */
+GI __m256i pairs_ab(__m128i a8, __m128i b8) { return _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(a8, b8)); }
+
+/* out [R][8]: rows 0-7 of a group times R rows of x. */
+GI void q4k8_rows(int K, const uint8_t *w, const xrow *x, float *out, const int R) {
+    __m256 acc[MAXR], accm[MAXR];
+    for (int r = 0; r < R; r++) acc[r] = accm[r] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(0xF);
+    const __m128i m63 = _mm_set1_epi8(63), m15 = _mm_set1_epi8(0xF);
+    for (int b = 0; b < K / 256; b++) {
+        const uint8_t *blk = w + (size_t)b * 1152;
+        for (int l = 0; l < 1152; l += 64) _mm_prefetch((const char *)blk + PREFETCH + l, _MM_HINT_T0);
+        const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        const __m256 m8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
+        const __m128i A = _mm_loadu_si128((const __m128i *)(blk + 32)), B = _mm_loadu_si128((const __m128i *)(blk + 48));
+        const __m128i C = _mm_loadu_si128((const __m128i *)(blk + 64)), D = _mm_loadu_si128((const __m128i *)(blk + 80));
+        const __m128i E = _mm_loadu_si128((const __m128i *)(blk + 96)), F = _mm_loadu_si128((const __m128i *)(blk + 112));
+        /* sub-blocks 2k and 2k + 1: the 8 rows' scales (minimums) in bytes 0-7 and 8-15 of sc[k] (mn[k]) */
+        __m128i sc[4], mn[4];
+        sc[0] = _mm_and_si128(A, m63);
+        sc[1] = _mm_and_si128(B, m63);
+        sc[2] = _mm_or_si128(_mm_and_si128(E, m15), high2(A));
+        sc[3] = _mm_or_si128(_mm_and_si128(F, m15), high2(B));
+        mn[0] = _mm_and_si128(C, m63);
+        mn[1] = _mm_and_si128(D, m63);
+        mn[2] = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(E, 4), m15), high2(C));
+        mn[3] = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(F, 4), m15), high2(D));
+        __m256i mp[4], sum[MAXR], mins[MAXR];
+        for (int k = 0; k < 4; k++) mp[k] = pairs_ab(mn[k], _mm_srli_si128(mn[k], 8));
+        for (int r = 0; r < R; r++) {
+            sum[r] = mins[r] = _mm256_setzero_si256();
+            const int16_t *b32 = x[r].b32 + 8 * b;
+            for (int k = 0; k < 4; k++) {
+                const int pair = (int)((uint32_t)(uint16_t)b32[2 * k] | (uint32_t)(uint16_t)b32[2 * k + 1] << 16);
+                mins[r] = _mm256_add_epi32(mins[r], _mm256_madd_epi16(mp[k], _mm256_set1_epi32(pair)));
+            }
+        }
+        for (int j = 0; j < 4; j++) {
+            const __m256i sp_lo = pairs_of(sc[j]), sp_hi = pairs_of(_mm_srli_si128(sc[j], 8));
+            __m256i s16lo[MAXR], s16hi[MAXR];
+            for (int r = 0; r < R; r++) s16lo[r] = s16hi[r] = _mm256_setzero_si256();
+            for (int t = 0; t < 8; t++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 128 + (8 * j + t) * 32));
+                const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                for (int r = 0; r < R; r++) {
+                    const int8_t *xq = x[r].q + 256 * b + 64 * j + 4 * t;
+                    int32_t x0, x1;
+                    memcpy(&x0, xq, 4);
+                    memcpy(&x1, xq + 32, 4);
+                    s16lo[r] = _mm256_add_epi16(s16lo[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x0)));
+                    s16hi[r] = _mm256_add_epi16(s16hi[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x1)));
+                }
+            }
+            for (int r = 0; r < R; r++)
+                sum[r] = _mm256_add_epi32(sum[r], _mm256_add_epi32(_mm256_madd_epi16(s16lo[r], sp_lo),
+                                                                   _mm256_madd_epi16(s16hi[r], sp_hi)));
+        }
+        for (int r = 0; r < R; r++) {
+            const __m256 xd = _mm256_set1_ps(x[r].d[b]);
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d8, xd), _mm256_cvtepi32_ps(sum[r]), acc[r]);
+            accm[r] = _mm256_fmadd_ps(_mm256_mul_ps(m8, xd), _mm256_cvtepi32_ps(mins[r]), accm[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(out + 8 * r, _mm256_sub_ps(acc[r], accm[r]));
+}
+
+static GT void dot8_q4k(int K, const uint8_t *w, const xrow *x, int R, float *out) {
+    if (R == 4) q4k8_rows(K, w, x, out, 4);
+    else if (R == 2) q4k8_rows(K, w, x, out, 2);
+    else for (int r = 0; r < R; r++) q4k8_rows(K, w, x + r, out + 8 * r, 1);
+}
+
 /* ---- entry points ----------------------------------------------------------------------------- */
 
 /* This thread's buffer for x's quantized rows, grown as calls need it. */
@@ -716,6 +837,7 @@ int llmd_gg_x(const float *x, int M, int K, const llmd_gg_part *parts, int P, fl
     for (int p = 0; p < P; p++) {
         int bytes, per = type_block(parts[p].type, &bytes);
         if (!per || K % per || parts[p].rows < 1 || !parts[p].data) return -1;
+        if (parts[p].type >= PACKED8 && (parts[p].rows % 8 || parts[p].order)) return -1;
         rowbytes[p] = (size_t)(K / per) * bytes;
         need[type_act(parts[p].type)] = 1;
         start[p + 1] = start[p] + parts[p].rows;
@@ -760,21 +882,37 @@ int llmd_gg_x(const float *x, int M, int K, const llmd_gg_part *parts, int P, fl
             a->q = q, a->d = d, a->bs = bs, a->b32 = s32;
         }
     }
+    /* units of work: one output row, or a group of 8 for a part in 8-row layout */
+    int ustart[65];
+    ustart[0] = 0;
+    for (int p = 0; p < P; p++) ustart[p + 1] = ustart[p] + (parts[p].type >= PACKED8 ? parts[p].rows / 8 : parts[p].rows);
+    const int U = ustart[P];
     #pragma omp parallel num_threads(nt) if ((size_t)N * K > (1u << 18))
     for (int mt = 0; mt < M; mt += M_TILE) {
         const int me = mt + M_TILE < M ? mt + M_TILE : M;
         #pragma omp for schedule(static)
-        for (int n = 0; n < N; n++) {
+        for (int u = 0; u < U; u++) {
             int p = 0;
-            while (n >= start[p + 1]) p++;
-            const int local = n - start[p];
+            while (u >= ustart[p + 1]) p++;
+            const int local = u - ustart[p], type = parts[p].type;
+            const xrow *xs = xr + (size_t)type_act(type) * M;
+            float out[8 * MAXR];
+            if (type >= PACKED8) {
+                const uint8_t *w = (const uint8_t *)parts[p].data + (size_t)local * 8 * rowbytes[p];
+                const int n0 = start[p] + 8 * local;
+                for (int m = mt; m < me; m += MAXR) {
+                    const int R = me - m < MAXR ? me - m : MAXR;
+                    dot8_q4k(K, w, xs + m, R, out);
+                    for (int r = 0; r < R; r++) memcpy(y + (size_t)(m + r) * N + n0, out + 8 * r, sizeof(float) * 8);
+                }
+                continue;
+            }
             const int row = parts[p].order ? parts[p].order[local] : local;
             const uint8_t *w = (const uint8_t *)parts[p].data + (size_t)row * rowbytes[p];
-            const xrow *xs = xr + (size_t)type_act(parts[p].type) * M;
-            float out[MAXR];
+            const int n = start[p] + local;
             for (int m = mt; m < me; m += MAXR) {
                 const int R = me - m < MAXR ? me - m : MAXR;
-                dot_row(parts[p].type, K, w, xs + m, R, out);
+                dot_row(type, K, w, xs + m, R, out);
                 for (int r = 0; r < R; r++) y[(size_t)(m + r) * N + n] = out[r];
             }
         }

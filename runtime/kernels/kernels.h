@@ -134,6 +134,9 @@ int llmd_gg_block(int type, int *bytes);
 int llmd_gg_dequant(const void *data, int type, int64_t n, float *out);
 int llmd_gg_rows(const void *data, int type, int K, const int64_t *ids, int C, float *out);
 int llmd_gg_x(const float *x, int M, int K, const llmd_gg_part *parts, int P, float *y, int N, int nt);
+/* blocks.c: rows [rows, K] of a type (row order[i] as row i where order is not NULL) into the 8-row
+ * interleaved layout of the same size (type 100 + type in a part); -1 where the type has none */
+int llmd_gg_pack8(int type, const void *src, const int32_t *order, int rows, int K, void *dst);
 /* llmd API end */
 
 /* Rows of one fused step (decode.c): decode batches up to 64 streams with four rows each to verify,
