@@ -43,7 +43,7 @@ BLOCKS = {0: (1, 4), 1: (1, 2), 30: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22
 NAMES = {v: k for k, v in TYPES.items()}
 F32 = 0
 PACKED8 = 100                     # a part's type + this: its rows interleaved in groups of 8 (blocks.c)
-PACKS8 = {TYPES["Q4_K"]}          # types with an 8-row layout
+PACKS8 = {TYPES["Q4_K"], TYPES["Q5_K"], TYPES["Q8_0"]}          # types with an 8-row layout
 MAGIC = b"GGUF"
 
 

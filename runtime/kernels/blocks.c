@@ -23,7 +23,7 @@ enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q
 /* Eight rows of a type interleaved (llmd_gg_pack8): the same bytes, laid out so that each 32-bit lane
  * of a vector holds one row's (see q4k8_rows). */
 #define PACKED8 100
-enum { T_Q4_K_X8 = PACKED8 + T_Q4_K };
+enum { T_Q4_K_X8 = PACKED8 + T_Q4_K, T_Q5_K_X8 = PACKED8 + T_Q5_K, T_Q8_0_X8 = PACKED8 + T_Q8_0 };
 
 /* Bytes ahead of a weight stream that its kernel asks the caches for: rows (and 8-row groups) lie end
  * to end and a thread takes consecutive ones, so the stream runs on past a row's end. */
@@ -43,12 +43,12 @@ static int type_block(int type, int *bytes) {
     case T_Q4_1: *bytes = 20; return 32;
     case T_Q5_0: *bytes = 22; return 32;
     case T_Q5_1: *bytes = 24; return 32;
-    case T_Q8_0: *bytes = 34; return 32;
+    case T_Q8_0: case T_Q8_0_X8: *bytes = 34; return 32;
     case T_IQ4_NL: *bytes = 18; return 32;
     case T_Q2_K: *bytes = 84; return 256;
     case T_Q3_K: *bytes = 110; return 256;
     case T_Q4_K: case T_Q4_K_X8: *bytes = 144; return 256;
-    case T_Q5_K: *bytes = 176; return 256;
+    case T_Q5_K: case T_Q5_K_X8: *bytes = 176; return 256;
     case T_Q6_K: *bytes = 210; return 256;
     case T_IQ4_XS: *bytes = 136; return 256;
     default: *bytes = 0; return 0;
@@ -58,7 +58,8 @@ static int type_block(int type, int *bytes) {
 static int type_act(int type) {
     switch (type) {
     case T_F32: case T_F16: case T_BF16: return A_F32;
-    case T_Q2_K: case T_Q3_K: case T_Q4_K: case T_Q5_K: case T_Q6_K: case T_IQ4_XS: case T_Q4_K_X8: return A_256;
+    case T_Q2_K: case T_Q3_K: case T_Q4_K: case T_Q5_K: case T_Q6_K: case T_IQ4_XS: case T_Q4_K_X8:
+    case T_Q5_K_X8: return A_256;
     default: return A_32;
     }
 }
@@ -694,28 +695,40 @@ static void dot_row(int type, int K, const uint8_t *w, const xrow *x, int R, flo
  * columns 64 j + 4 t .. + 3 of the 8 rows, its high nibbles columns 64 j + 32 + 4 t .. + 3: each lane
  * is one row, x's four columns are broadcast, and 8 rows' sums come out in one vector, with no
  * horizontal sum and no per-row scale shuffle. Eight products of a sub-block add exactly in 16 bits
- * (8 x 2 x 15 x 127 < 32768) before one vpmaddwd by the rows' scales. */
+ * (8 x 2 x 15 x 127 < 32768) before one vpmaddwd by the rows' scales. Q5_K x8 (1408 bytes): the same,
+ * with the rows' 32 high-bit bytes (t 0-7: row i's bytes 4 t .. + 3 at lane i) between the scales and
+ * the nibbles. */
+
+/* One row's block b into its lane i of a group's block o (the layouts above). */
+static void pack_block(int type, const uint8_t *blk, int i, uint8_t *o) {
+    if (type == T_Q8_0) {
+        memcpy(o + 2 * i, blk, 2);
+        for (int t = 0; t < 8; t++) memcpy(o + 16 + 32 * t + 4 * i, blk + 2 + 4 * t, 4);
+        return;
+    }
+    const int five = type == T_Q5_K, qs = 16 + 32 * five, at = 128 + 256 * five;
+    memcpy(o + 2 * i, blk, 2);
+    memcpy(o + 16 + 2 * i, blk + 2, 2);
+    for (int c = 0; c < 12; c++) o[32 + 8 * c + i] = blk[4 + c];
+    if (five)
+        for (int t = 0; t < 8; t++) memcpy(o + 128 + 32 * t + 4 * i, blk + 16 + 4 * t, 4);
+    for (int j = 0; j < 4; j++)
+        for (int t = 0; t < 8; t++) memcpy(o + at + (8 * j + t) * 32 + 4 * i, blk + qs + 32 * j + 4 * t, 4);
+}
 
 int llmd_gg_pack8(int type, const void *src, const int32_t *order, int rows, int K, void *dst) {
-    if (type != T_Q4_K || rows % 8 || K % 256) return -1;
-    const int nb = K / 256;
+    int bytes, per = type_block(type, &bytes);
+    if ((type != T_Q4_K && type != T_Q5_K && type != T_Q8_0) || rows % 8 || K % per) return -1;
+    const int nb = K / per;
     const uint8_t *in = src;
     uint8_t *out = dst;
     #pragma omp parallel for schedule(static)
-    for (int g = 0; g < rows / 8; g++) {
-        for (int b = 0; b < nb; b++) {
-            uint8_t *o = out + ((size_t)g * nb + b) * 1152;
+    for (int g = 0; g < rows / 8; g++)
+        for (int b = 0; b < nb; b++)
             for (int i = 0; i < 8; i++) {
                 const int row = order ? order[8 * g + i] : 8 * g + i;
-                const uint8_t *blk = in + ((size_t)row * nb + b) * 144;
-                memcpy(o + 2 * i, blk, 2);
-                memcpy(o + 16 + 2 * i, blk + 2, 2);
-                for (int c = 0; c < 12; c++) o[32 + 8 * c + i] = blk[4 + c];
-                for (int j = 0; j < 4; j++)
-                    for (int t = 0; t < 8; t++) memcpy(o + 128 + (8 * j + t) * 32 + 4 * i, blk + 16 + 32 * j + 4 * t, 4);
+                pack_block(type, in + ((size_t)row * nb + b) * bytes, i, out + ((size_t)g * nb + b) * 8 * bytes);
             }
-        }
-    }
     return 0;
 }
 
@@ -727,14 +740,16 @@ GI __m256i pairs_of(__m128i bytes8) { return _mm256_cvtepu8_epi16(_mm_unpacklo_e
 GI __m256i pairs_ab(__m128i a8, __m128i b8) { return _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(a8, b8)); }
 
 /* out [R][8]: rows 0-7 of a group times R rows of x. */
-GI void q4k8_rows(int K, const uint8_t *w, const xrow *x, float *out, const int R) {
+GI void q45k8_rows(const int five, int K, const uint8_t *w, const xrow *x, float *out, const int R) {
     __m256 acc[MAXR], accm[MAXR];
     for (int r = 0; r < R; r++) acc[r] = accm[r] = _mm256_setzero_ps();
     const __m256i low = _mm256_set1_epi8(0xF);
     const __m128i m63 = _mm_set1_epi8(63), m15 = _mm_set1_epi8(0xF);
+    const int bytes = five ? 1408 : 1152, at = five ? 384 : 128;
+    const __m256i one = _mm256_set1_epi8(1);
     for (int b = 0; b < K / 256; b++) {
-        const uint8_t *blk = w + (size_t)b * 1152;
-        for (int l = 0; l < 1152; l += 64) _mm_prefetch((const char *)blk + PREFETCH + l, _MM_HINT_T0);
+        const uint8_t *blk = w + (size_t)b * bytes;
+        for (int l = 0; l < bytes; l += 64) _mm_prefetch((const char *)blk + PREFETCH + l, _MM_HINT_T0);
         const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
         const __m256 m8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
         const __m128i A = _mm_loadu_si128((const __m128i *)(blk + 32)), B = _mm_loadu_si128((const __m128i *)(blk + 48));
@@ -765,8 +780,19 @@ GI void q4k8_rows(int K, const uint8_t *w, const xrow *x, float *out, const int 
             __m256i s16lo[MAXR], s16hi[MAXR];
             for (int r = 0; r < R; r++) s16lo[r] = s16hi[r] = _mm256_setzero_si256();
             for (int t = 0; t < 8; t++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 128 + (8 * j + t) * 32));
-                const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + at + (8 * j + t) * 32));
+                __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                if (five) {
+                    if (t == 4)          /* 31 x 127 x 2 x 4 < 32768: four products at most in 16 bits */
+                        for (int r = 0; r < R; r++) {
+                            sum[r] = _mm256_add_epi32(sum[r], _mm256_add_epi32(_mm256_madd_epi16(s16lo[r], sp_lo),
+                                                                               _mm256_madd_epi16(s16hi[r], sp_hi)));
+                            s16lo[r] = s16hi[r] = _mm256_setzero_si256();
+                        }
+                    const __m256i h = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * t));
+                    lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * j), one), 4));
+                    hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * j + 1), one), 4));
+                }
                 for (int r = 0; r < R; r++) {
                     const int8_t *xq = x[r].q + 256 * b + 64 * j + 4 * t;
                     int32_t x0, x1;
@@ -789,10 +815,52 @@ GI void q4k8_rows(int K, const uint8_t *w, const xrow *x, float *out, const int 
     for (int r = 0; r < R; r++) _mm256_storeu_ps(out + 8 * r, _mm256_sub_ps(acc[r], accm[r]));
 }
 
-static GT void dot8_q4k(int K, const uint8_t *w, const xrow *x, int R, float *out) {
-    if (R == 4) q4k8_rows(K, w, x, out, 4);
-    else if (R == 2) q4k8_rows(K, w, x, out, 2);
-    else for (int r = 0; r < R; r++) q4k8_rows(K, w, x + r, out + 8 * r, 1);
+/* Q8_0 x8: per group of 8 rows and block, 272 bytes: the rows' d, then for t (0-7) 32 bytes: row i's
+ * values 4 t .. + 3 at lane i. */
+GI void q808_rows(int K, const uint8_t *w, const xrow *x, float *out, const int R) {
+    __m256 acc[MAXR];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int b = 0; b < K / 32; b++) {
+        const uint8_t *blk = w + (size_t)b * 272;
+        for (int l = 0; l < 272; l += 64) _mm_prefetch((const char *)blk + PREFETCH + l, _MM_HINT_T0);
+        const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        __m256i sum[MAXR];
+        for (int r = 0; r < R; r++) sum[r] = _mm256_setzero_si256();
+        for (int t = 0; t < 8; t++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * t));
+            const __m256i a = _mm256_sign_epi8(v, v);
+            for (int r = 0; r < R; r++) {
+                int32_t x4;
+                memcpy(&x4, x[r].q + 32 * b + 4 * t, 4);
+                const __m256i p = _mm256_maddubs_epi16(a, _mm256_sign_epi8(_mm256_set1_epi32(x4), v));
+                sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(p, ones));
+            }
+        }
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(x[r].d[b])), _mm256_cvtepi32_ps(sum[r]), acc[r]);
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(out + 8 * r, acc[r]);
+}
+
+#define DOT8(name, call)                                                                  \
+    static GT void name(int K, const uint8_t *w, const xrow *x, int R, float *out) {      \
+        if (R == 4) call(K, w, x, out, 4);                                                \
+        else if (R == 2) call(K, w, x, out, 2);                                           \
+        else for (int r = 0; r < R; r++) call(K, w, x + r, out + 8 * r, 1);               \
+    }
+#define Q4K8(K, w, x, out, R) q45k8_rows(0, K, w, x, out, R)
+#define Q5K8(K, w, x, out, R) q45k8_rows(1, K, w, x, out, R)
+DOT8(dot8_q4k, Q4K8)
+DOT8(dot8_q5k, Q5K8)
+DOT8(dot8_q80, q808_rows)
+
+static void dot8(int type, int K, const uint8_t *w, const xrow *x, int R, float *out) {
+    switch (type) {
+    case T_Q4_K_X8: dot8_q4k(K, w, x, R, out); return;
+    case T_Q5_K_X8: dot8_q5k(K, w, x, R, out); return;
+    default: dot8_q80(K, w, x, R, out);
+    }
 }
 
 /* ---- entry points ----------------------------------------------------------------------------- */
@@ -902,7 +970,7 @@ int llmd_gg_x(const float *x, int M, int K, const llmd_gg_part *parts, int P, fl
                 const int n0 = start[p] + 8 * local;
                 for (int m = mt; m < me; m += MAXR) {
                     const int R = me - m < MAXR ? me - m : MAXR;
-                    dot8_q4k(K, w, xs + m, R, out);
+                    dot8(type, K, w, xs + m, R, out);
                     for (int r = 0; r < R; r++) memcpy(y + (size_t)(m + r) * N + n0, out + 8 * r, sizeof(float) * 8);
                 }
                 continue;
