@@ -19,7 +19,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from .gguf_check import GGUFError, TensorSpan, check_header
+from .gguf_check import GGUFError, TensorSpan, read_header
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -38,22 +38,38 @@ LAYER = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_
 
 @dataclass
 class GGUFFile:
-    """An opened, checked GGUF file. ``meta`` holds every metadata value the header walk accepted."""
+    """An opened, checked GGUF file. ``meta`` holds every metadata value the header walk accepted
+    (key -> (value type, value)); the `gguf` package's reader, which the float import's tensors come
+    from, is opened on first use (it reads a vocabulary's metadata far more slowly)."""
     path: Path
-    reader: Any                   # gguf.GGUFReader
+    meta: dict
     spans: list[TensorSpan]
+    _reader: Any = None
+
+    @property
+    def reader(self):
+        """The `gguf` package's reader of the file (for dequantizing its tensors)."""
+        if self._reader is None:
+            import gguf
+            try:
+                self._reader = gguf.GGUFReader(str(self.path))
+            except (ValueError, KeyError, IndexError, TypeError, OverflowError, UnicodeDecodeError) as e:
+                raise GGUFError(f"{self.path}: the gguf package cannot read it: {e}") from None
+        return self._reader
 
     def fail(self, field: str, msg: str):
         raise GGUFError(f"{self.path}: {field}: {msg}")
 
+    def has(self, key: str) -> bool:
+        return key in self.meta
+
     def get(self, key: str, kind: type | tuple, default: Any = ...) -> Any:
         """The value of metadata ``key``, checked to be of ``kind`` (str, int, float, bool, list)."""
-        field = self.reader.fields.get(key)
-        if field is None:
+        if key not in self.meta:
             if default is ...:
                 self.fail(key, "missing")
             return default
-        value = _value(self, key, field)
+        value = self.meta[key][1]
         kinds = kind if isinstance(kind, tuple) else (kind,)
         if float in kinds and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
@@ -65,37 +81,16 @@ class GGUFFile:
         return [s.name for s in self.spans]
 
 
-def open_gguf(path: str | Path) -> GGUFFile:
-    """Check the header, then let the `gguf` package map the file. Any failure is a GGUFError."""
+def open_gguf(path: str | Path, reader: bool = True) -> GGUFFile:
+    """Walk and check the header, reading its metadata. ``reader``: also let the `gguf` package map the
+    file now (the float import reads its tensors through it). Any failure is a GGUFError."""
     import gguf
     path = Path(path)
-    spans = check_header(path, {int(t): s for t, s in gguf.GGML_QUANT_SIZES.items()})
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except (ValueError, KeyError, IndexError, TypeError, OverflowError, UnicodeDecodeError) as e:
-        raise GGUFError(f"{path}: the gguf package cannot read it: {e}") from None
-    return GGUFFile(path, reader, spans)
-
-
-def _value(f: GGUFFile, key: str, field) -> Any:
-    import gguf
-    kind = field.types[0]
-    if kind == gguf.GGUFValueType.ARRAY:
-        if len(field.types) < 2:
-            return []
-        if field.types[1] == gguf.GGUFValueType.STRING:
-            return [_text(f, key, field.parts[i]) for i in field.data]
-        return [v for i in field.data for v in field.parts[i].tolist()]
-    if kind == gguf.GGUFValueType.STRING:
-        return _text(f, key, field.parts[-1])
-    return field.parts[-1].tolist()[0]
-
-
-def _text(f: GGUFFile, key: str, raw) -> str:
-    try:
-        return bytes(raw).decode("utf-8")
-    except UnicodeDecodeError:
-        f.fail(key, "a string that is not valid UTF-8")
+    spans, meta = read_header(path, {int(t): s for t, s in gguf.GGML_QUANT_SIZES.items()})
+    f = GGUFFile(path, meta, spans)
+    if reader:
+        f.reader
+    return f
 
 
 def architecture(f: GGUFFile) -> str:
@@ -113,7 +108,7 @@ def hf_config(f: GGUFFile, dtype: str = "float32") -> dict:
     if "rope_freqs.weight" in names:
         f.fail("rope_freqs.weight", "per-frequency rope factors (llama 3.1 style scaling) are not supported")
     hidden, heads = f.get(a + "embedding_length", int), f.get(a + "attention.head_count", int)
-    if hidden < 1 or heads < 1 or hidden % heads and a + "attention.key_length" not in f.reader.fields:
+    if hidden < 1 or heads < 1 or hidden % heads and not f.has(a + "attention.key_length"):
         f.fail(a + "attention.head_count", f"{heads} heads do not divide the width {hidden}")
     head_dim = f.get(a + "attention.key_length", int, hidden // heads)
     if f.get(a + "rope.dimension_count", int, head_dim) != head_dim:

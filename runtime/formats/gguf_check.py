@@ -46,10 +46,17 @@ class TensorSpan:
     nbytes: int
 
 
+SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<B", 10: "<Q", 11: "<q",
+                  12: "<d"}
+NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1", 10: "<u8", 11: "<i8",
+         12: "<f8"}
+
+
 class _Walk:
     def __init__(self, path: Path, buf, size: int):
         self.path, self.buf, self.size, self.pos = path, buf, size, 0
         self.elements = 0
+        self.meta: dict = {}          # key -> value, read as the walk passes it
 
     def fail(self, what: str, msg: str):
         raise GGUFError(f"{self.path}: {what}: {msg} (at byte {self.pos}); the file is truncated, corrupt or not a "
@@ -80,17 +87,19 @@ class _Walk:
         except UnicodeDecodeError:
             self.fail(what, "not valid UTF-8")
 
-    def value(self, vtype: int, what: str, in_array: bool = False) -> None:
+    def value(self, vtype: int, what: str, in_array: bool = False):
+        """The value at the walk's position (a Python scalar, str, or for an array a list), checked."""
         if vtype in SCALAR_SIZES:
-            self.take(SCALAR_SIZES[vtype], what)
-        elif vtype == STRING:
-            self.string(what)
-        elif vtype == ARRAY and not in_array:
-            self.array(what)
-        else:
-            self.fail(what, f"unknown value type {vtype}" if vtype != ARRAY else "an array of arrays")
+            raw = self.take(SCALAR_SIZES[vtype], what)
+            v = struct.unpack(SCALAR_FORMATS[vtype], raw)[0]
+            return bool(v) if vtype == 7 else v
+        if vtype == STRING:
+            return self.string(what, decode=True)
+        if vtype == ARRAY and not in_array:
+            return self.array(what)
+        self.fail(what, f"unknown value type {vtype}" if vtype != ARRAY else "an array of arrays")
 
-    def array(self, what: str) -> None:
+    def array(self, what: str) -> list:
         itype, count = self.u32(what), self.u64(what)
         self.elements += count
         if self.elements > MAX_ARRAY_ELEMENTS:
@@ -99,15 +108,44 @@ class _Walk:
         if count * least > self.size - self.pos:
             self.fail(what, f"{count} elements cannot fit in the {self.size - self.pos} bytes left")
         if itype in SCALAR_SIZES:
-            self.take(count * least, what)
-        else:
-            for _ in range(count):
-                self.value(itype, what, in_array=True)
+            import numpy as np
+            values = np.frombuffer(self.take(count * least, what), dtype=NUMPY[itype]).tolist()
+            return [bool(v) for v in values] if itype == 7 else values
+        if itype == STRING:
+            return self.strings(count, what)
+        return [self.value(itype, what, in_array=True) for _ in range(count)]
+
+    def strings(self, count: int, what: str) -> list[str]:
+        """``count`` strings in a row (a vocabulary): lengths read and checked one by one, decoded."""
+        out, buf, pos, size = [], self.buf, self.pos, self.size
+        unpack = struct.Struct("<Q").unpack_from
+        for _ in range(count):
+            if size - pos < 8:
+                self.pos = pos
+                self.fail(what, f"needs 8 bytes but {size - pos} remain")
+            n = unpack(buf, pos)[0]
+            pos += 8
+            if n > MAX_STRING or n > size - pos:
+                self.pos = pos
+                self.fail(what, f"a string of {n} bytes (at most {min(MAX_STRING, size - pos)} here)")
+            try:
+                out.append(str(buf[pos:pos + n], "utf-8"))
+            except UnicodeDecodeError:
+                self.pos = pos
+                self.fail(what, "not valid UTF-8")
+            pos += n
+        self.pos = pos
+        return out
 
 
 def check_header(path: str | Path, quant_sizes: dict[int, tuple[int, int]]) -> list[TensorSpan]:
     """Walk the header of ``path``; return every tensor's span once all of them lie inside the file.
     ``quant_sizes`` maps each known tensor type to (elements per block, bytes per block)."""
+    return read_header(path, quant_sizes)[0]
+
+
+def read_header(path: str | Path, quant_sizes: dict[int, tuple[int, int]]) -> tuple[list[TensorSpan], dict]:
+    """``check_header``'s spans, and the metadata: key -> (GGUF value type, value)."""
     path = Path(path)
     try:
         with open(path, "rb") as f:
@@ -115,7 +153,9 @@ def check_header(path: str | Path, quant_sizes: dict[int, tuple[int, int]]) -> l
             if size < 24:
                 raise GGUFError(f"{path}: {size} bytes is too short for a GGUF header")
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-                return _walk(_Walk(path, buf, size), quant_sizes)
+                w = _Walk(path, buf, size)
+                spans = _walk(w, quant_sizes)
+                return spans, w.meta
     except OSError as e:
         raise GGUFError(f"{path}: cannot read: {e}") from None
 
@@ -141,8 +181,9 @@ def _walk(w: _Walk, quant_sizes) -> list[TensorSpan]:
             alignment = struct.unpack("<I", w.take(4, key))[0]
             if alignment == 0 or alignment & (alignment - 1) or alignment > 1 << 16:
                 w.fail(key, f"{alignment} is not a power of two up to 65536")
+            w.meta[key] = (vtype, alignment)
         else:
-            w.value(vtype, key)
+            w.meta[key] = (vtype, w.value(vtype, key))
     infos = [_tensor_info(w, i, quant_sizes) for i in range(n_tensors)]
     data_start = -(-w.pos // alignment) * alignment
     spans, names = [], set()

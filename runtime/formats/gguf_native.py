@@ -250,7 +250,7 @@ def load_native(path: str | Path, progress: bool = True):
     if not kernels.available():
         raise GGUFError(f"{path}: serving a GGUF file from its own blocks needs llmd's CPU kernels, which are "
                         f"unavailable here ({kernels.why()}); serve it with --dtype float32 instead")
-    f = open_gguf(path)
+    f = open_gguf(path, reader=False)
     raw = hf_config(f, "float32")
     cfg = ModelConfig.from_dict(raw, source=f"{path} (metadata)")
     files = tokenizer_files(f)
