@@ -2,7 +2,9 @@
 
     python -m llmd.bench.quality_table --model DIR [--gguf FILE.gguf] [--formats int8,int4] ...
 
-The ``gguf-blocks`` row is ``llmd import --gguf FILE --keep-blocks`` (the file's quantized blocks kept
+The ``gguf-native`` row is the --gguf file served from its own blocks (llmd's default for a GGUF
+model) on the same windows; set beside llama.cpp's row for the same file it compares the two
+engines' arithmetic on the same numbers. The ``gguf-blocks`` row is ``llmd import --gguf FILE --keep-blocks`` (the file's quantized blocks kept
 as llmd's int8g and int4 layouts), loaded as the engine loads it and run on the same windows;
 ``gguf-blocks-f32head`` and ``gguf-blocks-f32`` multiply the head, or every kept module, in float32 by
 its dequantized weights, which separates the stored numbers from the arithmetic that runs them.
@@ -29,6 +31,7 @@ from llmd.export.cli import ExportOptions, export_engine
 from llmd.export.gguf_engine import import_engine
 from llmd.runtime.formats.engine_dir import load_engine_part
 from llmd.runtime.formats.gguf_import import resolve_model_path
+from llmd.runtime.formats.gguf_native import load_native
 from llmd.runtime.formats.manifest import read_manifest
 from llmd.runtime.formats.quantized import QuantLinear
 from llmd.runtime.models.loader import load_model
@@ -88,6 +91,20 @@ def gguf_blocks_rows(model: str, gguf: Path, names: list[str], windows: int, tok
     return rows
 
 
+def gguf_native_row(model: str, gguf: Path, windows: int, tokens: int, eval_file: str | None) -> dict:
+    """The GGUF file served from its own blocks (the default for a .gguf model), on the same windows."""
+    t = time.perf_counter()
+    native, _, _ = load_native(gguf, progress=False)
+    native.prepare_for_inference()
+    tok = Tokenizer.from_dir(model)
+    texts, source = quality.heldout_texts(eval_file)
+    win = quality.token_windows(tok, texts, tokens, windows)
+    q = quality.compare(quality.predict(load_model(model, "float32"), win), quality.predict(native, win), None, source)
+    return {"engine": "llmd gguf-native", "ppl_increase": q.ppl_increase, "top1": q.top1_agreement,
+            "ppl": q.ppl_quantized, "ppl_reference": q.ppl_reference, "tokens": q.num_tokens,
+            "seconds": time.perf_counter() - t}
+
+
 def _float32_products(module: QuantLinear) -> None:
     """Make ``module`` multiply in float32 by its dequantized weight (and bias)."""
     weight = module.dense_weight().float()
@@ -124,7 +141,8 @@ def main(argv=None) -> int:
                    "(its float32 import; also llama.cpp's source unless --gguf is given)")
     p.add_argument("--gguf", help="a GGUF of the same model, for llama.cpp's rows (bench/build_llama_server.sh builds its tools)")
     p.add_argument("--formats", default="int8,int8-onnxruntime,int4,int4-g32-plain,int4-g64-plain,int4-g64",
-                   help=f"llmd rows, comma-separated, of {', '.join(FORMATS)}, and gguf-blocks (the --gguf file's "
+                   help=f"llmd rows, comma-separated, of {', '.join(FORMATS)}, gguf-native (the --gguf file served from "
+                   "its own blocks, as llmd serves a .gguf model), and gguf-blocks (the --gguf file's "
                    "blocks kept: llmd import --keep-blocks), gguf-blocks-f32head, gguf-blocks-f32 (the same with "
                    "the head, or every kept module, multiplied in float32 by its dequantized weights)")
     p.add_argument("--llamacpp-types", default="Q8_0,Q4_0,Q4_1", help="llama.cpp rows, comma-separated, or none")
@@ -144,7 +162,12 @@ def main(argv=None) -> int:
             p.error(f"the {blocks[0]} row needs --gguf FILE.gguf")
         if blocks:
             rows += gguf_blocks_rows(a.model, Path(a.gguf), blocks, a.windows, a.tokens, Path(scratch), a.eval_file)
-        for name in (n for n in names if n not in GGUF_BLOCKS):
+        if "gguf-native" in names:
+            if not a.gguf:
+                p.error("the gguf-native row needs --gguf FILE.gguf")
+            rows.append(gguf_native_row(a.model, Path(a.gguf), a.windows, a.tokens, a.eval_file))
+            print(row_text(rows[-1]), flush=True)
+        for name in (n for n in names if n not in GGUF_BLOCKS and n != "gguf-native"):
             rows.append(llmd_row(a.model, name, a.windows, a.tokens, Path(scratch), a.eval_file))
             print(row_text(rows[-1]), flush=True)
     if a.gguf and a.llamacpp_types != "none":
