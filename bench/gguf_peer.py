@@ -8,7 +8,8 @@
   against llama-server's start plus one /completion token; --cold drops the page cache before each
   (root only), else the file is read once first so that both start warm;
 - memory: llmd's peak resident memory (VmHWM) over that start, beside the file's size and the KV
-  pool's, and the bytes llmd wrote under its cache directory for the file.
+  pool's, and the bytes llmd wrote under its cache directory for the file;
+- batch: greedy tokens of --batch PROMPTSxTOKENS random prompts, each alone and all in one batch.
 
 Each side runs alone in turn; the load average is printed with the figures.
 """
@@ -17,12 +18,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+import torch
+
+from llmd.runtime.formats.gguf_import import cache_root
+from llmd.runtime.llm import LLM
+from llmd.runtime.request import SamplingParams
 
 from .llama_bench import llama_bench_binary
 from .llama_server import LlamaServer, binary as server_binary
@@ -60,7 +67,6 @@ def warm(path: Path) -> None:
 
 
 def cache_bytes() -> int:
-    from llmd.runtime.formats.gguf_import import cache_root
     root = cache_root().parent
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file()) if root.exists() else 0
 
@@ -90,10 +96,6 @@ def llama_start(path: Path, threads: int) -> dict:
 
 
 def llmd_prompt(path: Path, threads: int, n: int, repeat: int) -> float:
-    import random
-    import torch
-    from llmd.runtime.llm import LLM
-    from llmd.runtime.request import SamplingParams
     torch.set_num_threads(threads)
     llm = LLM(str(path), draft="none", prefix_cache=False, kv_memory="1GiB")
     rng = random.Random(0)
@@ -115,6 +117,20 @@ def llama_prompt(path: Path, threads: int, n: int, repeat: int) -> float:
     return max(float(v) for v in row["samples_ts"])
 
 
+def batch_invariance(path: Path, threads: int, prompts: int, tokens: int) -> dict:
+    """Greedy tokens of ``prompts`` random prompts, each alone and all in one batch: how many agree."""
+    torch.set_num_threads(threads)
+    llm = LLM(str(path), draft="none", prefix_cache=False, kv_memory="1GiB")
+    rng = random.Random(1)
+    vocab = min(llm.tokenizer.vocab_size, llm.engine.model_config.vocab_size)
+    batch = [[rng.randrange(vocab) for _ in range(rng.randrange(8, 64))] for _ in range(prompts)]
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    together = [c.token_ids for c in llm.generate(batch, params)]
+    alone = [llm.generate([p], params)[0].token_ids for p in batch]
+    return {"prompts": prompts, "tokens": tokens, "identical_requests": sum(a == b for a, b in zip(alone, together)),
+            "identical_tokens": sum(x == y for a, b in zip(alone, together) for x, y in zip(a, b))}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m llmd.bench.gguf_peer", description=__doc__.split("\n\n")[0])
     ap.add_argument("file", type=Path, help="the GGUF file both read")
@@ -123,7 +139,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=3, help="rounds of each test (default 3)")
     ap.add_argument("--cold", action="store_true", help="drop the page cache before each start (root only)")
     ap.add_argument("--kv-memory", default="512MiB", help="llmd's KV pool in the start test (default 512MiB)")
-    ap.add_argument("--skip", default="", help="comma-separated tests to skip: prompt, start")
+    ap.add_argument("--skip", default="", help="comma-separated tests to skip: prompt, start, batch")
+    ap.add_argument("--batch", default="8x128", help="batch invariance: PROMPTSxTOKENS greedy, alone and together")
     a = ap.parse_args(argv)
     skip = set(a.skip.split(","))
     res: dict = {"file": str(a.file), "bytes": a.file.stat().st_size, "threads": a.threads,
@@ -149,6 +166,9 @@ def main(argv=None) -> int:
         mine, theirs = llmd_prompt(a.file, a.threads, a.prompt_len, a.repeat), llama_prompt(a.file, a.threads,
                                                                                             a.prompt_len, a.repeat)
         res["prompt"] = {"tokens": a.prompt_len, "llmd_tok_s": mine, "llama_tok_s": theirs, "ratio": mine / theirs}
+    if "batch" not in skip:
+        n, t = map(int, a.batch.split("x"))
+        res["batch"] = batch_invariance(a.file, a.threads, n, t)
     res["load_average_after"] = os.getloadavg()[0]
     print(json.dumps(res, indent=1))
     gib = 1 << 30
@@ -162,6 +182,10 @@ def main(argv=None) -> int:
         p = res["prompt"]
         print(f"prompt {p['tokens']}: llmd {p['llmd_tok_s']:.1f} tok/s, llama.cpp {p['llama_tok_s']:.1f} tok/s: "
               f"{p['ratio']:.2f}x", file=sys.stderr)
+    if "batch" in res:
+        b = res["batch"]
+        print(f"batch invariance: {b['identical_requests']} of {b['prompts']} requests, {b['identical_tokens']} of "
+              f"{b['prompts'] * b['tokens']} tokens identical alone and in one batch", file=sys.stderr)
     return 0
 
 

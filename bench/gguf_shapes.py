@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from llmd.models_real import cached_file, models_dir as real_models_dir
+
 
 @dataclass(frozen=True)
 class Shape:
@@ -50,12 +52,10 @@ TYPES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0")
 
 
 def models_dir() -> Path:
-    from llmd.models_real import models_dir as real
-    return real() / "shapes"
+    return real_models_dir() / "shapes"
 
 
 def tokenizer_source() -> Path:
-    from llmd.models_real import cached_file
     path = cached_file("qwen2.5-coder-0.5b-instruct")
     if path is None:
         raise SystemExit("the Qwen2.5 tokenizer comes from Qwen2.5-Coder-0.5B: run `make models-real` first")

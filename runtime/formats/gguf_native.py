@@ -149,7 +149,8 @@ class GGUFLinear(nn.Module):
         if not kernels.available():
             return None
         self.parts()
-        held = (*self.blocks, *(o for o in self.orders if o is not None), *(k for k in self._packed if k is not None))
+        held = tuple(t for b, o, k in zip(self.blocks, self.orders, self._packed) for t in ((b, o) if k is None else (k,))
+                     if t is not None)             # what a step reads: the 8-row copy, or the file's rows
         return ops.KernelProduct(ops.KIND_GG, self._struct_bytes, group=len(self.blocks), max_rows=ops.MANY_MAX_ROWS,
                                  held=held)
 
