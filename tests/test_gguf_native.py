@@ -256,7 +256,7 @@ def small_k_file(tmp_path_factory):
                        layers=1, intermediate=256)
 
 
-@settings(max_examples=60, deadline=None,
+@settings(max_examples=int(os.environ.get("LLMD_FUZZ_EXAMPLES", 60)), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(data=st.data())
 def test_fuzzed_files_serve_or_fail_typed(small_k_file, tmp_path_factory, data):

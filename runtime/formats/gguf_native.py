@@ -262,12 +262,13 @@ def load_native(path: str | Path, progress: bool = True):
     spans = {s.name: s for s in f.spans}
     release = _releaser(mapped)
 
-    def blocks(name: str) -> tuple[int, torch.Tensor]:
+    def blocks(name: str, rows: int, cols: int) -> tuple[int, torch.Tensor]:
+        """The tensor's rows as they lie, once its shape is the [rows, cols] the metadata implies."""
         s = spans.get(name)
         if s is None:
             f.fail(name, "missing")
-        if len(s.dims) != 2:
-            f.fail(name, f"expected a matrix, found shape {list(s.dims)}")
+        if tuple(s.dims) != (cols, rows):
+            f.fail(name, f"shape {list(reversed(s.dims))} where the metadata implies {[rows, cols]}")
         view = mapped[s.start:s.start + s.nbytes].reshape(int(s.dims[1]), -1)
         return s.type, torch.from_numpy(view)
 
@@ -292,10 +293,8 @@ def load_native(path: str | Path, progress: bool = True):
                                    leave=False)):
         p = f"blk.{i}."
         attn, mlp = layer.self_attn, layer.mlp
-        q, k, v = (blocks(p + n + ".weight") for n in ("attn_q", "attn_k", "attn_v"))
-        for (t, rows), want in zip((q, k, v), (cfg.q_size, cfg.kv_size, cfg.kv_size)):
-            if rows.shape[0] != want:
-                f.fail(p + "attn_*", f"{rows.shape[0]} rows where the metadata implies {want}")
+        q, k, v = (blocks(p + n + ".weight", rows, h) for n, rows in
+                   (("attn_q", cfg.q_size), ("attn_k", cfg.kv_size), ("attn_v", cfg.kv_size)))
         bias = None
         if cfg.attention_bias:
             bias = torch.cat([vector(p + n + ".bias", w) for n, w in
@@ -306,23 +305,24 @@ def load_native(path: str | Path, progress: bool = True):
             ko = _rotary_rows(cfg.kv_size, cfg.num_kv_heads)
             qkv.permute_outputs(torch.cat([qo, ko + cfg.q_size, torch.arange(cfg.kv_size) + cfg.q_size + cfg.kv_size]))
         attn.qkv_proj = qkv
-        attn.o_proj = GGUFLinear(cfg.q_size, [blocks(p + "attn_output.weight")],
+        attn.o_proj = GGUFLinear(cfg.q_size, [blocks(p + "attn_output.weight", h, cfg.q_size)],
                                  vector(p + "attn_output.bias", h) if cfg.o_proj_bias else None, release)
         if cfg.qk_norm:
             attn.q_norm.weight = nn.Parameter(vector(p + "attn_q_norm.weight", cfg.head_dim), requires_grad=False)
             attn.k_norm.weight = nn.Parameter(vector(p + "attn_k_norm.weight", cfg.head_dim), requires_grad=False)
-        gate, up = blocks(p + "ffn_gate.weight"), blocks(p + "ffn_up.weight")
+        i = cfg.intermediate_size
+        gate, up = blocks(p + "ffn_gate.weight", i, h), blocks(p + "ffn_up.weight", i, h)
         mlp.gate_up_proj = GGUFLinear(h, [gate, up], None, release)
-        mlp.down_proj = GGUFLinear(cfg.intermediate_size, [blocks(p + "ffn_down.weight")], None, release)
+        mlp.down_proj = GGUFLinear(i, [blocks(p + "ffn_down.weight", h, i)], None, release)
         layer.input_layernorm.weight = nn.Parameter(vector(p + "attn_norm.weight", h), requires_grad=False)
         layer.post_attention_layernorm.weight = nn.Parameter(vector(p + "ffn_norm.weight", h), requires_grad=False)
     model.norm.weight = nn.Parameter(vector("output_norm.weight", h), requires_grad=False)
-    table = GGUFLinear(h, [blocks("token_embd.weight")], packable=False)        # its rows are looked up
+    table = GGUFLinear(h, [blocks("token_embd.weight", cfg.vocab_size, h)], packable=False)        # its rows are looked up
     if cfg.tie_word_embeddings:
         model.lm_head = table
         model.embed_tokens = GGUFEmbedding(table, owns_table=False)
     else:
-        model.lm_head = GGUFLinear(h, [blocks("output.weight")], None, release)
+        model.lm_head = GGUFLinear(h, [blocks("output.weight", cfg.vocab_size, h)], None, release)
         model.embed_tokens = GGUFEmbedding(table, owns_table=True)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t is not None and t.is_meta]
     if left:

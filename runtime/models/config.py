@@ -13,6 +13,10 @@ from . import registry
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
+MAX_POSITIONS = 1 << 21       # context positions a model may declare (its rotary tables hold each one)
+MAX_HEAD_DIM = 1024
+
+
 @dataclass(frozen=True)
 class RopeScaling:
     rope_type: str = "default"
@@ -129,7 +133,11 @@ class ModelConfig:
             fail(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
         if head_dim % 2:
             fail(f"head_dim {head_dim} must be even for rotary embeddings")
+        if head_dim > MAX_HEAD_DIM:
+            fail(f"head_dim {head_dim} is larger than llmd takes ({MAX_HEAD_DIM})")
         max_pos = get_int("max_position_embeddings", 2048)
+        if max_pos > MAX_POSITIONS:         # the rotary tables are built for every position
+            fail(f"max_position_embeddings {max_pos} is more than llmd takes ({MAX_POSITIONS})")
         traits = arch.traits(raw, get_bool("attention_bias", False))
         window = traits.sliding_window
         if isinstance(window, int) and not isinstance(window, bool) and 0 < window < max_pos:
