@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test models models-real bench clean gpu-wheels
+.PHONY: demo test models models-real models-shapes bench clean gpu-wheels
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -27,6 +27,13 @@ models: $(STAMP)
 # the two real pretrained models (SmolLM2-135M-Instruct, Qwen2.5-Coder-0.5B-Instruct): fetched once, checked, imported
 models-real: $(STAMP)
 	$(BIN)/python -m llmd.models_real
+
+# random-weight GGUF files at the shapes people run (1.5B-8B, real tokenizer), re-typed by llama.cpp's
+# llama-quantize: slow (minutes per shape, ~40 GB for all), not part of `make test`. SHAPES=all for all five.
+SHAPES ?= qwen2.5-1.5b,qwen2.5-3b,qwen2.5-7b
+SHAPE_TYPES ?= Q4_K_M,Q5_K_M,Q6_K,Q8_0
+models-shapes: models-real
+	$(BIN)/python -m llmd.bench.gguf_shapes --shapes $(SHAPES) --types $(SHAPE_TYPES)
 
 bench: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow

@@ -31,6 +31,7 @@ from typing import Optional
 
 from llmd.clients import AsyncClient, Client, Done, Error, RequestError, Token
 from llmd.options import flag_name
+from llmd.runtime.formats.gguf_native import gguf_tokenizer, is_gguf_file
 from llmd.runtime.tokenizer import Tokenizer
 
 from .llama_server import LlamaServer, binary, file_tail
@@ -269,7 +270,8 @@ async def _run_levels(targets: list, cfg: LoadConfig, prompts: list[list[int]], 
 def run_load(model_dir: str, gguf: str, engine: dict, cfg: LoadConfig, log=print) -> dict:
     """Start both servers, run every level on each in turn, stop them; the result as a dict."""
     total = 1 + sum(cfg.requests(n) for n in cfg.levels) * cfg.repeat
-    prompts = heldout_prompts(Tokenizer.from_dir(tokenizer_dir(model_dir)), total, cfg.prompt_len, cfg.seed)
+    tok = gguf_tokenizer(model_dir) if is_gguf_file(model_dir) else Tokenizer.from_dir(tokenizer_dir(model_dir))
+    prompts = heldout_prompts(tok, total, cfg.prompt_len, cfg.seed)
     ctx = cfg.slots * (cfg.prompt_len + cfg.gen + 16)
     server_args = ["-np", str(cfg.slots), "-c", str(ctx), "-cb"]
     load_before = os.getloadavg()

@@ -244,6 +244,11 @@ def _rotary_rows(rows: int, heads: int) -> torch.Tensor:
     return torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(rows)
 
 
+def gguf_tokenizer(path: str | Path) -> Tokenizer:
+    """The tokenizer a GGUF file carries, built from its metadata in memory."""
+    return Tokenizer.from_texts(tokenizer_files(open_gguf(path, reader=False)), path)
+
+
 def load_native(path: str | Path, progress: bool = True):
     """The model in GGUF file ``path`` with its weights read in place: (model, config, tokenizer).
     The model is not prepared yet (the cpu backend's ``prepare`` does that)."""
@@ -254,8 +259,7 @@ def load_native(path: str | Path, progress: bool = True):
     f = open_gguf(path, reader=False)
     raw = hf_config(f, "float32")
     cfg = ModelConfig.from_dict(raw, source=f"{path} (metadata)")
-    files = tokenizer_files(f)
-    tokenizer = Tokenizer.from_texts(files, path)
+    tokenizer = Tokenizer.from_texts(tokenizer_files(f), path)
     check_vocab(path, tokenizer, cfg)
     types = native_types(f)
     mapped = np.memmap(path, dtype=np.uint8, mode="c")          # copy-on-write: never written, so shared
