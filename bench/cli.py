@@ -27,8 +27,9 @@ from llmd.options import add_flags, given
 from llmd.runtime.config import EngineConfig
 from llmd.runtime.errors import LLMDError
 from llmd.runtime.formats.gguf_import import resolve_model_path, source_gguf
-from llmd.runtime.formats.gguf_native import is_gguf_file
+from llmd.runtime.formats.gguf_check import is_gguf_file
 from llmd.runtime.llm import LLM
+from llmd.runtime.loading import native_gguf
 from llmd.runtime.models.random_model import write_random_model
 from llmd.runtime.request import SamplingParams
 
@@ -156,7 +157,7 @@ def _run_bench(args) -> int:
         torch.set_num_threads(args.threads)
     peers = peer_names(args)                                  # refuses bad combinations before any import
     if args.model is not None:
-        native = args.dtype in (None, "auto") and is_gguf_file(args.model)    # served from its own blocks
+        native = native_gguf(args.model, args.dtype or "auto")              # served from its own blocks
         model = args.model if native else resolve_model_path(args.model, args.dtype or "float32")
         if "llamacpp-server" in peers:
             return against_llama_server(args, model)

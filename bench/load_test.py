@@ -31,7 +31,8 @@ from typing import Optional
 
 from llmd.clients import AsyncClient, Client, Done, Error, RequestError, Token
 from llmd.options import flag_name
-from llmd.runtime.formats.gguf_native import gguf_tokenizer, is_gguf_file
+from llmd.runtime.formats.gguf_check import is_gguf_file
+from llmd.runtime.formats.gguf_native import gguf_tokenizer
 from llmd.runtime.tokenizer import Tokenizer
 
 from .llama_server import LlamaServer, binary, file_tail

@@ -15,8 +15,9 @@ from .errors import EngineDirError, ModelLoadError
 from .formats.engine_dir import engine_draft_dir, load_engine_draft, load_engine_model
 from .formats.manifest import read_manifest
 from .execution import backend_class, choose
-from .formats.gguf_import import imported_dir, resolve_model_path
-from .formats.gguf_native import is_gguf_file, load_native
+from .formats.gguf_import import resolve_model_path
+from .formats.gguf_check import is_gguf_file
+from .formats.gguf_native import load_native
 from .formats.head_screen import HeadScreen
 from .model_runner import kv_bytes_per_block
 from .models.config import ModelConfig
@@ -43,13 +44,11 @@ class LoadedModel:
 
 def native_gguf(model: str | None, dtype: str) -> bool:
     """Is ``model`` a GGUF file (by its magic bytes) to serve from its own blocks (``--dtype auto``)?"""
-    return bool(model) and dtype == "auto" and Path(model).is_file() and is_gguf_file(model)
+    return bool(model) and dtype == "auto" and is_gguf_file(model)
 
 
 def resolve_path(model: str, dtype: str) -> Path:
-    """A model directory as given, or for a GGUF file (by its magic bytes) its cached import in ``dtype``."""
-    if Path(model).is_file() and is_gguf_file(model):
-        return imported_dir(model, float_dtype(dtype))
+    """A model directory as given, or for a GGUF file its cached import in ``dtype``'s float type."""
     return Path(resolve_model_path(model, float_dtype(dtype)))
 
 
@@ -113,14 +112,9 @@ def _load_native(config: EngineConfig) -> LoadedModel:
     backend_class(execution).prepare(model)
     draft = draft_cfg = None
     if config.draft and config.draft not in ("ngram", "auto", "none"):
-        if native_gguf(config.draft, config.dtype):
-            draft, draft_cfg, tok = load_native(config.draft, progress=False)
-            if tok.vocab_size != tokenizer.vocab_size or tok.encode(PROBE) != tokenizer.encode(PROBE):
-                raise ModelLoadError(f"{config.draft}: the draft's tokenizer differs from the target's; speculative "
-                                     "decoding needs the same tokenizer")
-            backend_class(execution).prepare(draft)
-        else:
-            draft, draft_cfg = load_draft(resolve_path(config.draft, config.dtype), config, tokenizer, execution)
+        native = native_gguf(config.draft, config.dtype)             # a GGUF draft from its own blocks too
+        path = Path(config.draft) if native else resolve_path(config.draft, config.dtype)
+        draft, draft_cfg = load_draft(path, config, tokenizer, execution)
     kv_dtype = config.kv_dtype
     blocks = kv_blocks([cfg] + ([draft_cfg] if draft_cfg else []), config, kv_dtype)
     return LoadedModel(model, cfg, tokenizer, blocks, draft, draft_cfg, kv_dtype, None, execution, "cpu")
@@ -180,16 +174,20 @@ def cuda_missing() -> Optional[str]:
 
 
 def load_draft(path: Path, config: EngineConfig, target_tokenizer: Tokenizer, execution: str = "cpu"):
-    """A draft from a model directory, an engine directory's own draft, or an engine directory."""
+    """A draft from a model directory, an engine directory's own draft, an engine directory, or a GGUF
+    file served from its own blocks (``native_gguf``, on the cpu backend)."""
     if not path.exists():
         raise ModelLoadError(f"{path}: no such draft model directory; pass a directory, 'ngram', or no draft")
-    if (path / "manifest.json").is_file():
+    if execution == "cpu" and native_gguf(str(path), config.dtype):
+        model, cfg, tok = load_native(path, progress=False)
+        backend_class(execution).prepare(model)
+    elif (path / "manifest.json").is_file():
         model, cfg, tok = load_engine_draft(path, config) if engine_draft_dir(path) else load_engine_model(path, config)
     else:
         model, cfg, tok = load_hf_model(path, float_dtype(config.dtype), execution=execution)
     if tok.vocab_size != target_tokenizer.vocab_size or tok.encode(PROBE) != target_tokenizer.encode(PROBE):
-        raise ModelLoadError(f"{path / 'tokenizer.json'}: the draft's tokenizer differs from the target's; "
-                             "speculative decoding needs the same tokenizer")
+        raise ModelLoadError(f"{path if path.is_file() else path / 'tokenizer.json'}: the draft's tokenizer differs "
+                             "from the target's; speculative decoding needs the same tokenizer")
     return model, cfg
 
 

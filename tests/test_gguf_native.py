@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from llmd.runtime import kernels
 from llmd.runtime.errors import ModelLoadError
-from llmd.runtime.formats.gguf_check import GGUFError
-from llmd.runtime.formats.gguf_native import BLOCKS, PACKS8, TYPES, GGUFLinear, is_gguf_file, load_native
+from llmd.runtime.formats.gguf_check import GGUFError, is_gguf_file
+from llmd.runtime.formats.gguf_native import BLOCKS, PACKS8, TYPES, GGUFLinear, load_native
 from llmd.runtime.kernels import ops
 from llmd.runtime.llm import LLM
 from llmd.runtime.request import SamplingParams

@@ -579,7 +579,7 @@ def test_every_entry_point_is_declared_once_in_the_header_and_bound_by_it():
         assert set(re.findall(r" T (llmd_\w+)$", symbols, re.M)) == declared
     for source in kernels._SOURCES:
         assert not re.search(r"^\s*(?:int|void) llmd_\w+\([^{]*?\);", source.read_text(), re.M), source.name
-    assert len(declared) == 33
+    assert len(declared) == 31
     for name in declared:
         assert getattr(so, name).argtypes is not None, name
     assert so.llmd_q4_pack.restype is ctypes.c_int and so.llmd_rmsnorm.restype is ctypes.c_int

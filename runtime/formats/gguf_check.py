@@ -32,6 +32,15 @@ SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12
 STRING, ARRAY = 8, 9
 
 
+def is_gguf_file(path: str | Path) -> bool:
+    """A GGUF file by its first four bytes, whatever its name (an Ollama blob has no extension)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
 class GGUFError(ModelLoadError):
     """A GGUF file is malformed, hostile or uses something llmd does not support. Names the file
     and the field."""

@@ -21,14 +21,15 @@ from ..models.config import ModelConfig
 from ..models.loader import checkpoint_layout
 
 from .gguf import hf_config, open_gguf, read_tensors
-from .gguf_check import GGUFError
+from .gguf_check import GGUFError, is_gguf_file
 from .gguf_tokenizer import tokenizer_files
 
 SOURCE_FILE = "gguf_source.json"          # which file a directory was imported from
 
 
 def is_gguf(path: str | Path) -> bool:
-    return str(path).lower().endswith(".gguf")
+    """A GGUF file by its name, or by its first bytes (an Ollama blob has no extension)."""
+    return str(path).lower().endswith(".gguf") or is_gguf_file(path)
 
 
 def import_gguf(path: str | Path, out: str | Path, dtype: str = "float32", progress: bool = True) -> Path:

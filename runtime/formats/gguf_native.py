@@ -34,6 +34,7 @@ from ..tokenizer import Tokenizer, check_vocab
 from .gguf import ROTARY_ADJACENT, GGUFFile, hf_config, hf_name, open_gguf
 from .gguf_check import GGUFError
 from .gguf_tokenizer import tokenizer_files
+from .quantized import QuantEmbedding
 
 # GGUF tensor types the kernels read in place (ggml's numbers) and their (values, bytes) per block
 TYPES = {"F32": 0, "F16": 1, "BF16": 30, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "IQ4_NL": 20,
@@ -44,16 +45,6 @@ NAMES = {v: k for k, v in TYPES.items()}
 F32 = 0
 PACKED8 = 100                     # a part's type + this: its rows interleaved in groups of 8 (blocks.c)
 PACKS8 = {TYPES["Q4_K"], TYPES["Q5_K"], TYPES["Q8_0"]}          # types with an 8-row layout
-MAGIC = b"GGUF"
-
-
-def is_gguf_file(path: str | Path) -> bool:
-    """A GGUF file by its first four bytes, whatever its name (an Ollama blob has no extension)."""
-    try:
-        with open(path, "rb") as f:
-            return f.read(4) == MAGIC
-    except OSError:
-        return False
 
 
 class GGUFLinear(nn.Module):
@@ -65,7 +56,7 @@ class GGUFLinear(nn.Module):
 
     def __init__(self, in_features: int, parts: list[tuple[int, torch.Tensor]], bias: torch.Tensor | None = None,
                  release=None, packable: bool = True):
-        """``release(p)``, where given, hands part p's mapped pages back once an 8-row copy of them
+        """``release(view)``, where given, hands a part's mapped pages back once an 8-row copy of them
         exists; ``packable=False`` keeps the file's layout (a token table, whose rows are looked up)."""
         super().__init__()
         for t, rows in parts:
@@ -104,7 +95,7 @@ class GGUFLinear(nn.Module):
         if self._packed is None:
             so = kernels.lib()
             self._packed = []
-            for p, (t, b, o) in enumerate(zip(self.types, self.blocks, self.orders)):
+            for t, b, o in zip(self.types, self.blocks, self.orders):
                 packed = None
                 if self.packable and so is not None and t in PACKS8 and b.shape[0] % 8 == 0:
                     packed = torch.empty_like(b, memory_format=torch.contiguous_format)
@@ -160,6 +151,11 @@ class GGUFLinear(nn.Module):
             return None
         return self.kernel_product()
 
+    @property
+    def qweight(self) -> torch.Tensor:
+        """The stored rows of a one-part weight (a token table): the file's blocks."""
+        return self.blocks[0]
+
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of a one-part weight (a token table), dequantized exactly."""
         ids = ids.reshape(-1).to(torch.int64).contiguous()
@@ -179,9 +175,6 @@ class GGUFLinear(nn.Module):
             parts.append(w if o is None else w[o.long()])
         return torch.cat(parts)
 
-    def nbytes(self) -> int:
-        return sum(b.numel() for b in self.blocks)
-
     def packed_bytes(self) -> int:
         """Bytes of the 8-row copies made so far (memory of their own; the file's pages are handed back)."""
         return sum(k.numel() for k in self._packed or () if k is not None)
@@ -189,25 +182,6 @@ class GGUFLinear(nn.Module):
     def extra_repr(self) -> str:
         kinds = "+".join(NAMES[t] for t in self.types)
         return f"gguf {kinds}, in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
-
-
-class GGUFEmbedding(nn.Module):
-    """Token rows of a GGUF table, dequantized as they are looked up; ``table`` is the head's own module
-    in a tied model."""
-
-    def __init__(self, table: GGUFLinear, owns_table: bool):
-        super().__init__()
-        if owns_table:
-            self.table = table
-        else:
-            object.__setattr__(self, "table", table)
-
-    @property
-    def weight(self):          # LlamaForCausalLM.embed() checks this is not None
-        return self.table.blocks[0]
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.table.rows(ids).view(*ids.shape, -1)
 
 
 def dequantize_rows(blocks: torch.Tensor, type_: int, k: int, ids: torch.Tensor, out: torch.Tensor) -> None:
@@ -324,10 +298,10 @@ def load_native(path: str | Path, progress: bool = True):
     table = GGUFLinear(h, [blocks("token_embd.weight", cfg.vocab_size, h)], packable=False)        # its rows are looked up
     if cfg.tie_word_embeddings:
         model.lm_head = table
-        model.embed_tokens = GGUFEmbedding(table, owns_table=False)
+        model.embed_tokens = QuantEmbedding(table, owns_table=False)
     else:
         model.lm_head = GGUFLinear(h, [blocks("output.weight", cfg.vocab_size, h)], None, release)
-        model.embed_tokens = GGUFEmbedding(table, owns_table=True)
+        model.embed_tokens = QuantEmbedding(table, owns_table=True)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t is not None and t.is_meta]
     if left:
         f.fail(left[0], "no tensor of the file filled this weight")

@@ -514,10 +514,11 @@ class Int4Linear(QuantLinear):
 
 
 class QuantEmbedding(nn.Module):
-    """Rows of a quantized table (int8, or int4 for a tied int4 head), dequantized per looked-up row.
-    For a tied model the table is the head's own (the same tensors, not a copy)."""
+    """Rows of a quantized table (int8, or int4 for a tied int4 head; a GGUF file's blocks,
+    formats.gguf_native), dequantized per looked-up row. For a tied model the table is the head's own
+    (the same tensors, not a copy)."""
 
-    def __init__(self, table: "Int8Linear | Int4Linear", owns_table: bool):
+    def __init__(self, table, owns_table: bool):
         super().__init__()
         if owns_table:
             self.table = table                      # registered: saved as embed_tokens.table.*

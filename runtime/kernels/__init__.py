@@ -81,7 +81,7 @@ def compile_command(cc: str, sources: list[Path], out: Path, variant: str = "avx
 
 _API_BEGIN, _API_END = "/* llmd API begin", "/* llmd API end */"
 # the C types the entry points' declarations use, as ctypes passes them (any pointer: an address)
-_CTYPES = {"int": ctypes.c_int, "int64_t": ctypes.c_int64, "float": ctypes.c_float, "void": None}
+_CTYPES = {"int": ctypes.c_int, "float": ctypes.c_float, "void": None}
 
 
 @lru_cache(maxsize=None)

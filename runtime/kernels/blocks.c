@@ -496,22 +496,19 @@ GI void q6k_rows(int K, const uint8_t *w, const xrow *x, float *out, const int R
     for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]);
 }
 
-/* Each row count its own copy, so the row loops unroll with their accumulators in registers. */
-static GT void dot_q4k(int K, const uint8_t *w, const xrow *x, int R, float *out) {
-    if (R == 4) q45k_rows(0, K, w, x, out, 4);
-    else if (R == 2) q45k_rows(0, K, w, x, out, 2);
-    else for (int r = 0; r < R; r++) q45k_rows(0, K, w, x + r, out + r, 1);
-}
-static GT void dot_q5k(int K, const uint8_t *w, const xrow *x, int R, float *out) {
-    if (R == 4) q45k_rows(1, K, w, x, out, 4);
-    else if (R == 2) q45k_rows(1, K, w, x, out, 2);
-    else for (int r = 0; r < R; r++) q45k_rows(1, K, w, x + r, out + r, 1);
-}
-static GT void dot_q6k(int K, const uint8_t *w, const xrow *x, int R, float *out) {
-    if (R == 4) q6k_rows(K, w, x, out, 4);
-    else if (R == 2) q6k_rows(K, w, x, out, 2);
-    else for (int r = 0; r < R; r++) q6k_rows(K, w, x + r, out + r, 1);
-}
+/* A kernel taking R rows as copies for 4, 2 and 1 rows, so that each copy's row loops unroll with
+ * their accumulators in registers; ``width`` outputs a row (1, or 8 for the 8-row layouts). */
+#define BY_ROWS(name, call, width)                                                        \
+    static GT void name(int K, const uint8_t *w, const xrow *x, int R, float *out) {      \
+        if (R == 4) call(K, w, x, out, 4);                                                \
+        else if (R == 2) call(K, w, x, out, 2);                                           \
+        else for (int r = 0; r < R; r++) call(K, w, x + r, out + (width) * r, 1);         \
+    }
+#define Q4K(K, w, x, out, R) q45k_rows(0, K, w, x, out, R)
+#define Q5K(K, w, x, out, R) q45k_rows(1, K, w, x, out, R)
+BY_ROWS(dot_q4k, Q4K, 1)
+BY_ROWS(dot_q5k, Q5K, 1)
+BY_ROWS(dot_q6k, q6k_rows, 1)
 
 /* Unsigned values q (8 x 32 columns) times x's integers xq, each 16 columns times its scale s: 8 sums. */
 GI __m256i scaled_sums(const __m256i *q, const __m256i *s, const int8_t *xq) {
@@ -519,21 +516,6 @@ GI __m256i scaled_sums(const __m256i *q, const __m256i *s, const int8_t *xq) {
     for (int j = 0; j < 8; j++)
         sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(q[j], loadq(xq + 32 * j)), s[j]));
     return sum;
-}
-
-/* Q6_K and Q3_K: super-block b's unsigned values q (8 x 32 columns) times each row, each 16 columns
- * by its scale (s as vectors, sc as integers), less `offset` times the scaled sums of x's 16 columns. */
-GI void rows_offset(const __m256i *q, const __m256i *s, const int8_t *sc, int offset, float d, int b, const xrow *x,
-                    int R, __m256 *acc) {
-    for (int r = 0; r < R; r++) {
-        const int8_t *xq = x[r].q + 256 * b;
-        __m256i sum = scaled_sums(q, s, xq);
-        const int16_t *bs = x[r].bs + 16 * b;
-        int off = 0;
-        for (int g = 0; g < 16; g++) off += sc[g] * bs[g];
-        sum = _mm256_sub_epi32(sum, _mm256_setr_epi32(offset * off, 0, 0, 0, 0, 0, 0, 0));
-        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[r].d[b]), _mm256_cvtepi32_ps(sum), acc[r]);
-    }
 }
 
 static GT void dot_q3k(int K, const uint8_t *w, const xrow *x, int R, float *out) {
@@ -557,7 +539,14 @@ static GT void dot_q3k(int K, const uint8_t *w, const xrow *x, int R, float *out
                 s[4 * c + j] = scales2(sc[8 * c + 2 * j], sc[8 * c + 2 * j + 1]);
             }
         }
-        rows_offset(q, s, sc, 4, d, b, x, R, acc);
+        for (int r = 0; r < R; r++) {         /* values less 4: 4 times each 16 columns' scaled x sums */
+            __m256i sum = scaled_sums(q, s, x[r].q + 256 * b);
+            const int16_t *bs = x[r].bs + 16 * b;
+            int off = 0;
+            for (int g = 0; g < 16; g++) off += sc[g] * bs[g];
+            sum = _mm256_sub_epi32(sum, _mm256_setr_epi32(4 * off, 0, 0, 0, 0, 0, 0, 0));
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[r].d[b]), _mm256_cvtepi32_ps(sum), acc[r]);
+        }
     }
     for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]);
 }
@@ -843,17 +832,11 @@ GI void q808_rows(int K, const uint8_t *w, const xrow *x, float *out, const int 
     for (int r = 0; r < R; r++) _mm256_storeu_ps(out + 8 * r, acc[r]);
 }
 
-#define DOT8(name, call)                                                                  \
-    static GT void name(int K, const uint8_t *w, const xrow *x, int R, float *out) {      \
-        if (R == 4) call(K, w, x, out, 4);                                                \
-        else if (R == 2) call(K, w, x, out, 2);                                           \
-        else for (int r = 0; r < R; r++) call(K, w, x + r, out + 8 * r, 1);               \
-    }
 #define Q4K8(K, w, x, out, R) q45k8_rows(0, K, w, x, out, R)
 #define Q5K8(K, w, x, out, R) q45k8_rows(1, K, w, x, out, R)
-DOT8(dot8_q4k, Q4K8)
-DOT8(dot8_q5k, Q5K8)
-DOT8(dot8_q80, q808_rows)
+BY_ROWS(dot8_q4k, Q4K8, 8)
+BY_ROWS(dot8_q5k, Q5K8, 8)
+BY_ROWS(dot8_q80, q808_rows, 8)
 
 static void dot8(int type, int K, const uint8_t *w, const xrow *x, int R, float *out) {
     switch (type) {
@@ -877,9 +860,8 @@ static void *act_buffer(size_t bytes) {
     return buf;
 }
 
-int llmd_gg_block(int type, int *bytes) { return type_block(type, bytes); }
-
-int llmd_gg_dequant(const void *data, int type, int64_t n, float *out) {
+/* n values of a type as float32 */
+static int dequant_values(const void *data, int type, int64_t n, float *out) {
     int bytes, per = type_block(type, &bytes);
     if (!per || n % per) return -1;
     for (int64_t b = 0; b < n / per; b++) dequant_block(type, (const uint8_t *)data + b * bytes, out + b * per);
@@ -890,7 +872,7 @@ int llmd_gg_rows(const void *data, int type, int K, const int64_t *ids, int C, f
     int bytes, per = type_block(type, &bytes);
     if (!per || K % per) return -1;
     const size_t row = (size_t)(K / per) * bytes;
-    for (int c = 0; c < C; c++) llmd_gg_dequant((const uint8_t *)data + (size_t)ids[c] * row, type, K, out + (size_t)c * K);
+    for (int c = 0; c < C; c++) dequant_values((const uint8_t *)data + (size_t)ids[c] * row, type, K, out + (size_t)c * K);
     return 0;
 }
 

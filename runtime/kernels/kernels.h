@@ -127,11 +127,8 @@ int llmd_draft2(const llmd_dims *dims, const float *const *norms, const llmd_pro
                 void *v_pool, const int32_t *table, const llmd_product *head, const llmd_product *embed,
                 const int64_t *ids, const int32_t *count, const int64_t *pos0, int steps, int64_t *out, float *x,
                 float *hidden, float *logits, float *work, int nt);
-/* blocks.c: values per block of a GGUF type (0: a type llmd does not read) and its bytes into *bytes;
- * n values of a type as float32; rows ids [C] of a [?, K] tensor as float32 [C, K]; x [M, K] times a
- * weight of P parts (N outputs in all): y [M, N] */
-int llmd_gg_block(int type, int *bytes);
-int llmd_gg_dequant(const void *data, int type, int64_t n, float *out);
+/* blocks.c: rows ids [C] of a [?, K] tensor of a GGUF type as float32 [C, K]; x [M, K] times a weight
+ * of P parts (N outputs in all): y [M, N] */
 int llmd_gg_rows(const void *data, int type, int K, const int64_t *ids, int C, float *out);
 int llmd_gg_x(const float *x, int M, int K, const llmd_gg_part *parts, int P, float *y, int N, int nt);
 /* blocks.c: rows [rows, K] of a type (row order[i] as row i where order is not NULL) into the 8-row
