@@ -21,6 +21,8 @@ The module only rewrites float weights; ``quantize_model`` then rounds them as i
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
@@ -35,26 +37,41 @@ def fake_int4(w: torch.Tensor, group_size: int, symmetric: bool) -> torch.Tensor
     return dequantize_int4(*quantize_int4(w, group_size, symmetric))
 
 
-@torch.no_grad()
-def collect_inputs(model: nn.Module, windows: torch.Tensor, rows: int = ROWS) -> dict[nn.Module, torch.Tensor]:
-    """The float model's inputs to every product searched here, over the calibration windows: [rows, K]
-    per module (the products' own inputs, before any of them is changed)."""
-    wanted = [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                    layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-    seen: dict[nn.Module, list[torch.Tensor]] = {m: [] for m in wanted}
+def layer_products(layer: nn.Module) -> tuple[nn.Module, ...]:
+    """The products of a decoder layer whose scales are searched here."""
+    return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
+
+
+@contextmanager
+def recording(modules):
+    """{module: [inputs seen]} while the block runs: every input each of ``modules`` is called with."""
+    seen: dict[nn.Module, list[torch.Tensor]] = {m: [] for m in modules}
     hooks = [m.register_forward_pre_hook(lambda mod, args: seen[mod].append(args[0].reshape(-1, args[0].shape[-1])))
-             for m in wanted]
+             for m in modules]
     try:
-        for w in windows.split(4):
-            model.forward_dense(w)
+        yield seen
     finally:
         for h in hooks:
             h.remove()
+
+
+def sampled(seen: dict, rows: int = ROWS) -> dict[nn.Module, torch.Tensor]:
+    """Each module's inputs, ``rows`` of them evenly spaced over all it saw: [rows, K]."""
     out = {}
     for m, xs in seen.items():
         x = torch.cat(xs).float()
         out[m] = x[torch.linspace(0, len(x) - 1, min(rows, len(x))).long()]
     return out
+
+
+@torch.no_grad()
+def collect_inputs(model: nn.Module, windows: torch.Tensor, rows: int = ROWS) -> dict[nn.Module, torch.Tensor]:
+    """The float model's inputs to every product searched here, over the calibration windows: [rows, K]
+    per module (the products' own inputs, before any of them is changed)."""
+    with recording([m for layer in model.layers for m in layer_products(layer)]) as seen:
+        for w in windows.split(4):
+            model.forward_dense(w)
+    return sampled(seen, rows)
 
 
 def search_scale(w: torch.Tensor, x: torch.Tensor, group_size: int, symmetric: bool,
@@ -101,36 +118,44 @@ def apply_awq(model: nn.Module, windows: torch.Tensor, group_size: int, symmetri
     before ``quantize_model``), calibrated on ``windows`` [n, T]."""
     inputs = collect_inputs(model, windows)
     for layer in model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        qkv, o, gate_up, down = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
-        # qkv and gate/up: their inputs are RMSNorm outputs, so the norm's weight takes 1/s
-        for norm, proj in ((layer.input_layernorm, qkv), (layer.post_attention_layernorm, gate_up)):
-            s = search_scale(proj.weight.float(), inputs[proj], group_size, symmetric)
-            proj.weight.mul_(s)
-            norm.weight.div_(s)
-            inputs[proj] = inputs[proj] / s
-        # down: its input is silu(gate) * up, linear in up's rows
-        inter = down.in_features
-        s = search_scale(down.weight.float(), inputs[down], group_size, symmetric)
-        down.weight.mul_(s)
-        scale_rows(gate_up, slice(inter, 2 * inter), 1 / s)
-        inputs[down] = inputs[down] / s
-        # o: its input is attention over values, linear in v's rows; heads sharing a kv head share a scale
-        heads, kv_heads, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
-        per_kv = inputs[o].abs().mean(0).view(kv_heads, heads // kv_heads, d).mean(1).reshape(-1)
-
-        def spread(s_kv):        # a scale per (kv head, dim) -> one per column of o
-            return s_kv.view(kv_heads, 1, d).expand(kv_heads, heads // kv_heads, d).reshape(-1)
-        s_kv = search_scale(o.weight.float(), inputs[o], group_size, symmetric, per_kv, spread)
-        s = spread(s_kv)
-        o.weight.mul_(s)
-        v_rows = slice(attn.q_size + attn.kv_size, attn.q_size + 2 * attn.kv_size)
-        scale_rows(qkv, v_rows, 1 / s_kv)
-        inputs[o] = inputs[o] / s
-        for proj in (qkv, o, gate_up, down):
-            proj.weight.copy_(clip_weights(proj.weight.float(), inputs[proj], group_size, symmetric))
+        awq_layer(layer, inputs, group_size, symmetric)
         if progress is not None:
             progress.advance()
+
+
+@torch.no_grad()
+def awq_layer(layer: nn.Module, inputs: dict, group_size: int, symmetric: bool) -> None:
+    """``apply_awq`` for one decoder layer, given its products' float inputs (``collect_inputs``,
+    or ``sampled`` of a ``recording`` of the layer alone): it changes nothing outside the layer."""
+    inputs = {m: inputs[m] for m in layer_products(layer)}
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv, o, gate_up, down = layer_products(layer)
+    # qkv and gate/up: their inputs are RMSNorm outputs, so the norm's weight takes 1/s
+    for norm, proj in ((layer.input_layernorm, qkv), (layer.post_attention_layernorm, gate_up)):
+        s = search_scale(proj.weight.float(), inputs[proj], group_size, symmetric)
+        proj.weight.mul_(s)
+        norm.weight.div_(s)
+        inputs[proj] = inputs[proj] / s
+    # down: its input is silu(gate) * up, linear in up's rows
+    inter = down.in_features
+    s = search_scale(down.weight.float(), inputs[down], group_size, symmetric)
+    down.weight.mul_(s)
+    scale_rows(gate_up, slice(inter, 2 * inter), 1 / s)
+    inputs[down] = inputs[down] / s
+    # o: its input is attention over values, linear in v's rows; heads sharing a kv head share a scale
+    heads, kv_heads, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    per_kv = inputs[o].abs().mean(0).view(kv_heads, heads // kv_heads, d).mean(1).reshape(-1)
+
+    def spread(s_kv):        # a scale per (kv head, dim) -> one per column of o
+        return s_kv.view(kv_heads, 1, d).expand(kv_heads, heads // kv_heads, d).reshape(-1)
+    s_kv = search_scale(o.weight.float(), inputs[o], group_size, symmetric, per_kv, spread)
+    s = spread(s_kv)
+    o.weight.mul_(s)
+    v_rows = slice(attn.q_size + attn.kv_size, attn.q_size + 2 * attn.kv_size)
+    scale_rows(qkv, v_rows, 1 / s_kv)
+    inputs[o] = inputs[o] / s
+    for proj in (qkv, o, gate_up, down):
+        proj.weight.copy_(clip_weights(proj.weight.float(), inputs[proj], group_size, symmetric))
 
 
 def scale_rows(proj: nn.Module, rows: slice, factor: torch.Tensor) -> None:

@@ -1,12 +1,14 @@
 """`llmd export`: quantize (and compile) a target and an optional draft into an engine directory.
 
 Phases, each with its own progress bar:
-    load      the float models and the held-out windows; the reference's predictions are kept
-    quantize  module swap per --quant
-    compile   weights written; backend artifacts (ONNX graph, TensorRT engine, AOT package)
+    load      the models opened (a Hugging Face directory or a GGUF file), the held-out windows
+    quantize  a decoder layer at a time (llmd.export.stream): each float layer read, the reference's
+              and the calibration text's hidden states advanced through it, then the layer rounded
+              per --quant and written; the reference's predictions are kept
+    compile   backend artifacts (ONNX graph, TensorRT engine, AOT package)
     validate  the target is measured against the reference through what the engine will run (the
-              ONNX graph on onnxruntime, the AOT packages; else the written weights loaded back):
-              the quality gate
+              ONNX graph on onnxruntime, the AOT packages; else the written weights read back a
+              layer at a time): the quality gate
 The manifest is written last, and only when the gate passes: without it the directory is refused.
 """
 from __future__ import annotations
@@ -21,20 +23,16 @@ from typing import Optional
 from llmd.runtime.backends.base import create_backend
 from llmd.runtime.config import KV_DTYPES
 from llmd.runtime.errors import LLMDError
-from llmd.runtime.formats.engine_dir import load_model_dir
 from llmd.runtime.formats.gguf_import import resolve_model_path
-from llmd.runtime.formats.quantized import QuantizationError, QuantSpec, auto_group_size, quantize_model
+from llmd.runtime.formats.quantized import QuantizationError, QuantSpec, auto_group_size
 from llmd.runtime.models.config import ModelConfig
-from llmd.runtime.models.loader import load_model
-from llmd.runtime.tokenizer import Tokenizer, check_vocab
 
 from . import llamacpp, quality
 from .aot import build_aot_package
-from .awq import apply_awq
-from .engine_dir import save_model_dir, source_hashes
-from .group_size import choose_group_size
+from .group_size import choose_group_size, dividing
 from .manifest import write_manifest
 from .onnx import MAX_STEP_TOKENS, export_onnx, graph_quantization
+from .stream import WrittenModel, finish_part, open_source, quantize_part
 from .tensorrt import build_engine, require_tensorrt
 from .whole_dir import write_whole
 
@@ -144,8 +142,6 @@ def run_export(args) -> int:
     try:
         if args.compare_gguf is None and str(args.target).endswith(".gguf"):
             args.compare_gguf = args.target                        # llama.cpp reads the very file
-        args.target = resolve_model_path(args.target)            # a .gguf file: its float32 import
-        args.draft = args.draft and resolve_model_path(args.draft)
         opts = ExportOptions(**{k: v for k, v in vars(args).items() if k in keys})
         summary = export_engine(opts, TqdmProgress())
     except QualityGateFailed as e:
@@ -192,70 +188,89 @@ def export_engine(opts: ExportOptions, progress: TqdmProgress | None = None) -> 
 
     progress = progress or NoProgress()
     check_backend(opts)
-    final, target = Path(opts.out), Path(opts.target)
-    parts = {"target": target} | ({"draft": Path(opts.draft)} if opts.draft else {})
-    group = opts.group_size or (auto_group_size([ModelConfig.from_dir(p) for p in parts.values()])
-                                if opts.quant == "int4" else 128)
-    spec = QuantSpec(opts.quant, group, opts.symmetric, opts.head, opts.embed, opts.kv_dtype)
+    if opts.backend != "torch" or opts.aot:      # graphs are built from a Hugging Face directory
+        opts = replace(opts, target=resolve_model_path(opts.target),
+                       draft=opts.draft and resolve_model_path(opts.draft))
+    final = Path(opts.out)
+    parts = {"target": Path(opts.target)} | ({"draft": Path(opts.draft)} if opts.draft else {})
     check_out(final, opts.force, list(parts.values()))
+    sources = {name: open_source(p) for name, p in parts.items()}
+    configs = [s.config for s in sources.values()]
+    group = opts.group_size or (auto_group_size(configs) if opts.quant == "int4" else 128)
+    spec = QuantSpec(opts.quant, group, opts.symmetric, opts.head, opts.embed, opts.kv_dtype)
     # a failure, a failed quality gate or Ctrl-C leaves the destination as it was
-    summary = write_whole(final, lambda out: _export_into(out, opts, spec, parts, progress))
+    summary = write_whole(final, lambda out: _export_into(out, opts, spec, sources, progress))
     return {"out": str(final), "quantization": spec.to_dict(), "backend": opts.backend} | summary
 
 
-def _export_into(out: Path, opts: ExportOptions, spec, parts: dict, progress) -> dict:
-
-
-    target = parts["target"]
+def _export_into(out: Path, opts: ExportOptions, spec, sources: dict, progress) -> dict:
+    """Each model is read, rounded and written a decoder layer at a time (llmd.export.stream): the
+    float reference and the calibration text advance through each float layer as it comes up, so
+    no model is ever whole in float."""
     times: dict[str, float] = {}
+    target = sources["target"]
+    cfg = target.config
 
     t = time.perf_counter()
-    progress.phase("load", len(parts) + 2)
-    models = {}
-    for name, src in parts.items():
-        models[name] = load_model(src, "float32")
-        progress.advance()
-    tokenizer = Tokenizer.from_dir(target)
-    check_vocab(target, tokenizer, models["target"].config)
-    if opts.eval_tokens > models["target"].config.max_position_embeddings:
+    progress.phase("load", 2)
+    tokenizer = target.tokenizer()
+    if opts.eval_tokens > cfg.max_position_embeddings:
         raise ValueError(f"--eval-tokens {opts.eval_tokens} is longer than the target's context window "
-                         f"({models['target'].config.max_position_embeddings} positions)")
+                         f"({cfg.max_position_embeddings} positions)")
     if opts.eval_tokens > MAX_STEP_TOKENS and (opts.backend != "torch" or opts.aot):
         raise ValueError(f"--eval-tokens {opts.eval_tokens} is longer than a compiled graph takes in one call "
                          f"({MAX_STEP_TOKENS}); choose at most that")
     texts, source = quality.heldout_texts(opts.eval_file)
     windows = quality.token_windows(tokenizer, texts, opts.eval_tokens, opts.eval_windows)
-    reference = quality.predict(models["target"], windows)
-    progress.advance(2)
+    progress.advance()
+    calibration = None
+    if spec.method == "int4":
+        calibration = quality.token_windows(tokenizer, quality.calibration_texts(), opts.eval_tokens,
+                                            CALIBRATION_WINDOWS)
+    progress.advance()
     times["load"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    progress.phase("quantize", len(parts) + 3)
-    spec, calibration = prepare_int4(opts, spec, models, tokenizer, progress)
-    for name in parts:
-        quantize_model(models[name], spec)
-        progress.advance()
+    progress.phase("quantize", sum(s.config.num_layers + 1 for s in sources.values()))
+    groups = [spec.group_size]
+    if spec.method == "int4" and opts.group_size is None:
+        groups = dividing(*(s.config for s in sources.values()))
+    search = spec.method == "int4" and opts.scale_search and opts.backend == "torch"
+    done = quantize_part(target, spec, out / "target", groups=groups, scale_search=search, eval_windows=windows,
+                         calibration=calibration, progress=progress)
+    reference = done["reference"]
+    tried = {}
+    if len(groups) > 1:
+        for g in groups:
+            q = quality.compare(done["calibration_reference"], done["measured"][g], None, "", "")
+            tried[g] = (100 * q.ppl_increase, 100 * q.top1_agreement)
+        spec = replace(spec, group_size=choose_group_size(tried, opts.max_ppl_increase / 2,
+                                                          100 - (100 - opts.min_top1_agreement) / 2))
+    elif spec.method == "int4":
+        spec = replace(spec, group_size=groups[0])
+    finish_part(out / "target", done, spec.group_size, cfg, spec)
+    if "draft" in sources:
+        done = quantize_part(sources["draft"], spec, out / "draft", groups=[spec.group_size], scale_search=search,
+                             eval_windows=None, calibration=calibration, progress=progress)
+        finish_part(out / "draft", done, spec.group_size, sources["draft"].config, spec)
+    calibrated = None
+    if spec.method == "int4":
+        calibrated = {"group_size": spec.group_size, "chosen": opts.group_size is None, "scale_search": search,
+                      "tried": {str(g): {"ppl_increase_pct": p, "top1_pct": t} for g, (p, t) in tried.items()}}
     times["quantize"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    progress.phase("compile", len(parts) + 1)
-    for name, src in parts.items():
-        save_model_dir(models[name], src, out / name, spec)
-        progress.advance()
-    del models
+    progress.phase("compile", 1)
     artifacts = compile_backend(opts, out, spec)
     progress.advance()
     times["compile"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    progress.phase("validate", len(parts))
-    loaded = {}
-    for name in parts:
-        loaded[name], _ = load_model_dir(out / name, spec, "float32")
-        progress.advance()
-    target_runs, measured_on = gate_target(out, artifacts, loaded["target"])
-    quant_pred = quality.predict(target_runs, windows)
-    draft_pred = quality.predict(loaded["draft"], windows) if "draft" in loaded else None
+    progress.phase("validate", sum(s.config.num_layers for s in sources.values()))
+    runs, measured_on = gate_target(out, artifacts, cfg)
+    quant_pred = (quality.predict(runs, windows) if runs is not None
+                  else WrittenModel(out / "target", spec).predict(windows, progress))
+    draft_pred = WrittenModel(out / "draft", spec).predict(windows, progress) if "draft" in sources else None
     measured = quality.compare(reference, quant_pred, draft_pred, source, measured_on)
     times["validate"] = time.perf_counter() - t
     t = time.perf_counter()
@@ -275,12 +290,12 @@ def _export_into(out: Path, opts: ExportOptions, spec, parts: dict, progress) ->
             "passed": not failures, "accepted_loss": failures}
     summary = {"quality": measured.to_dict() | {"gate": gate}, "times_s": times, "quantization": spec.to_dict(),
                **({"llamacpp": peers} if peers else {}),
-               **({"int4_calibration": calibration} if calibration else {}),
-               "sizes": {name: {"source_bytes": dir_bytes(src, "*.safetensors"),
-                                "engine_bytes": dir_bytes(out / name, "*.safetensors")} for name, src in parts.items()}}
+               **({"int4_calibration": calibrated} if calibrated else {}),
+               "sizes": {name: {"source_bytes": source_bytes(s.path),
+                                "engine_bytes": dir_bytes(out / name, "*.safetensors")} for name, s in sources.items()}}
     write_manifest(out, {
         "backend": opts.backend, "quantization": spec.to_dict(), "shape_buckets": opts.shape_buckets,
-        "models": {name: {"dir": name, "source": source_hashes(src)} for name, src in parts.items()},
+        "models": {name: {"dir": name, "source": s.hashes()} for name, s in sources.items()},
         "tokenizer": {"dir": "target", "files": sorted(p.name for p in (out / "target").glob("tokenizer*"))},
         "artifacts": artifacts, **summary})
     return summary | ({"graph_quantization": artifacts["onnx_quantization"]} if "onnx_quantization" in artifacts else {})
@@ -311,44 +326,20 @@ def llamacpp_figures(opts: ExportOptions, spec, reference, windows, source: str,
     return {"rows": rows, "gguf": str(opts.compare_gguf)}
 
 
-def prepare_int4(opts: ExportOptions, spec, models: dict, tokenizer, progress):
-    """int4: choose the group size where none was given, and search the activation-aware scales (both
-    on calibration text, not the gate's). -> (the spec with its group size, what was chosen and
-    measured, for the manifest; None for other methods)."""
-    if spec.method != "int4":
-        return spec, None
-    windows = quality.token_windows(tokenizer, quality.calibration_texts(), opts.eval_tokens, CALIBRATION_WINDOWS)
-    search = opts.scale_search and opts.backend == "torch"
-
-    def scale_search(model, group_size):
-        if search:
-            apply_awq(model, windows, group_size, spec.symmetric)
-    tried = {}
-    if opts.group_size is None:
-        reference = quality.predict(models["target"], windows)
-        size, tried = choose_group_size(models["target"], spec, windows, reference, opts.max_ppl_increase / 2,
-                                        100 - (100 - opts.min_top1_agreement) / 2, scale_search, progress)
-        spec = replace(spec, group_size=size)
-    for model in models.values():
-        scale_search(model, spec.group_size)
-    return spec, {"group_size": spec.group_size, "chosen": opts.group_size is None, "scale_search": search,
-                  "tried": {str(g): {"ppl_increase_pct": p, "top1_pct": t} for g, (p, t) in tried.items()}}
-
-
-def gate_target(out: Path, artifacts: dict, torch_model):
+def gate_target(out: Path, artifacts: dict, cfg: ModelConfig):
     """What the quality gate measures the target through, and its name: the compiled graph the engine
     will run (the ONNX graph on onnxruntime; the AOT decode package, which writes every generated
-    token), else the written weights loaded back into torch. TensorRT engines are GPU-only and built
-    from the float graph, so the gate stays on the weights."""
+    token), else None: the written weights, read back a layer at a time (stream.WrittenModel).
+    TensorRT engines are GPU-only and built from the float graph, so the gate stays on the weights."""
 
     if "onnx" in artifacts and "tensorrt" not in artifacts:
         backend = create_backend("onnxruntime", out, {"artifacts": artifacts}, device="cpu")
-        return quality.BackendModel(backend, torch_model.config), "onnxruntime graph"
+        return quality.BackendModel(backend, cfg), "onnxruntime graph"
     if "aot" in artifacts:
         backend = create_backend("aot", out, {"artifacts": artifacts}, device="cpu")
-        return (quality.BackendModel(backend, torch_model.config, chunk=backend.small_m),
+        return (quality.BackendModel(backend, cfg, chunk=backend.small_m),
                 f"aot decode package ({backend.small_m} tokens a step)")
-    return torch_model, "torch weights"
+    return None, "torch weights"
 
 
 def check_out(out: Path, force: bool, sources: list[Path]) -> None:
@@ -410,6 +401,11 @@ def compile_backend(opts: ExportOptions, out: Path, spec) -> dict:
 
 def dir_bytes(path: Path, pattern: str) -> int:
     return sum(p.stat().st_size for p in Path(path).glob(pattern))
+
+
+def source_bytes(path: Path) -> int:
+    """A source's weight bytes: a GGUF file's size, or a directory's safetensors."""
+    return path.stat().st_size if path.is_file() else dir_bytes(path, "*.safetensors")
 
 
 def format_summary(s: dict) -> str:

@@ -89,10 +89,16 @@ def predict(model, windows: torch.Tensor, batch: int = 4) -> Predictions:
     nll, top1 = [], []
     for i in range(0, len(windows), batch):
         w = windows[i:i + batch]
-        logits = model.forward_dense(w).float()
-        nll.append(F.cross_entropy(logits[:, :-1].transpose(1, 2), w[:, 1:], reduction="none"))
-        top1.append(logits.argmax(-1))
+        n, t = score(model.forward_dense(w), w)
+        nll.append(n)
+        top1.append(t)
     return Predictions(torch.cat(nll), torch.cat(top1))
+
+
+def score(logits: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits [b, T, vocab] of windows w [b, T] -> (next-token NLL [b, T-1], most likely token [b, T])."""
+    logits = logits.float()
+    return F.cross_entropy(logits[:, :-1].transpose(1, 2), w[:, 1:], reduction="none"), logits.argmax(-1)
 
 
 class BackendModel:
@@ -124,9 +130,15 @@ class BackendModel:
 def compare(reference: Predictions, quantized: Predictions, draft: Predictions | None, source: str,
             measured_on: str = "torch weights") -> Quality:
     acceptance = None if draft is None else (draft.top1 == quantized.top1).float().mean().item()
-    return Quality(math.exp(reference.nll.mean().item()), math.exp(quantized.nll.mean().item()),
+    return Quality(perplexity(reference.nll), perplexity(quantized.nll),
                    (reference.top1 == quantized.top1).float().mean().item(), acceptance,
                    reference.top1.numel(), source, measured_on)
+
+
+def perplexity(nll: torch.Tensor) -> float:
+    """exp of the mean NLL; infinity past float's range (a model with meaningless weights)."""
+    mean = nll.mean().item()
+    return math.exp(mean) if mean < 700 else math.inf
 
 
 def gate_failures(q: Quality, max_ppl_increase: float, min_top1_agreement: float) -> list[str]:

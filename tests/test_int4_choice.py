@@ -29,13 +29,23 @@ def test_only_group_sizes_dividing_every_width_are_candidates(model_factory, sou
         dividing(load_model(model_factory("none", hidden=80, intermediate=144, layers=1, heads=5, kv_heads=1)))
 
 
-def test_the_largest_group_within_the_budget_is_chosen_and_else_the_best(source):
-    model, w = load_model(source), windows()
-    ref = predict(model, w)
-    size, tried = choose_group_size(model, QuantSpec("int4"), w, ref, 1e9, 0)
-    assert size == 64 and list(tried) == [64]                   # anything passes: the largest, measured once
-    size, tried = choose_group_size(model, QuantSpec("int4"), w, ref, -1e9, 101)
-    assert list(tried) == [64, 32] and size == min(tried, key=lambda g: tried[g][0])
+def test_the_largest_group_within_the_budget_is_chosen_and_else_the_best():
+    measured = {128: (3.0, 95.0), 64: (1.0, 97.0), 32: (0.5, 98.0)}
+    assert choose_group_size(measured, 1e9, 0) == 128                 # anything passes: the largest
+    assert choose_group_size(measured, 2.0, 96.0) == 64
+    assert choose_group_size(measured, -1.0, 101) == 32               # nothing passes: the smallest rise
+    assert choose_group_size({64: (2.0, 90.0), 32: (4.0, 99.0)}, -1.0, 101) == 64
+
+
+def test_an_export_measures_every_dividing_group_in_one_pass(source, tmp_path):
+    """Every candidate is rounded and measured on the calibration text in the one pass over the layers;
+    the manifest records them all, and the budget picks among them."""
+    s = export_engine(ExportOptions(str(source), str(tmp_path / "e"), quant="int4", eval_windows=2, eval_tokens=32,
+                                    max_ppl_increase=1e9, min_top1_agreement=0, accept_loss=True))
+    tried = s["int4_calibration"]["tried"]
+    assert sorted(tried) == ["32", "64"] and s["quantization"]["group_size"] == 64
+    assert all(t["top1_pct"] > 0 for t in tried.values())
+    assert sorted(p.name for p in (tmp_path / "e" / "target").glob("weights*")) == ["weights.safetensors"]
 
 
 def test_the_scale_search_keeps_the_float_function(source, monkeypatch):

@@ -577,15 +577,21 @@ def equalize_columns(model: nn.Module, alpha: float = EQUALIZE_ALPHA) -> None:
     16 bits, so the larger norm outputs cost nothing there). It keeps more of the demo target's greedy
     tokens than no equalization (docs/performance.md, "Quantized greedy agreement")."""
     for layer in model.layers:
-        for norm, proj in ((layer.input_layernorm, layer.self_attn.qkv_proj),
-                           (layer.post_attention_layernorm, layer.mlp.gate_up_proj)):
-            if not isinstance(proj, Linear) or proj.weight is None:
-                continue
-            w = proj.weight.float()
-            col = w.abs().amax(dim=0)
-            s = (col / col.mean()).clamp(min=1e-3) ** alpha
-            proj.weight.copy_((w / s).to(proj.weight.dtype))
-            norm.weight.copy_((norm.weight.float() * s).to(norm.weight.dtype))
+        equalize_layer(layer, alpha)
+
+
+@torch.no_grad()
+def equalize_layer(layer: nn.Module, alpha: float = EQUALIZE_ALPHA) -> None:
+    """``equalize_columns`` for one decoder layer (it touches nothing outside the layer)."""
+    for norm, proj in ((layer.input_layernorm, layer.self_attn.qkv_proj),
+                       (layer.post_attention_layernorm, layer.mlp.gate_up_proj)):
+        if not isinstance(proj, Linear) or proj.weight is None:
+            continue
+        w = proj.weight.float()
+        col = w.abs().amax(dim=0)
+        s = (col / col.mean()).clamp(min=1e-3) ** alpha
+        proj.weight.copy_((w / s).to(proj.weight.dtype))
+        norm.weight.copy_((norm.weight.float() * s).to(norm.weight.dtype))
 
 
 def quantize_model(model: nn.Module, spec: QuantSpec, from_weights: bool = True) -> nn.Module:
@@ -599,16 +605,66 @@ def quantize_model(model: nn.Module, spec: QuantSpec, from_weights: bool = True)
         return model
     if spec.method == "mixed":
         return _quantize_mixed(model, spec, from_weights)
-    if from_weights and spec.method == "int8":
-        equalize_columns(model)
     for layer in model.layers:
-        for parent in (layer.self_attn, layer.mlp):
-            for name, child in list(parent.named_children()):
-                if isinstance(child, Linear):
-                    setattr(parent, name, _swap(child, make_quant_linear(spec, child.in_features, child.out_features,
-                                                                         child.bias is not None), from_weights))
+        quantize_layer(layer, spec, from_weights)
     _quantize_head(model, spec, from_weights)
     return model
+
+
+def quantize_layer(layer: nn.Module, spec: QuantSpec, from_weights: bool = True) -> nn.Module:
+    """One decoder layer's ``Linear``s replaced by the spec's module (int8 equalizes its columns
+    first); what ``quantize_model`` does to each layer, and all a streamed export does to it."""
+    if spec.method == "none":
+        return layer
+    if spec.method == "mixed":
+        raise QuantizationError("a mixed module table is applied to a whole model (quantize_model)")
+    if from_weights and spec.method == "int8":
+        equalize_layer(layer)
+    for parent in (layer.self_attn, layer.mlp):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, Linear):
+                setattr(parent, name, _swap(child, make_quant_linear(spec, child.in_features, child.out_features,
+                                                                     child.bias is not None), from_weights))
+    return layer
+
+
+def head_module(spec: QuantSpec, cfg) -> QuantLinear | None:
+    """The spec's output head, empty (None: float); a tied model's embedding is the same table."""
+    if spec.head == "float":
+        return None
+    if spec.head == "int8g":        # a hidden size that is no multiple of 64 keeps one scale per row
+        group = HEAD_GROUP if cfg.hidden_size % HEAD_GROUP == 0 else cfg.hidden_size
+        return Int8GroupLinear(cfg.hidden_size, cfg.vocab_size, False, spec.small_m, group)
+    return make_quant_linear(replace(spec, method=spec.head), cfg.hidden_size, cfg.vocab_size, False)
+
+
+def embedding_module(spec: QuantSpec, cfg) -> QuantLinear | None:
+    """An untied model's quantized embedding table, empty (None: float)."""
+    return Int8Linear(cfg.hidden_size, cfg.vocab_size, False, spec.small_m) if spec.embed == "int8" else None
+
+
+def load_rows(module: QuantLinear, rows, chunk: int = 8192) -> QuantLinear:
+    """Fill ``module`` (empty, from ``head_module``/``embedding_module``) from ``rows(start, end)`` ->
+    float [end - start, in_features], a chunk of rows at a time: a table's float copy is never whole.
+    Every method rounds each row on its own, so the result equals ``load_weight`` of the whole."""
+    n = module.out_features
+    for start in range(0, n, chunk):
+        end = min(n, start + chunk)
+        piece = _like(module, end - start)
+        piece.load_weight(rows(start, end))
+        for name, t in list(module.named_buffers(recurse=False)):
+            if t is not None and t.shape[0] == n:
+                t[start:end].copy_(getattr(piece, name))
+    return module
+
+
+def _like(m: QuantLinear, out_features: int) -> QuantLinear:
+    """An empty module of ``m``'s method and form with ``out_features`` rows (no bias)."""
+    if isinstance(m, Int8GroupLinear):
+        return Int8GroupLinear(m.in_features, out_features, False, m.small_m, m.group_size)
+    if isinstance(m, Int4Linear):
+        return Int4Linear(m.in_features, out_features, False, m.small_m, m.group_size, m.symmetric)
+    return type(m)(m.in_features, out_features, False, m.small_m)
 
 
 def _swap(linear: Linear, q: QuantLinear, from_weights: bool) -> QuantLinear:
@@ -621,15 +677,11 @@ def _swap(linear: Linear, q: QuantLinear, from_weights: bool) -> QuantLinear:
 
 def _quantize_head(model: nn.Module, spec: QuantSpec, from_weights: bool) -> None:
     cfg = model.config
-    if spec.head != "float":        # a quantized head is built as a layer of that method would be
-        if spec.head == "int8g":      # a hidden size that is no multiple of 64 keeps one scale per row
-            group = HEAD_GROUP if cfg.hidden_size % HEAD_GROUP == 0 else cfg.hidden_size
-            head = Int8GroupLinear(cfg.hidden_size, cfg.vocab_size, False, spec.small_m, group)
-        else:
-            head = make_quant_linear(replace(spec, method=spec.head), cfg.hidden_size, cfg.vocab_size, False)
+    if (head := head_module(spec, cfg)) is not None:      # built as a layer of that method would be
         _install_head(model, head, from_weights)
-    if spec.embed == "int8" and model.lm_head is not None and not isinstance(model.embed_tokens, QuantEmbedding):
-        _install_embedding(model, Int8Linear(cfg.hidden_size, cfg.vocab_size, False, spec.small_m), from_weights)
+    if model.lm_head is not None and not isinstance(model.embed_tokens, QuantEmbedding) and \
+            (table := embedding_module(spec, cfg)) is not None:
+        _install_embedding(model, table, from_weights)
 
 
 def _install_head(model: nn.Module, head: QuantLinear, from_weights: bool) -> None:

@@ -137,6 +137,16 @@ class DecoderLayer(nn.Module):
         return x, self.mlp(h, ops)
 
 
+def materialize(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """``module`` (built on the meta device) with uninitialised parameters in ``dtype`` on the CPU. Not
+    to_empty(): its empty_like on meta is an op through torch's Python reference code."""
+    for m in module.modules():
+        for name, p in m._parameters.items():
+            if p is not None:
+                m._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=dtype), p.requires_grad)
+    return module
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -162,11 +172,7 @@ class LlamaForCausalLM(nn.Module):
         torch's Python reference code, whose first use imports torch._dynamo (1.3 s of every load)."""
         with torch.device("meta"):
             model = cls(cfg)
-        for module in model.modules():     # not to_empty(): its empty_like on meta is such an op
-            for name, p in module._parameters.items():
-                if p is not None:
-                    module._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=dtype), p.requires_grad)
-        return model
+        return materialize(model, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step) -> torch.Tensor:
         """Packed tokens [T] -> final hidden states [T, hidden], run as the execution backend's

@@ -92,6 +92,30 @@ def iter_tensors(files: Iterable[Path]):
                                  "re-export or re-download it") from None
 
 
+def wanted(f: Path, name: str, cfg: ModelConfig, layout: dict) -> bool:
+    """Is checkpoint tensor ``name`` one llmd loads? False for what it skips; refuses one it does not know."""
+    if name.endswith(IGNORED_SUFFIXES):
+        return False
+    if name not in layout:
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            return False   # some tied checkpoints store the head anyway; it equals the embedding
+        raise ModelLoadError(f"{f}: unexpected tensor {name!r} for {cfg.architecture} "
+                             f"({cfg.num_layers} layers); is config.json from the same model?")
+    return True
+
+
+def checked(f: Path, name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """``tensor`` once its shape is ``shape``, its dtype a float one llmd loads and its values finite."""
+    if tuple(tensor.shape) != shape:
+        raise ModelLoadError(f"{f}: tensor {name!r} has shape {tuple(tensor.shape)}, config.json implies {shape}")
+    if tensor.dtype not in LOADABLE_DTYPES:
+        raise ModelLoadError(f"{f}: tensor {name!r} has dtype {str(tensor.dtype).removeprefix('torch.')}; llmd "
+                             "loads float32, bfloat16 and float16 weights (a quantized checkpoint is not one)")
+    if not torch.isfinite(tensor).all():
+        raise ModelLoadError(f"{f}: tensor {name!r} contains NaN or infinity")
+    return tensor
+
+
 def load_model(path: str | Path, dtype: str = "float32", cfg: ModelConfig | None = None,
                progress=None) -> LlamaForCausalLM:
     """Build the model from a Hugging Face directory. ``progress(n_done, n_total)`` is called per tensor."""
@@ -110,25 +134,13 @@ def load_model(path: str | Path, dtype: str = "float32", cfg: ModelConfig | None
     params = dict(model.named_parameters())
     seen: set[str] = set()
     for n, (f, name, tensor) in enumerate(iter_tensors(files)):
-        if name.endswith(IGNORED_SUFFIXES):
+        if not wanted(f, name, cfg, layout):
             continue
-        if name not in layout:
-            if name == "lm_head.weight" and cfg.tie_word_embeddings:
-                continue   # some tied checkpoints store the head anyway; it equals the embedding
-            raise ModelLoadError(f"{f}: unexpected tensor {name!r} for {cfg.architecture} "
-                                 f"({cfg.num_layers} layers); is config.json from the same model?")
         target, offset, shape = layout[name]
-        if tuple(tensor.shape) != shape:
-            raise ModelLoadError(f"{f}: tensor {name!r} has shape {tuple(tensor.shape)}, config.json implies {shape}")
-        if tensor.dtype not in LOADABLE_DTYPES:
-            raise ModelLoadError(f"{f}: tensor {name!r} has dtype {str(tensor.dtype).removeprefix('torch.')}; llmd "
-                                 "loads float32, bfloat16 and float16 weights (a quantized checkpoint is not one)")
         if name in seen:
             raise ModelLoadError(f"{f}: tensor {name!r} is also in another safetensors file; remove the "
                                  "stale file (a leftover model.safetensors beside shards?)")
-        if not torch.isfinite(tensor).all():
-            raise ModelLoadError(f"{f}: tensor {name!r} contains NaN or infinity")
-        params[target].data[offset:offset + shape[0]].copy_(tensor)
+        params[target].data[offset:offset + shape[0]].copy_(checked(f, name, tensor, shape))
         seen.add(name)
         if progress:
             progress(n + 1, len(layout))
