@@ -26,15 +26,25 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from llmd.runtime.formats.quantized import dequantize_int4, quantize_int4
-
 ALPHAS = tuple(i / 10 for i in range(11))
 CLIPS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
 ROWS = 512          # calibration tokens kept per product (evenly spaced over all of them)
 
 
+OUTPUTS = 512       # output rows a scale's error is measured on (evenly spaced; rows round on their own)
+
+
 def fake_int4(w: torch.Tensor, group_size: int, symmetric: bool) -> torch.Tensor:
-    return dequantize_int4(*quantize_int4(w, group_size, symmetric))
+    """w rounded to int4 groups and back as ``quantize_int4`` rounds it, less its float16 storage of
+    scales and offsets: the searches' model of rounding, in a few passes over w (not a dozen)."""
+    n, k = w.shape
+    g = w.reshape(n, k // group_size, group_size)
+    if symmetric:
+        s = (g.abs().amax(-1, keepdim=True) / 7.5).clamp_(min=1e-12)
+        return (g / s).round_().clamp_(-8, 7).mul_(s).view(n, k)
+    lo, hi = torch.aminmax(g, dim=-1, keepdim=True)
+    s = ((hi - lo) / 15).clamp_(min=1e-12)
+    return (g - lo).div_(s).round_().clamp_(0, 15).mul_(s).add_(lo).view(n, k)
 
 
 def layer_products(layer: nn.Module) -> tuple[nn.Module, ...]:
@@ -77,8 +87,10 @@ def collect_inputs(model: nn.Module, windows: torch.Tensor, rows: int = ROWS) ->
 def search_scale(w: torch.Tensor, x: torch.Tensor, group_size: int, symmetric: bool,
                  a: torch.Tensor | None = None, expand=lambda s: s) -> torch.Tensor:
     """Scales for weight w [N, K] meeting inputs x [R, K]: the alpha of ``ALPHAS`` whose rounded
-    (w * s) / s gives the outputs closest to x @ w.T. By default one scale per column, from the mean
+    (w * s) / s gives the outputs closest to x @ w.T, on ``OUTPUTS`` of its rows. By default one scale per column, from the mean
     absolute input a; ``a`` and ``expand`` (scales -> [K]) let columns share a scale."""
+    if w.shape[0] > OUTPUTS:
+        w = w[torch.linspace(0, w.shape[0] - 1, OUTPUTS).long()]
     reference = x @ w.t()
     a = (x.abs().mean(0) if a is None else a).clamp(min=1e-6)
     best, best_err = torch.ones_like(a), float("inf")
@@ -102,14 +114,22 @@ def clip_weights(w: torch.Tensor, x: torch.Tensor, group_size: int, symmetric: b
     if symmetric:
         lo, hi = -g.abs().amax(-1, keepdim=True), g.abs().amax(-1, keepdim=True)
     best_err = torch.full((n, k // group_size, 1), float("inf"))
-    best = g
+    best = torch.ones_like(best_err)
     for c in CLIPS:
-        clamped = torch.maximum(torch.minimum(g, hi * c), lo * c)
-        err = ((fake_int4(clamped.reshape(n, k), group_size, symmetric).view_as(g) - g).pow(2) * weight).sum(-1, keepdim=True)
+        # the clamped group's range, known without a pass over it: a bound moves only toward zero
+        low, high = torch.maximum(lo, lo * c), torch.minimum(hi, hi * c)
+        clamped = g.clamp(low, high)
+        if symmetric:
+            s = (torch.maximum(low.abs(), high.abs()) / 7.5).clamp_(min=1e-12)
+            rounded = (clamped / s).round_().clamp_(-8, 7).mul_(s)
+        else:
+            s = ((high - low) / 15).clamp_(min=1e-12)
+            rounded = clamped.sub_(low).div_(s).round_().clamp_(0, 15).mul_(s).add_(low)
+        err = rounded.sub_(g).pow_(2).mul_(weight).sum(-1, keepdim=True)
         better = err < best_err
-        best = torch.where(better, clamped, best)
+        best = torch.where(better, c, best)
         best_err = torch.where(better, err, best_err)
-    return best.reshape(n, k)
+    return g.clamp(torch.maximum(lo, lo * best), torch.minimum(hi, hi * best)).reshape(n, k)
 
 
 @torch.no_grad()

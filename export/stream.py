@@ -443,7 +443,10 @@ def quantize_part(source, spec: QuantSpec, out: Path, *, groups: list[int], scal
                               g, spec.symmetric)
                 quantize_layer(mine, specs[g])
                 writers[g].add_module(f"layers.{i}.", mine)
-                if compare:
+                if compare:         # through the kernels the engine runs, as the gate measures
+                    for m in mine.modules():
+                        if isinstance(m, QuantLinear):
+                            m.prepare()
                     cands[g].advance(mine, rope_c)
                 del mine
             del layer

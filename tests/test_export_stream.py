@@ -19,7 +19,7 @@ from llmd.export.stream import TensorWriter, WrittenModel, finish_part, open_sou
 from llmd.runtime import kernels
 from llmd.runtime.formats.engine_dir import WEIGHTS, load_model_dir
 from llmd.runtime.formats.gguf_import import resolve_model_path
-from llmd.runtime.formats.quantized import QuantSpec, quantize_model
+from llmd.runtime.formats.quantized import QuantLinear, QuantSpec, quantize_model
 from llmd.runtime.models.loader import load_model
 
 from gguf_factory import write_model
@@ -86,7 +86,11 @@ def test_every_candidate_group_is_written_and_measured_and_one_kept(sources, tmp
     assert sorted(p.name for p in tmp_path.glob("weights*")) == [WEIGHTS]
     whole = load_model(src)
     apply_awq(whole, cal, 32, False)
-    candidate = predict(quantize_model(whole, QuantSpec("int4", 32, False, "int8g")), cal)
+    quantize_model(whole, QuantSpec("int4", 32, False, "int8g"))
+    for m in whole.layers.modules():          # the layers through the kernels the engine runs
+        if isinstance(m, QuantLinear):
+            m.prepare()
+    candidate = predict(whole, cal)
     assert torch.equal(done["measured"][32].top1, candidate.top1)
     assert torch.allclose(done["measured"][32].nll, candidate.nll, atol=1e-3)
     assert read(tmp_path / WEIGHTS)["layers.0.mlp.down_proj.scales"].shape[1] == 128 // 32
