@@ -14,6 +14,7 @@ The manifest is written last, and only when the gate passes: without it the dire
 from __future__ import annotations
 
 import math
+import signal
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -139,6 +140,7 @@ def add_export_parser(sub) -> None:
 
 def run_export(args) -> int:
     keys = ExportOptions.__dataclass_fields__
+    signal.signal(signal.SIGTERM, _interrupted)     # a kill cleans up as Ctrl-C does
     try:
         if args.compare_gguf is None and str(args.target).endswith(".gguf"):
             args.compare_gguf = args.target                        # llama.cpp reads the very file
@@ -155,6 +157,10 @@ def run_export(args) -> int:
         return 2
     print(format_summary(summary))
     return 0
+
+
+def _interrupted(signum, frame):
+    raise KeyboardInterrupt
 
 
 class TqdmProgress:

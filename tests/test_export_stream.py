@@ -154,3 +154,22 @@ def test_export_memory_is_a_layers_not_the_models(model_factory, tmp_path):
     grew = int(out.stdout.split()[-1])
     assert float_bytes > 500e6
     assert grew < 0.25 * float_bytes, (grew, float_bytes)
+
+
+def test_a_killed_export_leaves_nothing_behind(model_factory, tmp_path):
+    """SIGTERM (a service stopped, a kill) cleans up as Ctrl-C does: no half-written directory."""
+    import os
+    import signal
+    import time
+    src = model_factory("stream-kill", hidden=256, intermediate=1024, layers=16, tie=False)
+    proc = subprocess.Popen([sys.executable, "-m", "llmd.cli", "export", "--target", str(src), "--quant", "int8",
+                             "--llamacpp", "off", "--accept-loss", "--out", str(tmp_path / "e")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob(".e.partial-*")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, "the export ended before it could be stopped"
+    os.kill(proc.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "was not written or changed" in err
+    assert not list(tmp_path.iterdir())
