@@ -31,7 +31,7 @@ from llmd.runtime.errors import ModelLoadError
 from llmd.runtime.formats.engine_dir import WEIGHTS
 from llmd.runtime.formats.gguf import hf_config, open_gguf
 from llmd.runtime.formats.gguf_import import is_gguf
-from llmd.runtime.formats.gguf_native import load_native
+from llmd.runtime.formats.gguf_native import load_native, page_releaser
 from llmd.runtime.formats.gguf_tokenizer import tokenizer_files
 from llmd.runtime.formats.manifest import sha256_file
 from llmd.runtime.formats.quantized import (QuantEmbedding, QuantLinear, QuantSpec, embedding_module, head_module,
@@ -153,6 +153,7 @@ class GGUFSource:
     def __init__(self, path: Path):
         self.path = Path(path)
         self.model, self.config, self._tokenizer = load_native(self.path, progress=False)
+        self._hand_back = page_releaser(self.model._gguf_map)
 
     def layer(self, i: int) -> DecoderLayer:
         native, layer = self.model.layers[i], empty_layer(self.config, i)
@@ -174,10 +175,16 @@ class GGUFSource:
         return self.model.norm.weight.detach()
 
     def table_rows(self, start: int, end: int) -> torch.Tensor:
-        return self.model.embed_tokens(torch.arange(start, end))
+        return self._rows(self.model.embed_tokens.table, start, end)
 
     def head_rows(self, start: int, end: int) -> torch.Tensor:
-        return self.model.lm_head.rows(torch.arange(start, end))
+        return self._rows(self.model.lm_head, start, end)
+
+    def _rows(self, table, start: int, end: int) -> torch.Tensor:
+        """Rows start:end of a one-part table, dequantized; their mapped pages handed back."""
+        rows = table.rows(torch.arange(start, end))
+        self._hand_back(table.qweight[start:end])
+        return rows
 
     def tokenizer(self) -> Tokenizer:
         return self._tokenizer
@@ -330,9 +337,11 @@ def float_head_predictions(streams: list[tuple[list[torch.Tensor], torch.Tensor]
 
 @torch.no_grad()
 def head_predictions(hidden: list[torch.Tensor], windows: torch.Tensor, logits) -> quality.Predictions:
+    """Predictions through a head module (``logits(h)``), a window at a time: one window's logits over
+    the vocabulary are in memory at once."""
     nll, top1 = [], []
-    for h, w in zip(hidden, windows.split(BATCH)):
-        n, t = quality.score(logits(h), w)
+    for h, w in zip(torch.cat(hidden), windows):
+        n, t = quality.score(logits(h[None]), w[None])
         nll.append(n)
         top1.append(t)
     return quality.Predictions(torch.cat(nll), torch.cat(top1))
@@ -453,6 +462,9 @@ def quantize_part(source, spec: QuantSpec, out: Path, *, groups: list[int], scal
             progress.advance()
         for g in groups:
             tops[g].write(writers[g])
+        for top in {id(t): t for t in tops.values()}.values():
+            if top.head is not None:        # the head as the engine runs it: never widened to float
+                top.head.prepare()
         result = {"writers": writers, "measured": {}, "reference": None, "calibration_reference": None}
         float_streams = ([(ref.hidden(tops[groups[0]].norm), eval_windows)] if ref else []) + \
                         ([(cal.hidden(tops[groups[0]].norm), calibration)] if compare else [])

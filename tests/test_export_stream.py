@@ -87,7 +87,7 @@ def test_every_candidate_group_is_written_and_measured_and_one_kept(sources, tmp
     whole = load_model(src)
     apply_awq(whole, cal, 32, False)
     quantize_model(whole, QuantSpec("int4", 32, False, "int8g"))
-    for m in whole.layers.modules():          # the layers through the kernels the engine runs
+    for m in whole.modules():                 # through the kernels the engine runs
         if isinstance(m, QuantLinear):
             m.prepare()
     candidate = predict(whole, cal)

@@ -238,7 +238,7 @@ def load_native(path: str | Path, progress: bool = True):
     types = native_types(f)
     mapped = np.memmap(path, dtype=np.uint8, mode="c")          # copy-on-write: never written, so shared
     spans = {s.name: s for s in f.spans}
-    release = _releaser(mapped)
+    release = page_releaser(mapped)
 
     def blocks(name: str, rows: int, cols: int) -> tuple[int, torch.Tensor]:
         """The tensor's rows as they lie, once its shape is the [rows, cols] the metadata implies."""
@@ -329,7 +329,7 @@ def _huge_pages(t: torch.Tensor) -> None:
         pass
 
 
-def _releaser(mapped: np.memmap):
+def page_releaser(mapped: np.memmap):
     """A function that hands the pages under a view of ``mapped`` back to the kernel (they are re-read
     from the file if ever touched again): after a tensor is copied into an 8-row layout, its mapped
     pages would otherwise stay resident beside the copy."""
