@@ -30,6 +30,7 @@ from llmd.runtime.formats.gguf_import import resolve_model_path, source_gguf
 from llmd.runtime.formats.gguf_check import is_gguf_file
 from llmd.runtime.llm import LLM
 from llmd.runtime.loading import native_gguf
+from llmd.runtime.model_names import resolve_model
 from llmd.runtime.models.random_model import write_random_model
 from llmd.runtime.request import SamplingParams
 
@@ -157,6 +158,7 @@ def _run_bench(args) -> int:
         torch.set_num_threads(args.threads)
     peers = peer_names(args)                                  # refuses bad combinations before any import
     if args.model is not None:
+        args.model = resolve_model(args.model)                              # a model by name: its path
         native = native_gguf(args.model, args.dtype or "auto")              # served from its own blocks
         model = args.model if native else resolve_model_path(args.model, args.dtype or "float32")
         if "llamacpp-server" in peers:

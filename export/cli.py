@@ -25,6 +25,7 @@ from llmd.runtime.backends.base import create_backend
 from llmd.runtime.config import KV_DTYPES
 from llmd.runtime.errors import LLMDError
 from llmd.runtime.formats.gguf_import import is_gguf, resolve_model_path
+from llmd.runtime.model_names import resolve_model
 from llmd.runtime.formats.quantized import QuantizationError, QuantSpec, auto_group_size
 from llmd.runtime.models.config import ModelConfig
 
@@ -142,6 +143,7 @@ def run_export(args) -> int:
     keys = ExportOptions.__dataclass_fields__
     signal.signal(signal.SIGTERM, _interrupted)     # a kill cleans up as Ctrl-C does
     try:
+        args.target, args.draft = resolve_model(args.target), args.draft and resolve_model(args.draft)
         if args.compare_gguf is None and Path(args.target).is_file() and is_gguf(args.target):
             args.compare_gguf = args.target                        # llama.cpp reads the very file
         opts = ExportOptions(**{k: v for k, v in vars(args).items() if k in keys})

@@ -21,7 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
                            ("llmd.clients.cli", ("add_client_parsers",)),
                            ("llmd.bench.doctor_cli", ("add_doctor_parser",)),
                            ("llmd.import_cli", ("add_import_parser",)),
-                           ("llmd.models_real", ("add_models_parser",))):
+                           ("llmd.models_real", ("add_models_parser",)),
+                           ("llmd.models_cli", ("add_models_parsers",))):
         try:
             mod = __import__(module, fromlist=list(adders))
         except ModuleNotFoundError as e:

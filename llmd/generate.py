@@ -14,7 +14,8 @@ def add_generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text from a prompt with a local model, streaming to the terminal",
                        description="Load MODEL in this process and stream a completion of PROMPT (or of standard "
                        "input when PROMPT is '-').")
-    p.add_argument("model", help="model directory (Hugging Face layout) or llmd engine directory")
+    p.add_argument("model", help="model directory (Hugging Face layout), llmd engine directory, GGUF file, or a "
+                   "model name (`llmd list`, `llmd pull`)")
     p.add_argument("prompt", help="the prompt text, or '-' to read it from standard input")
     p.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default 128)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 for greedy (default), higher for more random")

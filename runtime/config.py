@@ -52,7 +52,7 @@ DRAFT_K, NGRAM_K = 6, 8         # default most proposals per step, by proposer
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str = setting(help="model directory (Hugging Face layout) or engine directory from `llmd export`")
+    model: str = setting(help="what to serve: a model directory (Hugging Face layout), an engine directory from `llmd export`, a GGUF file, or a model by name (`qwen2.5-coder:1.5b`: llmd's cache, Ollama's store, the Hub's cache; `llmd list`)")
     dtype: str = setting(
         "auto", choices=("auto", "float32", "bfloat16"),
         help="weights: auto serves a GGUF file from its own quantized blocks (mapped, never converted) and "

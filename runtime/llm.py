@@ -30,7 +30,9 @@ class Completion:
 
 class LLM:
     def __init__(self, model: str, *, progress=None, **engine_options):
-        """``engine_options``: any EngineConfig field but ``model`` (llmd.runtime.config), e.g. kv_memory."""
+        """``model``: a path, or a model name found on this machine (llmd.runtime.model_names: llmd's cache,
+        Ollama's store, the Hub's cache). ``engine_options``: any EngineConfig field but ``model``
+        (llmd.runtime.config), e.g. kv_memory."""
         unknown = sorted(set(engine_options) - {f.name for f in fields(EngineConfig) if f.name != "model"})
         if unknown:
             raise InvalidRequest(f"LLM() got unknown engine option(s) {', '.join(unknown)}; the options are "

@@ -19,6 +19,7 @@ from .formats.gguf_import import resolve_model_path
 from .formats.gguf_check import is_gguf_file
 from .formats.gguf_native import load_native
 from .formats.head_screen import HeadScreen
+from .model_names import resolve_config
 from .model_runner import kv_bytes_per_block
 from .models.config import ModelConfig
 from .models.llama import LlamaForCausalLM
@@ -53,6 +54,7 @@ def resolve_path(model: str, dtype: str) -> Path:
 
 
 def load_for_engine(config: EngineConfig, progress=None) -> LoadedModel:
+    config = resolve_config(config)                      # a model by name: its path (llmd.runtime.model_names)
     if native_gguf(config.model, config.dtype):
         return _load_native(config)
     path = resolve_path(config.model, config.dtype)      # a GGUF file under --dtype float32: its cached import
