@@ -167,7 +167,9 @@ def parse(model: type[BaseModel], raw: bytes) -> Any:
         first = e.errors()[0]
         loc = ".".join(str(p)[:64] for p in first["loc"])
         more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
-        raise HttpError(400, f"{loc or 'body'}: {first['msg']}{more}", param=loc or None) from None
+        msg = "not a field llmd can honour here: refused, not ignored" if first["type"] == "extra_forbidden" \
+            else first["msg"]
+        raise HttpError(400, f"{loc or 'body'}: {msg}{more}", param=loc or None) from None
 
 
 def completion_work(body: CompletionBody) -> Work:

@@ -1,8 +1,9 @@
-"""``llmd http``: OpenAI- and llama.cpp-compatible HTTP in front of the daemon's ZeroMQ socket.
+"""``llmd http``: OpenAI's, llama.cpp's and Ollama's HTTP APIs in front of the daemon's ZeroMQ socket.
 
 A separate process (the daemon keeps no TCP listener): aiohttp serves HTTP/1.1, each request is
-parsed at the edge (``http_api``) and sent over one ZeroMQ connection (``AsyncClient``), and the
-daemon's events come back as JSON or server-sent events. A client that goes away cancels its
+parsed at the edge (``http_api``; llama.cpp's ``/completion`` and ``/tokenize`` in ``http_llamacpp``,
+Ollama's ``/api/*`` in ``http_ollama``) and sent over one ZeroMQ connection (``AsyncClient``), and the
+daemon's events come back as JSON, server-sent events or (Ollama's) JSON lines. A client that goes away cancels its
 request: aiohttp cancels the handler, and leaving the stream sends ``cancel``.
 
 Safe by default: a unix socket or 127.0.0.1 only; another address needs ``--allow-remote`` and
@@ -16,18 +17,20 @@ import dataclasses
 import hashlib
 import hmac
 import ipaddress
-import json
-import time
 from dataclasses import dataclass
 from typing import Optional
 
 from aiohttp import web
 
 from .client import AsyncClient, ClientError, RequestTooLarge
-from llmd.protocol import Done, Error, Token
-from .http_api import (FINISH, ChatBody, CompletionBody, HttpError, InfillBody, Shaper, Work, chat_logprobs, chat_work,
+from llmd.protocol import Error, Token
+from .http_api import (ChatBody, CompletionBody, HttpError, InfillBody, Shaper, Work, chat_logprobs, chat_work,
                        completion_logprobs, completion_work, daemon_error, infill_reply, infill_work, merge_logprobs,
                        parse)
+from .http_llamacpp import LlamaCppRoutes
+from .http_ollama import OllamaRoutes
+from .http_stream import (collect, events, finish_reason, finished, first_event, predict_limited,
+                          raise_error, send_event)
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,8 @@ class Front:
         r.add_post("/chat/completions", self.chat)
         r.add_post("/infill", self.infill)
         r.add_post("/v1/infill", self.infill)
+        LlamaCppRoutes(self).add_to(r)
+        OllamaRoutes(self).add_to(r)
 
     # edge: errors, auth, CORS ------------------------------------------------------------------
 
@@ -105,14 +110,14 @@ class Front:
                 self._authorize(request)
                 response = await handler(request)
         except HttpError as e:
-            response = web.json_response(e.body(), status=e.status)
+            response = web.json_response(_error_body(request, e), status=e.status)
             if e.status in (408, 413):          # the body was not read whole: the connection is out of step
                 response.force_close()
         except web.HTTPException as e:          # aiohttp's own: 404, 405, 413 ...
             if e.status < 400:
                 raise
-            response = web.json_response(HttpError(e.status, e.reason, "invalid_request_error",
-                                                   code=e.reason.lower().replace(" ", "_")).body(), status=e.status)
+            error = HttpError(e.status, e.reason, "invalid_request_error", code=e.reason.lower().replace(" ", "_"))
+            response = web.json_response(_error_body(request, error), status=e.status)
         if cors and not response.prepared:
             response.headers["Access-Control-Allow-Origin"] = cors
             response.headers["Access-Control-Allow-Headers"] = "Authorization, Content-Type"
@@ -130,7 +135,7 @@ class Front:
             raise HttpError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                             "invalid_request_error", code="invalid_api_key")
 
-    async def _read(self, request: web.Request) -> bytes:
+    async def read_body(self, request: web.Request) -> bytes:
         try:
             async with asyncio.timeout(self.config.body_timeout_s):
                 return await request.read()
@@ -154,14 +159,14 @@ class Front:
         return web.json_response({"status": "ok", "in_flight": h.get("in_flight")})
 
     async def models(self, request: web.Request) -> web.Response:
-        models = await self._models()
+        models = await self.daemon_models()
         data = [{"id": m["name"], "object": "model", "created": 0, "owned_by": "llmd",
                  "max_model_len": m.get("context_length"),
                  "meta": {k: m.get(k) for k in ("context_length", "vocab_size", "chat", "infill", "state")}}
                 for m in models]
         return web.json_response({"object": "list", "data": data})
 
-    async def _models(self) -> list[dict]:
+    async def daemon_models(self) -> list[dict]:
         try:
             models = await self.client.models()
         except ClientError as e:
@@ -171,81 +176,81 @@ class Front:
         return models
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        work = completion_work(parse(CompletionBody, await self._read(request)))
+        work = completion_work(parse(CompletionBody, await self.read_body(request)))
         return await self._openai(request, work, "text_completion", "cmpl")
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        work = chat_work(parse(ChatBody, await self._read(request)))
+        work = chat_work(parse(ChatBody, await self.read_body(request)))
         return await self._openai(request, work, "chat.completion", "chatcmpl")
 
     async def infill(self, request: web.Request) -> web.StreamResponse:
-        work = infill_work(parse(InfillBody, await self._read(request)))
+        work = infill_work(parse(InfillBody, await self.read_body(request)))
         if work.extra["n_predict"] == 0:           # llama.vim's context warm-up: nothing to predict
             return web.json_response(infill_reply("", None))
         replace = "http:" + hashlib.sha256(_client_key(request).encode()).hexdigest()[:32]
-        stream = await self._start(dataclasses.replace(work, fields={**work.fields, "replace": replace}),
+        stream = await self.start(dataclasses.replace(work, fields={**work.fields, "replace": replace}),
                                    priority="interactive")
         limit_ms = work.extra["t_max_predict_ms"]
         async with stream:
-            first = await _first(stream)
-            events = predict_limited(_events(first, stream), limit_ms)
+            first = await first_event(stream)
+            produced = predict_limited(events(first, stream), limit_ms)
             if not work.stream:
-                text, final = await _collect(events)
-                return _finished(web.json_response(infill_reply(text, final)), final)
-            response = await self._sse(request)
+                text, final = await collect(produced)
+                return finished(web.json_response(infill_reply(text, final)), final)
+            response = await self.sse(request)
             final = None
-            async for event in events:
+            async for event in produced:
                 if isinstance(event, Token):
-                    await _send(response, {"content": event.text, "stop": False})
+                    await send_event(response, {"content": event.text, "stop": False})
                 else:
                     final = event
-            await _send(response, {**infill_reply("", final), "stop": True})
+            await send_event(response, {**infill_reply("", final), "stop": True})
             await response.write_eof()
             return response
 
     async def _openai(self, request: web.Request, work: Work, kind: str, prefix: str) -> web.StreamResponse:
         if self.model is None:
-            await self._models()
+            await self.daemon_models()
         # whole answers come in one event, but logprobs name each token's own text, which needs its event
-        stream = await self._start(work, whole=not work.stream and work.logprobs is None)
+        stream = await self.start(work, whole=not work.stream and work.logprobs is None)
         shaper = Shaper(kind, self.model or "llmd", f"{prefix}-{stream.id}")
         lp = chat_logprobs if shaper.chat else completion_logprobs
         async with stream:
-            first = await _first(stream)
+            first = await first_event(stream)
             if not work.stream:
                 parts, logprobs, final = [], None, None
-                async for event in _events(first, stream):
+                async for event in events(first, stream):
                     if isinstance(event, Token):
                         parts.append(event.text)
                         logprobs = merge_logprobs(logprobs, lp(event.logprobs, event.text) if event.logprobs else None)
                     else:
                         final = event
-                _raise_error(final)
+                raise_error(final)
                 if work.logprobs is not None and logprobs is None:
                     logprobs = lp([], "")
-                return _finished(web.json_response(shaper.whole("".join(parts), logprobs,
-                                                                _finish(final), final.usage)), final)
-            response = await self._sse(request)
+                return finished(web.json_response(shaper.whole("".join(parts), logprobs,
+                                                                finish_reason(final), final.usage)), final)
+            response = await self.sse(request)
             if shaper.chat:
-                await _send(response, shaper.chunk("", None, first=True))
+                await send_event(response, shaper.chunk("", None, first=True))
             final = None
-            async for event in _events(first, stream):
+            async for event in events(first, stream):
                 if isinstance(event, Token):
-                    await _send(response, shaper.chunk(event.text, lp(event.logprobs, event.text)
+                    await send_event(response, shaper.chunk(event.text, lp(event.logprobs, event.text)
                                                        if event.logprobs else None))
                 else:
                     final = event
             if isinstance(final, Error):
-                await _send(response, daemon_error(final.code, final.message).body())
+                await send_event(response, daemon_error(final.code, final.message).body())
             else:
-                await _send(response, shaper.chunk("", None, _finish(final)))
+                await send_event(response, shaper.chunk("", None, finish_reason(final)))
                 if work.include_usage:
-                    await _send(response, shaper.usage_chunk(final.usage))
+                    await send_event(response, shaper.usage_chunk(final.usage))
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
             return response
 
-    async def _start(self, work: Work, priority: Optional[str] = None, whole: bool = False):
+    async def start(self, work: Work, priority: Optional[str] = None, whole: bool = False):
         """The daemon stream of ``work``; ``whole``: the daemon sends the output in one event at the end
         (a non-streamed answer needs no event per token)."""
         start = {"generate": self.client.generate, "chat": self.client.chat, "infill": self.client.infill}[work.kind]
@@ -265,8 +270,9 @@ class Front:
         except ClientError as e:
             raise HttpError(503, f"the daemon is unavailable: {e}", "server_error", code="unavailable") from None
 
-    async def _sse(self, request: web.Request) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+    async def sse(self, request: web.Request, content_type: str = "text/event-stream") -> web.StreamResponse:
+        """A prepared streamed answer (server-sent events, or ``content_type``), with CORS when asked."""
+        response = web.StreamResponse(headers={"Content-Type": content_type, "Cache-Control": "no-cache",
                                                "X-Accel-Buffering": "no"})
         origin = request.headers.get("Origin")
         if origin and (origin in self.config.cors_origins or "*" in self.config.cors_origins):
@@ -278,6 +284,11 @@ class Front:
         await self.client.aclose()
 
 
+def _error_body(request: web.Request, error: HttpError) -> dict:
+    """OpenAI's error shape, or Ollama's (``{"error": message}``) under ``/api/``."""
+    return {"error": error.message} if request.path.startswith("/api/") else error.body()
+
+
 def _client_key(request: web.Request) -> str:
     """Who "one client" is for ``/infill`` replacement: an ``X-Llmd-Client`` header when given, else
     the caller's address and key (a unix socket's callers share one)."""
@@ -287,67 +298,3 @@ def _client_key(request: web.Request) -> str:
     peer = request.transport.get_extra_info("peername") if request.transport else None
     host = peer[0] if isinstance(peer, tuple) and peer else "unix"
     return f"{host}|{request.headers.get('Authorization', '')}"
-
-
-async def _first(stream):
-    """The stream's first event; an error before any token is the HTTP answer itself."""
-    async for event in stream:
-        if isinstance(event, Error):
-            raise daemon_error(event.code, event.message)
-        return event
-    raise HttpError(502, "the daemon ended the request without an answer", "server_error")
-
-
-async def _events(first, stream):
-    yield first
-    if isinstance(first, Token):
-        async for event in stream:
-            yield event
-
-
-async def predict_limited(events, limit_ms: Optional[int]):
-    """llama.cpp's ``t_max_predict_ms``: once a newline has been generated, the answer ends when the
-    time since its first token passes ``limit_ms`` (finish reason ``deadline``; the caller leaving
-    the stream cancels the rest)."""
-    first, newline, count = None, False, 0
-    async for event in events:
-        yield event
-        if not limit_ms or not isinstance(event, Token):
-            continue
-        now = time.monotonic()
-        first, count = first or now, count + len(event.token_ids)
-        newline = newline or "\n" in event.text
-        if newline and (now - first) * 1000 > limit_ms:
-            yield Done(event.id, "deadline", {"completion_tokens": count}, {"decode_ms": (now - first) * 1000})
-            return
-
-
-async def _collect(events) -> tuple[str, object]:
-    parts, final = [], None
-    async for event in events:
-        if isinstance(event, Token):
-            parts.append(event.text)
-        else:
-            final = event
-    _raise_error(final)
-    return "".join(parts), final
-
-
-def _raise_error(final) -> None:
-    if isinstance(final, Error):
-        raise daemon_error(final.code, final.message)
-    if not isinstance(final, Done):
-        raise HttpError(502, "the daemon ended the request without an answer", "server_error")
-
-
-def _finish(final) -> str:
-    return FINISH.get(getattr(final, "finish_reason", "stop"), "stop")
-
-
-def _finished(response: web.Response, final) -> web.Response:
-    response.headers["X-Llmd-Finish-Reason"] = getattr(final, "finish_reason", "") or ""
-    return response
-
-
-async def _send(response: web.StreamResponse, obj: dict) -> None:
-    await response.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")

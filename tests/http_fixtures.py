@@ -1,9 +1,12 @@
 """`llmd http` for tests: the real server (aiohttp, the guard, one ZeroMQ client) on a thread with its
-own event loop, on a free 127.0.0.1 port; and raw-socket helpers for the hostile tests."""
+own event loop, on a free 127.0.0.1 port; a daemon with it; raw-socket helpers for the hostile tests, and
+wrong bodies for the fuzz tests."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import random
 import socket
 import threading
 import time
@@ -80,3 +83,60 @@ def raw_exchange(url: str, data: bytes, timeout: float = 10.0, trickle_s: float 
 
 def status_of(reply: bytes) -> int:
     return int(reply.split(b" ", 2)[1]) if reply.startswith(b"HTTP/1.") else 0
+
+
+@contextlib.contextmanager
+def daemon_and_front(model_dir, socket_dir, **front):
+    """A real daemon serving ``model_dir`` and `llmd http` in front of it; yields (daemon, base URL)."""
+    from daemon_fixtures import daemon_settings, running_daemon
+    with running_daemon(daemon_settings(model_dir, socket_dir)) as daemon:
+        config = FrontConfig(socket=daemon.settings.socket, port=0, max_body_bytes=256 << 10, **front)
+        with running_front(config) as url:
+            yield daemon, url
+
+
+def call(url: str, body=None, method: str = "POST", timeout: float = 30) -> tuple[int, dict, bytes]:
+    """One HTTP exchange: (status, headers, raw body); ``body`` is JSON-encoded unless bytes."""
+    import urllib.error
+    import urllib.request
+    data = None if body is None else body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, dict(r.headers), r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()
+
+
+# wrong values for a field of each kind (strict types: "1" is no number, 1 no bool, 1.5 no count)
+WRONG = {
+    "str": [1, 2.5, True, [], {}, ["a"]],
+    "int": ["1", 1.5, True, [], {}, 1 << 70, -5],
+    "float": ["0.5", True, [], {}, 1e300, -50],
+    "bool": ["true", 1, [], {}, "yes"],
+    "list": ["a", 1, {}, True, [[[]]]],
+    "text_or_ids": [1, 2.5, True, {}, [], [[1]], ["a", 1], [-1], ["a", "b"]],
+}
+
+
+def fuzz_bodies(fields: dict, rng: random.Random, n: int, base: dict) -> list[bytes]:
+    """``n`` request bodies that are each wrong: ``base`` with one to three of ``fields`` (name ->
+    kind; a dotted name goes one object down) given a wrong value, an unknown key, or junk JSON."""
+    out = []
+    for i in range(n):
+        if i % 7 == 6:
+            out.append(rng.choice([b"[]", b"null", b"\"x\"", b"{" * 50, b"[" * 5000, b"{\"a\": 1e999999}",
+                                   json.dumps({"x": "y" * 300_000}).encode()]))
+            continue
+        body = json.loads(json.dumps(base))
+        for name in rng.sample(sorted(fields), rng.randint(1, min(3, len(fields)))):
+            value = rng.choice(WRONG[fields[name]])
+            outer, _, inner = name.partition(".")
+            if inner:
+                body.setdefault(outer, {})[inner] = value
+            else:
+                body[outer] = value
+        if rng.random() < 0.3:
+            body[f"unknown_{rng.randint(0, 99)}"] = rng.choice([0, "x", None, [1]])
+        out.append(json.dumps(body).encode())
+    return out
