@@ -80,7 +80,7 @@ def test_products_equal_a_float64_product_and_each_row_stands_alone(name):
     n, k = 48, 768
     raw = np.ascontiguousarray(random_blocks(name, n, k, rng))
     w = gguf_dequantize(name, raw, n, k).astype(np.float64)
-    x = rng.standard_normal((37, k)).astype(np.float32)
+    x = rng.standard_normal((37, k)).astype(np.float32)   # 37 rows: Q5_K and Q6_K widen their rows (blocks.c, E8_MIN)
     x[3] = 0.0                                       # a row of zeros: scale 0, no NaN
     x[5, :32] *= 1000                                # one span far larger than the rest
     y = product(name, raw, x, n)

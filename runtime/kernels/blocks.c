@@ -268,6 +268,20 @@ static GT float hsum8(__m256 v) {
     return _mm_cvtss_f32(a);
 }
 
+/* Each of 4 vectors' 8 int32 lanes summed exactly (callers keep the sums within int32): lane r of
+ * the result is v[r]'s total; a vector past ``R`` counts as 0. */
+GI __m128i totals4(const __m256i *v, const int R) {
+    if (R == 1) {
+        __m128i a = _mm_add_epi32(_mm256_castsi256_si128(v[0]), _mm256_extracti128_si256(v[0], 1));
+        a = _mm_add_epi32(a, _mm_shuffle_epi32(a, 0x4E));
+        return _mm_add_epi32(a, _mm_shuffle_epi32(a, 0xB1));
+    }
+    const __m256i z = _mm256_setzero_si256();
+    const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], R > 1 ? v[1] : z),
+                                        _mm256_hadd_epi32(R > 2 ? v[2] : z, R > 3 ? v[3] : z));
+    return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+
 /* n floats (a multiple of 32) -> integers q = round(x / d), d = max|x| / 127 (0 where x is all 0). */
 static GT float quantize_span(const float *x, int n, int8_t *q) {
     __m256 mx = _mm256_setzero_ps();
@@ -446,17 +460,21 @@ GI void q45k_rows(const int five, int K, const uint8_t *w, const xrow *x, float 
 }
 
 /* Q6_K: 16 signed 8-bit scales per super-block, each of 16 columns; values 0-63 less 32, the 32 taken
- * off as 32 times the scaled sums of x's 16 columns (one vpmaddwd). */
-static const uint8_t SHUF_Q6[8][16] = {
-#define P(k) {2 * k, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1, \
-               2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1}
-    P(0), P(1), P(2), P(3), P(4), P(5), P(6), P(7)
+ * off as 32 times the scaled sums of x's 16 columns (one vpmaddwd). A super-block's integer sum is
+ * totalled exactly and adds one float product to the row's sum, as the 8-row form below does, so the
+ * two forms give the same bits. */
+/* Byte shuffles of 8 int16 scales (both 128-bit halves alike) that put scale 2k in the 8 low lanes and
+ * scale 2k + 1 in the 8 high lanes. */
+static const uint8_t SHUF_Q6[4][32] = {
+#define P(k) {4 * k, 4 * k + 1, 4 * k, 4 * k + 1, 4 * k, 4 * k + 1, 4 * k, 4 * k + 1, 4 * k, 4 * k + 1, 4 * k, 4 * k + 1, \
+               4 * k, 4 * k + 1, 4 * k, 4 * k + 1, 4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3, \
+               4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3}
+    P(0), P(1), P(2), P(3)
 #undef P
 };
 
 GI void q6k_rows(int K, const uint8_t *w, const xrow *x, float *out, const int R) {
-    __m256 acc[MAXR];
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    __m128 acc = _mm_setzero_ps();        /* lane r: row r's sum, one product per super-block */
     const __m256i low = _mm256_set1_epi8(0xF), three = _mm256_set1_epi8(3);
     for (int b = 0; b < K / 256; b++) {
         const uint8_t *blk = w + (size_t)b * 210;
@@ -478,9 +496,9 @@ GI void q6k_rows(int K, const uint8_t *w, const xrow *x, float *out, const int R
                                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), three), 4));
             q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low),
                                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), three), 4));
+            const __m256i sch = c ? _mm256_permute2x128_si256(sc16, sc16, 0x11) : _mm256_permute2x128_si256(sc16, sc16, 0x00);
             for (int k = 0; k < 4; k++) {
-                const __m256i s = _mm256_cvtepi8_epi16(
-                    _mm_shuffle_epi8(sc8, _mm_loadu_si128((const __m128i *)SHUF_Q6[4 * c + k])));
+                const __m256i s = _mm256_shuffle_epi8(sch, _mm256_loadu_si256((const __m256i *)SHUF_Q6[k]));
                 for (int r = 0; r < R; r++) {
                     const __m256i p = _mm256_maddubs_epi16(q[k], loadq(x[r].q + 256 * b + 128 * c + 32 * k));
                     sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(p, s));
@@ -490,10 +508,15 @@ GI void q6k_rows(int K, const uint8_t *w, const xrow *x, float *out, const int R
         for (int r = 0; r < R; r++) {
             const __m256i bs = _mm256_loadu_si256((const __m256i *)(x[r].bs + 16 * b));
             sum[r] = _mm256_sub_epi32(sum[r], _mm256_slli_epi32(_mm256_madd_epi16(bs, sc16), 5));
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[r].d[b]), _mm256_cvtepi32_ps(sum[r]), acc[r]);
         }
+        const __m128 xd = R == 1 ? _mm_set_ss(x[0].d[b])
+                                 : _mm_setr_ps(x[0].d[b], x[1].d[b], R > 2 ? x[2].d[b] : 0.f, R > 3 ? x[3].d[b] : 0.f);
+        const __m128 dx = _mm_mul_ps(_mm_set1_ps(d), xd);
+        acc = _mm_fmadd_ps(dx, _mm_cvtepi32_ps(totals4(sum, R)), acc);
     }
-    for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]);
+    float o[4];
+    _mm_storeu_ps(o, acc);
+    for (int r = 0; r < R; r++) out[r] = o[r];
 }
 
 /* A kernel taking R rows as copies for 4, 2 and 1 rows, so that each copy's row loops unroll with
@@ -677,6 +700,36 @@ static void dot_row(int type, int K, const uint8_t *w, const xrow *x, int R, flo
 }
 
 
+/* Calls of E8_MIN rows of x or more widen the 8-row groups they read to a byte a value (see q6k_widen8);
+ * E8_Q6K and E8_K45 are the bytes of a widened group's super-block. */
+#define E8_MIN 32
+#define E8_Q6K 2848
+#define E8_K45 2176
+
+/* A thread's buffer *buf of *have bytes, grown to hold ``bytes`` (NULL when out of memory). */
+static void *grown(void **buf, size_t *have, size_t bytes) {
+    if (bytes > *have) {
+        free(*buf);
+        *buf = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        *have = *buf ? bytes : 0;
+    }
+    return *buf;
+}
+
+/* This thread's buffer for x's quantized rows. */
+static void *act_buffer(size_t bytes) {
+    static __thread void *buf;
+    static __thread size_t have;
+    return grown(&buf, &have, bytes);
+}
+
+/* This thread's buffer for widened rows (q6k_widen8). */
+static void *wide_buffer(size_t bytes) {
+    static __thread void *buf;
+    static __thread size_t have;
+    return grown(&buf, &have, bytes);
+}
+
 /* ---- eight rows interleaved ------------------------------------------------------------------
  * Q4_K x8: for each group of 8 rows and super-block, 1152 bytes (8 x 144): the 8 rows' d (float16),
  * their dmin, their 12 scale bytes transposed (byte c of row i at 32 + 8 c + i), then for each j (0-3)
@@ -729,12 +782,12 @@ GI __m256i pairs_of(__m128i bytes8) { return _mm256_cvtepu8_epi16(_mm_unpacklo_e
 GI __m256i pairs_ab(__m128i a8, __m128i b8) { return _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(a8, b8)); }
 
 /* out [R][8]: rows 0-7 of a group times R rows of x. */
-GI void q45k8_rows(const int five, int K, const uint8_t *w, const xrow *x, float *out, const int R) {
+GI void q45k8_rows(const int five, const int wide, int K, const uint8_t *w, const xrow *x, float *out, const int R) {
     __m256 acc[MAXR], accm[MAXR];
     for (int r = 0; r < R; r++) acc[r] = accm[r] = _mm256_setzero_ps();
     const __m256i low = _mm256_set1_epi8(0xF);
     const __m128i m63 = _mm_set1_epi8(63), m15 = _mm_set1_epi8(0xF);
-    const int bytes = five ? 1408 : 1152, at = five ? 384 : 128;
+    const int bytes = wide ? E8_K45 : five ? 1408 : 1152, at = five ? 384 : 128;
     const __m256i one = _mm256_set1_epi8(1);
     for (int b = 0; b < K / 256; b++) {
         const uint8_t *blk = w + (size_t)b * bytes;
@@ -769,8 +822,14 @@ GI void q45k8_rows(const int five, int K, const uint8_t *w, const xrow *x, float
             __m256i s16lo[MAXR], s16hi[MAXR];
             for (int r = 0; r < R; r++) s16lo[r] = s16hi[r] = _mm256_setzero_si256();
             for (int t = 0; t < 8; t++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + at + (8 * j + t) * 32));
-                __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                __m256i lo, hi;
+                if (wide) {
+                    lo = _mm256_loadu_si256((const __m256i *)(blk + 128 + (8 * j + t) * 64));
+                    hi = _mm256_loadu_si256((const __m256i *)(blk + 160 + (8 * j + t) * 64));
+                } else {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + at + (8 * j + t) * 32));
+                    lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                }
                 if (five) {
                     if (t == 4)          /* 31 x 127 x 2 x 4 < 32768: four products at most in 16 bits */
                         for (int r = 0; r < R; r++) {
@@ -778,9 +837,11 @@ GI void q45k8_rows(const int five, int K, const uint8_t *w, const xrow *x, float
                                                                                _mm256_madd_epi16(s16hi[r], sp_hi)));
                             s16lo[r] = s16hi[r] = _mm256_setzero_si256();
                         }
-                    const __m256i h = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * t));
-                    lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * j), one), 4));
-                    hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * j + 1), one), 4));
+                    if (!wide) {
+                        const __m256i h = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * t));
+                        lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * j), one), 4));
+                        hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * j + 1), one), 4));
+                    }
                 }
                 for (int r = 0; r < R; r++) {
                     const int8_t *xq = x[r].q + 256 * b + 64 * j + 4 * t;
@@ -832,11 +893,171 @@ GI void q808_rows(int K, const uint8_t *w, const xrow *x, float *out, const int 
     for (int r = 0; r < R; r++) _mm256_storeu_ps(out + 8 * r, acc[r]);
 }
 
-#define Q4K8(K, w, x, out, R) q45k8_rows(0, K, w, x, out, R)
-#define Q5K8(K, w, x, out, R) q45k8_rows(1, K, w, x, out, R)
+#define Q4K8(K, w, x, out, R) q45k8_rows(0, 0, K, w, x, out, R)
+#define Q5K8(K, w, x, out, R) q45k8_rows(1, 0, K, w, x, out, R)
+#define Q5KW(K, w, x, out, R) q45k8_rows(1, 1, K, w, x, out, R)
 BY_ROWS(dot8_q4k, Q4K8, 8)
 BY_ROWS(dot8_q5k, Q5K8, 8)
+BY_ROWS(dotw_q5k, Q5KW, 8)
 BY_ROWS(dot8_q80, q808_rows, 8)
+
+/* ---- Q6_K widened to bytes, eight rows interleaved (products of many rows) --------------------
+ * Made per call from the file's rows, for calls of E8_MIN rows or more, into a thread's scratch: the
+ * widening is paid once per 8 rows and tile of x, and each value then costs one vpmaddubsw a row of x.
+ * Per group of 8 rows and super-block, E8_Q6K bytes:
+ *     0  the rows' d as float32                                   [8]
+ *    32  for each 16 columns g: the rows' scale, twice per lane   [16][8][2] int16
+ *   544  for each pair of groups k: the rows' (scale 2k, 2k+1)   [8][8][2] int16
+ *   800  for each 4 columns t: row i's 4 values (0-63) at lane i [64][8][4] uint8
+ * A row's integer total per super-block is the row form's, exactly. */
+
+static GT void q6k_widen8(const uint8_t *const rows[8], int nb, uint8_t *dst) {
+    const __m256i low = _mm256_set1_epi8(0xF), three = _mm256_set1_epi8(3);
+    uint8_t vals[8][256] __attribute__((aligned(32)));
+    for (int b = 0; b < nb; b++) {
+        uint8_t *o = dst + (size_t)b * E8_Q6K;
+        int16_t *sp = (int16_t *)(o + 32), *bp = (int16_t *)(o + 544);
+        for (int i = 0; i < 8; i++) {
+            const uint8_t *blk = rows[i] + (size_t)b * 210;
+            const float d = halfv(blk + 208);
+            memcpy(o + 4 * i, &d, 4);
+            const int8_t *sc = (const int8_t *)(blk + 192);
+            for (int g = 0; g < 16; g++) sp[16 * g + 2 * i] = sp[16 * g + 2 * i + 1] = sc[g];
+            for (int k = 0; k < 8; k++) bp[16 * k + 2 * i] = sc[2 * k], bp[16 * k + 2 * i + 1] = sc[2 * k + 1];
+            for (int c = 0; c < 2; c++) {
+                const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * c));
+                const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * c + 32));
+                const __m256i h = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * c));
+                uint8_t *v = vals[i] + 128 * c;
+                _mm256_store_si256((__m256i *)v, _mm256_or_si256(_mm256_and_si256(l0, low),
+                                   _mm256_slli_epi16(_mm256_and_si256(h, three), 4)));
+                _mm256_store_si256((__m256i *)(v + 32), _mm256_or_si256(_mm256_and_si256(l1, low),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), three), 4)));
+                _mm256_store_si256((__m256i *)(v + 64), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), three), 4)));
+                _mm256_store_si256((__m256i *)(v + 96), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), three), 4)));
+            }
+        }
+        /* 8 rows x 8 dwords -> 8 dwords x 8 rows, for each 32 columns */
+        for (int j = 0; j < 8; j++) {
+            __m256i r[8], t[8];
+            for (int i = 0; i < 8; i++) r[i] = _mm256_load_si256((const __m256i *)(vals[i] + 32 * j));
+            for (int i = 0; i < 8; i += 2) {
+                t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+                t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+            }
+            for (int i = 0; i < 8; i += 4) {
+                r[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+                r[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+                r[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+                r[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+            }
+            /* r[0..3]: rows 0-3, r[4..7]: rows 4-7; dwords (0, 4), (1, 5), (2, 6), (3, 7) by 128-bit half */
+            uint8_t *v = o + 800 + 256 * j;
+            for (int q = 0; q < 4; q++) {
+                _mm256_storeu_si256((__m256i *)(v + 32 * q), _mm256_permute2x128_si256(r[q], r[q + 4], 0x20));
+                _mm256_storeu_si256((__m256i *)(v + 32 * (q + 4)), _mm256_permute2x128_si256(r[q], r[q + 4], 0x31));
+            }
+        }
+    }
+}
+
+/* out [R][8]: the 8 widened rows times R rows of x. Two products of 4 columns add in 16 bits
+ * (2 x 2 x 63 x 127 < 32768) before one vpmaddwd by the rows' scales. */
+GI void q6ke8_rows(int K, const uint8_t *w, const xrow *x, float *out, const int R) {
+    __m256 acc[MAXR];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int b = 0; b < K / 256; b++) {
+        const uint8_t *blk = w + (size_t)b * E8_Q6K, *vals = blk + 800;
+        __m256i sum[MAXR];
+        for (int r = 0; r < R; r++) sum[r] = _mm256_setzero_si256();
+        for (int g = 0; g < 16; g++) {
+            const __m256i sp = _mm256_loadu_si256((const __m256i *)(blk + 32 + 32 * g));
+            for (int t = 4 * g; t < 4 * g + 4; t += 2) {
+                const __m256i v0 = _mm256_loadu_si256((const __m256i *)(vals + 32 * t));
+                const __m256i v1 = _mm256_loadu_si256((const __m256i *)(vals + 32 * t + 32));
+                for (int r = 0; r < R; r++) {
+                    int32_t x0, x1;
+                    memcpy(&x0, x[r].q + 256 * b + 4 * t, 4);
+                    memcpy(&x1, x[r].q + 256 * b + 4 * t + 4, 4);
+                    const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(v0, _mm256_set1_epi32(x0)),
+                                                         _mm256_maddubs_epi16(v1, _mm256_set1_epi32(x1)));
+                    sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(s16, sp));
+                }
+            }
+        }
+        const __m256 d8 = _mm256_loadu_ps((const float *)blk);
+        for (int r = 0; r < R; r++) {
+            const int16_t *bs = x[r].bs + 16 * b;
+            __m256i bias = _mm256_setzero_si256();
+            for (int k = 0; k < 8; k++) {
+                const int pair = (int)((uint32_t)(uint16_t)bs[2 * k] | (uint32_t)(uint16_t)bs[2 * k + 1] << 16);
+                bias = _mm256_add_epi32(bias, _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(blk + 544 + 32 * k)),
+                                                                _mm256_set1_epi32(pair)));
+            }
+            sum[r] = _mm256_sub_epi32(sum[r], _mm256_slli_epi32(bias, 5));
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(x[r].d[b])), _mm256_cvtepi32_ps(sum[r]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(out + 8 * r, acc[r]);
+}
+
+BY_ROWS(dot_q6ke8, q6ke8_rows, 8)
+
+/* Q5_K (or Q4_K) 8-row groups (llmd_gg_pack8's layout) widened: the group's 128 bytes of d, dmin and
+ * scales as they are, then for each j (0-3) and t (0-7) the low-nibble values (columns 64 j + 4 t ..)
+ * and the high-nibble values (columns 64 j + 32 + 4 t ..), 32 bytes each, with Q5_K's fifth bit in. */
+static GT void k45_widen8(const int five, const uint8_t *w, int nb, uint8_t *dst) {
+    const __m256i low = _mm256_set1_epi8(0xF), one = _mm256_set1_epi8(1);
+    const int bytes = five ? 1408 : 1152, at = five ? 384 : 128;
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = w + (size_t)b * bytes;
+        uint8_t *o = dst + (size_t)b * E8_K45;
+        memcpy(o, blk, 128);
+        for (int j = 0; j < 4; j++)
+            for (int t = 0; t < 8; t++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + at + (8 * j + t) * 32));
+                __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                if (five) {
+                    const __m256i h = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * t));
+                    lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * j), one), 4));
+                    hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * j + 1), one), 4));
+                }
+                _mm256_storeu_si256((__m256i *)(o + 128 + (8 * j + t) * 64), lo);
+                _mm256_storeu_si256((__m256i *)(o + 160 + (8 * j + t) * 64), hi);
+            }
+    }
+}
+
+/* Whether a part's 8-row groups are widened for a call of M rows. */
+static int widened(const llmd_gg_part *part, int M) {
+    if (M < E8_MIN) return 0;
+    return part->type == T_Q5_K_X8 || (part->type == T_Q6_K && part->rows % 8 == 0);     /* Q4_K: no faster */
+}
+
+/* Group ``g`` of a widened part into this thread's buffer: NULL when out of memory. */
+static const uint8_t *widen_group(const llmd_gg_part *part, int g, size_t rowbytes, int K) {
+    const int nb = K / 256;
+    uint8_t *buf = wide_buffer((size_t)nb * (part->type == T_Q6_K ? E8_Q6K : E8_K45));
+    if (!buf) return NULL;
+    const uint8_t *data = part->data;
+    if (part->type != T_Q6_K) {
+        k45_widen8(part->type == T_Q5_K_X8, data + (size_t)g * 8 * rowbytes, nb, buf);
+        return buf;
+    }
+    const uint8_t *rows8[8];
+    for (int i = 0; i < 8; i++) rows8[i] = data + (size_t)(part->order ? part->order[8 * g + i] : 8 * g + i) * rowbytes;
+    q6k_widen8(rows8, nb, buf);
+    return buf;
+}
+
+static void dot_widened(int type, int K, const uint8_t *w, const xrow *x, int R, float *out) {
+    switch (type) {
+    case T_Q5_K_X8: dotw_q5k(K, w, x, R, out); return;
+    default: dot_q6ke8(K, w, x, R, out);
+    }
+}
 
 static void dot8(int type, int K, const uint8_t *w, const xrow *x, int R, float *out) {
     switch (type) {
@@ -847,18 +1068,6 @@ static void dot8(int type, int K, const uint8_t *w, const xrow *x, int R, float 
 }
 
 /* ---- entry points ----------------------------------------------------------------------------- */
-
-/* This thread's buffer for x's quantized rows, grown as calls need it. */
-static void *act_buffer(size_t bytes) {
-    static __thread void *buf;
-    static __thread size_t have;
-    if (bytes > have) {
-        free(buf);
-        buf = aligned_alloc(64, (bytes + 63) / 64 * 64);
-        have = buf ? bytes : 0;
-    }
-    return buf;
-}
 
 /* n values of a type as float32 */
 static int dequant_values(const void *data, int type, int64_t n, float *out) {
@@ -932,11 +1141,15 @@ int llmd_gg_x(const float *x, int M, int K, const llmd_gg_part *parts, int P, fl
             a->q = q, a->d = d, a->bs = bs, a->b32 = s32;
         }
     }
-    /* units of work: one output row, or a group of 8 for a part in 8-row layout */
-    int ustart[65];
+    /* units of work: one output row, or a group of 8 for a part in 8-row layout or widened */
+    int ustart[65], wide[64];
     ustart[0] = 0;
-    for (int p = 0; p < P; p++) ustart[p + 1] = ustart[p] + (parts[p].type >= PACKED8 ? parts[p].rows / 8 : parts[p].rows);
+    for (int p = 0; p < P; p++) {
+        wide[p] = widened(parts + p, M);
+        ustart[p + 1] = ustart[p] + (parts[p].type >= PACKED8 || wide[p] ? parts[p].rows / 8 : parts[p].rows);
+    }
     const int U = ustart[P];
+    int failed = 0;
     #pragma omp parallel num_threads(nt) if ((size_t)N * K > (1u << 18))
     for (int mt = 0; mt < M; mt += M_TILE) {
         const int me = mt + M_TILE < M ? mt + M_TILE : M;
@@ -947,12 +1160,18 @@ int llmd_gg_x(const float *x, int M, int K, const llmd_gg_part *parts, int P, fl
             const int local = u - ustart[p], type = parts[p].type;
             const xrow *xs = xr + (size_t)type_act(type) * M;
             float out[8 * MAXR];
-            if (type >= PACKED8) {
+            if (type >= PACKED8 || wide[p]) {
                 const uint8_t *w = (const uint8_t *)parts[p].data + (size_t)local * 8 * rowbytes[p];
                 const int n0 = start[p] + 8 * local;
+                if (wide[p] && !(w = widen_group(parts + p, local, rowbytes[p], K))) {
+                    #pragma omp atomic write
+                    failed = 1;
+                    continue;
+                }
                 for (int m = mt; m < me; m += MAXR) {
                     const int R = me - m < MAXR ? me - m : MAXR;
-                    dot8(type, K, w, xs + m, R, out);
+                    if (wide[p]) dot_widened(type, K, w, xs + m, R, out);
+                    else dot8(type, K, w, xs + m, R, out);
                     for (int r = 0; r < R; r++) memcpy(y + (size_t)(m + r) * N + n0, out + 8 * r, sizeof(float) * 8);
                 }
                 continue;
@@ -967,5 +1186,5 @@ int llmd_gg_x(const float *x, int M, int K, const llmd_gg_part *parts, int P, fl
             }
         }
     }
-    return 0;
+    return failed ? -2 : 0;
 }
