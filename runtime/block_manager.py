@@ -30,6 +30,10 @@ tokens its run missed (``stale``, inserted plus removed tokens, added up over ch
 is not taken when that count would exceed ``max_stale``, and a request's blocks from its first
 approximate position on are never keyed into the prefix cache, so no exact request reads them.
 
+The disk tier (llmd.runtime.kv_tier, when on): an evicted full block is recorded for the engine to
+copy out before anything overwrites it (``take_evicted``), and ``restore`` keys free blocks for blocks
+read back from disk, as cached blocks at the kept end of the free list, where lookups find them.
+
 The block manager is the only writer of reference counts, keys, the free list and request.block_ids.
 """
 from __future__ import annotations
@@ -38,8 +42,9 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
+from .kv_disk import BlockRecord
 from .request import Request
 
 
@@ -139,6 +144,8 @@ class BlockManager:
         self.prompt_tokens_queried = 0
         self.prompt_tokens_hit = 0
         self.evictions = 0
+        self.spill = False                        # record evicted full blocks for the disk tier
+        self._evicted: list[tuple[int, BlockRecord]] = []
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -321,17 +328,63 @@ class BlockManager:
         need = self.blocks_needed(num_tokens) - len(request.block_ids)
         assert need <= len(self.free), "call can_append first"
         for _ in range(need):
-            block_id, _ = self.free.popitem(last=False)
-            block = self.blocks[block_id]
-            if block.key is not None or block.anchor is not None:
-                if block.key is not None and self.cached.get(block.key) == block_id:
-                    del self.cached[block.key]
-                self._unfollow(block)
-                block.forget()
-                self.evictions += 1
+            block = self._pop_free()
             block.ref_count = 1
-            block.epoch += 1
-            request.block_ids.append(block_id)
+            request.block_ids.append(block.block_id)
+
+    def _pop_free(self) -> Block:
+        """The least recently used free block, its cached contents forgotten (and recorded for the
+        disk tier), handed out."""
+        block_id, _ = self.free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.key is not None or block.anchor is not None:
+            if block.key is not None and self.cached.get(block.key) == block_id:
+                del self.cached[block.key]
+                if self.spill:
+                    self._evicted.append((block_id, BlockRecord(block.key, block.parent_key, block.tokens)))
+            self._unfollow(block)
+            block.forget()
+            self.evictions += 1
+        block.epoch += 1
+        return block
+
+    # ---- the disk tier ---------------------------------------------------------------------
+    def take_evicted(self) -> list[tuple[int, BlockRecord]]:
+        """The (block id, record) of full blocks evicted since the last call: their keys and values
+        are intact until the step's copies and forward."""
+        evicted, self._evicted = self._evicted, []
+        return evicted
+
+    def cached_records(self) -> Iterator[tuple[int, BlockRecord]]:
+        for key, block_id in self.cached.items():
+            block = self.blocks[block_id]
+            yield block_id, BlockRecord(key, block.parent_key, block.tokens)
+
+    def restore(self, records: list[BlockRecord], salt: Optional[str], keep: list[int]) -> list[Optional[int]]:
+        """Key a free block for each record read back from the disk tier (None: memory has it by now),
+        cached and free at the kept end of the list. The blocks ``keep`` (the rest of the request's
+        prefix) move there first, and no restore evicts them or an earlier restore."""
+        kept = 0
+        for b in keep:
+            if b in self.free:
+                self.free.move_to_end(b)
+                kept += 1
+        room = len(self.free) - kept
+        out: list[Optional[int]] = []
+        for rec in records:
+            if rec.key in self.cached:
+                out.append(None)
+                continue
+            if room <= 0:
+                break
+            block = self._pop_free()
+            block.key, block.parent_key, block.tokens = rec.key, rec.parent_key, rec.tokens
+            self.cached[rec.key] = block.block_id
+            self._follow(block, salt)
+            self.free[block.block_id] = None
+            room -= 1
+            out.append(block.block_id)
+        return out
 
     def free_request(self, request: Request) -> None:
         """Release every block of the request, tail first, remembering a partly computed tail block

@@ -84,6 +84,15 @@ class EngineConfig:
         help="KV cache storage: the model dtype (auto, exact), bfloat16 (half a float32 model's bytes: faster with "
              "many streams, twice the tokens per budget) or int8 with a scale per block and head (approximate: a "
              "block's scale grows with what is written to it, so greedy text may vary with batching and speculation)")
+    kv_disk: Optional[str] = setting(
+        None, unit="directory",
+        help="a directory for a tier of the prefix cache on disk (made owner-only): full KV blocks evicted from "
+             "memory, and those cached when the engine goes idle, are written there and read back instead of "
+             "recomputed, also after a restart; files are checked and keyed by the model, KV dtype and layout; "
+             "unset: off")
+    kv_disk_size: str | int = setting(
+        "8GiB", unit="bytes",
+        help="most bytes the kv_disk tier keeps, e.g. 2GiB; the least recently used blocks are deleted first")
     shift_max_stale: int = setting(
         32, unit="tokens",
         help="shifted reuse, for requests that ask for it (the language server's completions): keys and values "
@@ -144,6 +153,9 @@ class EngineConfig:
         check(self.threads is None or 1 <= self.threads <= 4096, f"threads must be in [1, 4096], got {self.threads}")
         check(0 <= self.seed < 1 << 63, f"seed must be in [0, 2^63), got {self.seed}")
         parse_bytes(self.kv_memory)
+        parse_bytes(self.kv_disk_size)
+        check(self.kv_disk is None or (isinstance(self.kv_disk, str) and self.kv_disk.strip() != ""),
+              "kv_disk must be a directory path")
 
     @property
     def kv_memory_bytes(self) -> int:

@@ -21,7 +21,9 @@ from .errors import CapacityError, EngineDirError, InvalidRequest
 from . import kernels
 from .kernels import ops
 from .execution import choose
+from .kv_tier import DiskTier
 from .loading import LoadedModel, load_for_engine
+from .model_names import resolve_config
 from .model_runner import ModelRunner
 from .request import FinishReason, Priority, Request, SamplingParams
 from .sampler import SamplingRow, apply_penalties, logprobs_for, make_generator, processed_probs, sample
@@ -106,6 +108,7 @@ class Engine:
             self.spec = SpecController(k, spec_len, config.adaptive_speculation, proposer_is_free=lookup,
                                        greedy_only=lookup and config.draft == "auto")
         self.stats_ = EngineStats()
+        self.tier = self._open_tier(loaded)
         self._live: dict[str, _Live] = {}
         self._pending: list[StepOutput] = []     # aborts and failures reported at the next step
         self._seeds = itertools.count(config.seed * 1_000_003 + 1)
@@ -122,6 +125,26 @@ class Engine:
         return ModelRunner(model, loaded.num_blocks, c.block_size, float_dtype(c.dtype), reference_attention=c.attention == "reference",
                            kv_dtype=loaded.kv_dtype, backend=loaded.backend, execution=loaded.execution)
 
+    def _open_tier(self, loaded: LoadedModel) -> Optional[DiskTier]:
+        """The prefix cache's tier on disk (llmd.runtime.kv_tier), keyed by what makes a block's keys
+        and values: the model files, dtypes, pool layout and how steps run."""
+        c = self.config
+        if not c.kv_disk:
+            return None
+        resolved = resolve_config(c)
+        paths = [resolved.model] + ([resolved.draft] if loaded.draft is not None and resolved.draft
+                                    and resolved.draft not in ("auto", "ngram", "none") else [])
+        facts = {"dtype": c.dtype, "kv_dtype": loaded.kv_dtype, "execution": loaded.execution,
+                 "attention": c.attention, "device": loaded.device, "draft": loaded.draft is not None,
+                 "backend": getattr(loaded.backend, "name", None)}
+        runners = [self.runner] + ([self.draft_runner] if loaded.draft is not None else [])
+        return DiskTier.open(c, paths, facts, self.block_manager, runners)
+
+    def close(self) -> None:
+        """Write what the disk tier lacks and stop its thread (nothing to do without one)."""
+        if self.tier is not None:
+            self.tier.close()
+
     # ---- requests in -----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     priority: Priority | str = Priority.NORMAL, cache_salt: Optional[str] = None,
@@ -130,11 +153,11 @@ class Engine:
         and values of earlier requests under the same key, and remember this one's for later ones."""
         if not isinstance(request_id, str) or not 0 < len(request_id) <= MAX_REQUEST_ID_LEN:
             raise InvalidRequest(f"request_id must be a string of 1 to {MAX_REQUEST_ID_LEN} characters")
-        if request_id in self.scheduler.requests:
+        if request_id in self.scheduler.requests or (self.tier is not None and request_id in self.tier.parked):
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
             raise InvalidRequest("params must be SamplingParams")
-        if self.scheduler.num_waiting >= self.config.max_waiting:
+        if self._num_waiting() >= self.config.max_waiting:
             raise CapacityError(f"the queue is full ({self.config.max_waiting} waiting); retry later")
         priority = Priority.parse(priority)
         if reuse_key is not None and not (isinstance(reuse_key, str) and 0 < len(reuse_key) <= MAX_REQUEST_ID_LEN):
@@ -148,7 +171,11 @@ class Engine:
         gen = None if params.greedy else make_generator(params.seed if params.seed is not None else next(self._seeds))
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens, params.stop)
         self._live[request_id] = _Live(detok, gen)
-        self.scheduler.add(req)
+        if self.tier is None or not self.tier.park(req):      # parked while the tier reads its blocks
+            self.scheduler.add(req)
+
+    def _num_waiting(self) -> int:
+        return self.scheduler.num_waiting + (len(self.tier.parked) if self.tier is not None else 0)
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -168,6 +195,8 @@ class Engine:
         return ids
 
     def abort(self, request_id: str) -> bool:
+        if self.tier is not None and request_id in self.tier.parked:
+            self.scheduler.add(self.tier.parked.pop(request_id))     # ended by the scheduler like any other
         req = self.scheduler.requests.get(request_id)
         if req is None:
             return False
@@ -176,7 +205,7 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending)
+        return self.scheduler.has_unfinished() or bool(self._pending) or bool(self.tier and self.tier.parked)
 
     def deferred_s(self) -> float:
         """Seconds the next step may wait for: only batch prompts held back for a quiet moment are
@@ -185,10 +214,22 @@ class Engine:
 
     # ---- the step --------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        if self.tier is None:
+            return self._step()
+        for req in self.tier.land(wait=not self.scheduler.has_unfinished()):
+            self.scheduler.add(req)
+        outputs = self._step()
+        if not self.has_unfinished():
+            self.tier.flush()              # idle: what is cached goes to disk
+        return outputs
+
+    def _step(self) -> list[StepOutput]:
         t0, cpu0 = time.perf_counter(), time.process_time()
         if self.spec is not None:
             self._plan_speculation()
         sched = self.scheduler.schedule()
+        if self.tier is not None:
+            self.tier.spill()              # evicted blocks leave for disk before anything overwrites them
         outputs, self._pending = self._pending, []
         for req in sched.finished_out_of_memory:
             outputs.append(self._final(req))
@@ -425,13 +466,14 @@ class Engine:
             **self.block_manager.stats(),
             **self.stats_.snapshot(),
             "running": len(running),
-            "waiting": self.scheduler.num_waiting,
+            "waiting": self._num_waiting(),
             "preemptions": self.scheduler.num_preemptions,
             "kv_slots_unused": allocated - used,
             "kv_bytes_total": self.runner.k_pool.numel() * self.runner.k_pool.element_size() * 2,
             "kv_dtype": self.kv_dtype,
             "kv_pool_dtype": str(self.runner.k_pool.dtype).removeprefix("torch."),
             "max_model_len": self.max_model_len,
+            **(self.tier.stats() if self.tier is not None else {}),
             **self._kernel_stats(),
             **self._screen_stats(),
             # decode steps by the deepest speculation they verified (the controller's choices)

@@ -139,6 +139,15 @@ class ModelRunner:
             for scale in self.attn.scales:
                 scale[:, dst] = scale[:, src]
 
+    def block_views(self, block_id: int) -> list[torch.Tensor]:
+        """One block's keys and values in every layer (and an int8 pool's block scales): views of the
+        pools, as the disk tier stores them, in this order."""
+        bs = self.block_size
+        views = [self.k_pool[:, block_id * bs:(block_id + 1) * bs], self.v_pool[:, block_id * bs:(block_id + 1) * bs]]
+        if self.attn.scales is not None:
+            views += [scale[:, block_id] for scale in self.attn.scales]
+        return views
+
     def prepare(self, scheduled: list[ScheduledRequest]) -> StepBatch:
         return self.prepare_feeds(feeds_for(scheduled))
 
