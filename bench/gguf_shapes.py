@@ -7,9 +7,8 @@ Each shape is written once as BF16 by llmd's own writer, streamed tensor by tens
 sits in memory), and re-typed by llama.cpp's `llama-quantize` (bench/build_llama_server.sh) to each
 asked type; the BF16 source is deleted afterwards unless --keep-source. The tokenizer (vocabulary,
 merges, token types, chat template) is copied from a GGUF file that has the real one: the Qwen2.5
-family's from Qwen2.5-Coder-0.5B (`make models-real`). The Llama shapes take the same tokenizer,
-its vocabulary padded with unused entries to Llama 3's 128256 rows: no Llama 3 tokenizer can be had
-without network here, and only the shape matters to a speed figure.
+family's from Qwen2.5-Coder-0.5B (`make models-real`), Llama 3's (128256 tokens) from the vocabulary
+file in llama.cpp's sources (`ggml-vocab-llama-bpe.gguf`, unpacked by bench/build_llama_server.sh).
 
 Weights are normal with std 0.02 (norms 1): the text is noise, the arithmetic is the real model's.
 """
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from llmd.export.llamacpp import BUILD_DIR
 from llmd.models_real import cached_file, models_dir as real_models_dir
 
 
@@ -55,11 +55,31 @@ def models_dir() -> Path:
     return real_models_dir() / "shapes"
 
 
-def tokenizer_source() -> Path:
+def tokenizer_source(arch: str) -> Path:
+    if arch == "llama":
+        return llama_vocab()
     path = cached_file("qwen2.5-coder-0.5b-instruct")
     if path is None:
         raise SystemExit("the Qwen2.5 tokenizer comes from Qwen2.5-Coder-0.5B: run `make models-real` first")
     return path
+
+
+def llama_vocab() -> Path:
+    """Llama 3's tokenizer: the vocabulary file in llama.cpp's sources, which build_llama_server.sh
+    fetches and unpacks."""
+    _llama_bin("llama-quantize")
+    found = sorted(BUILD_DIR.glob("src/llama_cpp_python-*/vendor/llama.cpp/models/ggml-vocab-llama-bpe.gguf"))
+    if not found:
+        raise SystemExit(f"no ggml-vocab-llama-bpe.gguf under {BUILD_DIR}/src: run bench/build_llama_server.sh")
+    return found[-1]
+
+
+def _llama_bin(name: str) -> Path:
+    """One of llama.cpp's programs, built (and its sources unpacked) by build_llama_server.sh."""
+    root = Path(__file__).resolve().parent
+    server = subprocess.run(["bash", str(root / "build_llama_server.sh")], check=True, capture_output=True,
+                            text=True).stdout.strip().splitlines()[-1]
+    return Path(server).with_name(name)
 
 
 def _tensors(s: Shape) -> list[tuple[str, tuple[int, ...]]]:
@@ -92,7 +112,7 @@ def write_shape(name: str, out: Path, seed: int = 0) -> Path:
     import gguf
     from tqdm import tqdm
     s = SHAPES[name]
-    src = gguf.GGUFReader(str(tokenizer_source()))
+    src = gguf.GGUFReader(str(tokenizer_source(s.arch)))
     tmp = out.with_suffix(".part")
     w = gguf.GGUFWriter(str(tmp), s.arch)
     w.add_name(f"llmd random {name}")
@@ -139,8 +159,10 @@ def _copy_tokenizer(src, w, vocab: int) -> None:
     def field(key):
         f = src.fields[key]
         return f.contents() if hasattr(f, "contents") else f.parts[f.data[0]]
-    tokens = list(field("tokenizer.ggml.tokens"))[:vocab]
-    types = list(field("tokenizer.ggml.token_type"))[:vocab]
+    tokens = list(field("tokenizer.ggml.tokens"))
+    types = list(field("tokenizer.ggml.token_type"))
+    if len(tokens) > vocab:          # cutting it would leave merges naming tokens that are gone
+        raise ValueError(f"the tokenizer has {len(tokens)} tokens, more than the shape's {vocab} rows")
     tokens += [f"[PAD{i}]" for i in range(len(tokens), vocab)]
     types += [5] * (vocab - len(types))
     w.add_tokenizer_model(field("tokenizer.ggml.model"))
@@ -160,10 +182,7 @@ def _copy_tokenizer(src, w, vocab: int) -> None:
 
 def quantize(source: Path, out: Path, qtype: str, threads: int = 2) -> Path:
     """``source`` re-typed to ``qtype`` by llama.cpp's llama-quantize (built by build_llama_server.sh)."""
-    root = Path(__file__).resolve().parent
-    server = subprocess.run(["bash", str(root / "build_llama_server.sh")], check=True, capture_output=True,
-                            text=True).stdout.strip().splitlines()[-1]
-    tool = Path(server).with_name("llama-quantize")
+    tool = _llama_bin("llama-quantize")
     tmp = out.with_suffix(".part")
     subprocess.run([str(tool), str(source), str(tmp), qtype, str(threads)], check=True,
                    stdout=subprocess.DEVNULL)
