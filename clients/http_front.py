@@ -1,10 +1,10 @@
 """``llmd http``: OpenAI's, llama.cpp's and Ollama's HTTP APIs in front of the daemon's ZeroMQ socket.
 
-A separate process (the daemon keeps no TCP listener): aiohttp serves HTTP/1.1, each request is
-parsed at the edge (``http_api``; llama.cpp's ``/completion`` and ``/tokenize`` in ``http_llamacpp``,
-Ollama's ``/api/*`` in ``http_ollama``) and sent over one ZeroMQ connection (``AsyncClient``), and the
-daemon's events come back as JSON, server-sent events or (Ollama's) JSON lines. A client that goes away cancels its
-request: aiohttp cancels the handler, and leaving the stream sends ``cancel``.
+A separate process (alone, or the child of ``llmd serve --http``): aiohttp serves HTTP/1.1, each
+request is parsed at the edge (``http_api``; ``/completion`` and ``/tokenize`` in ``http_llamacpp``,
+Ollama's ``/api/*`` in ``http_ollama``, ``/metrics`` in ``http_metrics``) and sent over one ZeroMQ
+connection, and the daemon's events come back as JSON, server-sent events or (Ollama's) JSON lines. A
+client that goes away cancels its request: aiohttp cancels the handler; leaving the stream, ``cancel``.
 
 Safe by default: a unix socket or 127.0.0.1 only; another address needs ``--allow-remote`` and
 ``--api-key-file``. Bounded: body, header lines and count, open connections, the time a request's
@@ -28,6 +28,7 @@ from .http_api import (ChatBody, CompletionBody, HttpError, InfillBody, Shaper, 
                        completion_logprobs, completion_work, daemon_error, infill_reply, infill_work, merge_logprobs,
                        parse)
 from .http_llamacpp import LlamaCppRoutes
+from .http_metrics import FrontMetrics
 from .http_ollama import OllamaRoutes
 from .http_stream import (collect, events, finish_reason, finished, first_event, predict_limited,
                           raise_error, send_event)
@@ -82,19 +83,17 @@ class Front:
         self.config = config
         self.client = client or AsyncClient(config.socket, timeout=600.0)
         self.model: Optional[str] = None          # the daemon's, asked once
-        self.app = web.Application(client_max_size=config.max_body_bytes, middlewares=[self._edge])
+        self.metrics = FrontMetrics(self.client)
+        self.app = web.Application(client_max_size=config.max_body_bytes, middlewares=(self.metrics.count, self._edge))
         r = self.app.router
-        r.add_get("/health", self.health)
-        r.add_get("/v1/health", self.health)
-        r.add_get("/v1/models", self.models)
-        r.add_get("/models", self.models)
-        r.add_post("/v1/completions", self.completions)
-        r.add_post("/completions", self.completions)
-        r.add_post("/v1/chat/completions", self.chat)
-        r.add_post("/chat/completions", self.chat)
-        r.add_post("/infill", self.infill)
-        r.add_post("/v1/infill", self.infill)
+        for path in ("", "/v1"):
+            r.add_get(path + "/health", self.health)
+            r.add_get(path + "/models", self.models)
+            r.add_post(path + "/completions", self.completions)
+            r.add_post(path + "/chat/completions", self.chat)
+            r.add_post(path + "/infill", self.infill)
         LlamaCppRoutes(self).add_to(r)
+        self.metrics.add_to(r)
         OllamaRoutes(self).add_to(r)
 
     # edge: errors, auth, CORS ------------------------------------------------------------------
@@ -264,7 +263,8 @@ class Front:
         else:
             args = (fields.pop("prompt", None),)
         try:
-            return await start(*args, priority=priority, **fields, **work.sampling, stream=not whole)
+            stream = await start(*args, priority=priority, **fields, **work.sampling, stream=not whole)
+            return self.metrics.watch(stream)
         except RequestTooLarge as e:
             raise HttpError(413, str(e), code="too_large") from None
         except ClientError as e:

@@ -10,6 +10,7 @@ import sys
 import zmq
 
 from llmd import systemd
+from .http_child import HttpChild
 from .paths import AlreadyRunning
 from .server import Server
 from .settings import Settings, SettingsError
@@ -55,10 +56,13 @@ def serve(settings: Settings, notifier: systemd.Notifier | None = None) -> int:
     server = Server(settings, engine_factory(settings, freeze=True), notifier or systemd.Notifier(), listen_fd=fd)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: server.request_stop())
+    front = HttpChild(settings, on_exit=server.request_stop) if settings.http else None
     try:
+        if front is not None:
+            front.start()
         code = server.run()
         logging.getLogger("llmd.daemon").info("stopped")
-        return code
+        return code or (front.exit_code if front is not None and front.exit_code else 0)
     except AlreadyRunning as e:
         print(f"llmd serve: {e}", file=sys.stderr)
         return 1
@@ -66,3 +70,6 @@ def serve(settings: Settings, notifier: systemd.Notifier | None = None) -> int:
         print(f"llmd serve: cannot listen on {settings.endpoint}"
               f"{' or ' + settings.tcp if settings.tcp else ''}: {e}", file=sys.stderr)
         return 2
+    finally:
+        if front is not None:
+            front.stop()       # after the drain: the front's answers in flight have ended

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import grp
+import ipaddress
 import math
 import os
 import tomllib
@@ -42,6 +43,12 @@ class DaemonSettings:
         None, help="let this group's members connect: socket 0660 in a 0750 directory, both the group's (default: no "
                    "group, the socket is the owner's alone, 0600 in 0700); a directory that already exists is left as it is")
     tcp: Optional[str] = setting(None, help="also listen on this tcp://HOST:PORT endpoint (off unless given)")
+    http: Optional[str] = setting(
+        None, help="also serve `llmd http`'s HTTP front (OpenAI, llama.cpp and Ollama dialects, /metrics) on "
+                   "HOST:PORT, for example 127.0.0.1:8080 (off unless given; loopback only unless http_allow_remote)")
+    http_allow_remote: bool = setting(False, help="let `http` be a non-loopback address (needs http_api_key_file)")
+    http_api_key_file: Optional[str] = setting(
+        None, help="the HTTP front requires 'Authorization: Bearer KEY' with the key in this file")
     max_queue: int = setting(64, unit="requests", help="requests in flight (queued and running) before new ones are "
                                                        "refused with `busy`")
     max_message_bytes: int = setting(1 << 20, unit="bytes", help="largest message a client may send; a larger one "
@@ -56,6 +63,36 @@ class DaemonSettings:
                                    help="on SIGTERM, time to let in-flight requests finish before cancelling them")
     warmup: bool = setting(True, help="run one short request through the engine before reporting ready")
     log_level: str = setting("info", help="log verbosity", choices=LOG_LEVELS)
+
+
+def http_address(value: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[::1]:PORT`` for IPv6) as (host, port); raises SettingsError."""
+    host, sep, port = value.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise SettingsError(f"http must be HOST:PORT, for example 127.0.0.1:8080, got {value!r}")
+    return host, int(port)
+
+
+def check_http(value: str, allow_remote: bool, key_file: Optional[str]) -> None:
+    """The HTTP front's address, refused as `llmd http` refuses it: loopback only unless asked, and
+    then only with a key."""
+    host, _ = http_address(value)
+    if _is_loopback(host):
+        return
+    if not allow_remote:
+        raise SettingsError(f"refusing to listen on {host}: only 127.0.0.1, ::1 or localhost by default; set "
+                            "http_allow_remote (--http-allow-remote) with http_api_key_file to serve other machines")
+    if not key_file:
+        raise SettingsError(f"refusing to listen on {host} without a key: set http_api_key_file "
+                            "(--http-api-key-file FILE; clients then send 'Authorization: Bearer <key>')")
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _settings_fields():
@@ -90,6 +127,8 @@ class _SettingsChecks:
                 raise SettingsError(f"{name} must be a finite number >= 0, got {v}")
         if self.tcp is not None and not self.tcp.startswith("tcp://"):
             raise SettingsError(f"tcp must be a tcp://host:port endpoint, got {self.tcp!r}")
+        if self.http is not None:
+            check_http(self.http, self.http_allow_remote, self.http_api_key_file)
         if self.log_level not in LOG_LEVELS:
             raise SettingsError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         if self.group is not None:
