@@ -46,6 +46,15 @@ for pair in safetensors:safetensors tokenizers:tokenizers zmq:pyzmq msgpack:msgp
             jinja2:jinja2 tqdm:tqdm pytest:pytest pytest_timeout:pytest-timeout; do
     "$VPY" -c "import ${pair%%:*}" 2>/dev/null || missing+=("${pair#*:}")
 done
+# cffi (the CPU kernels' loader, imported through runtime/engine.py and tests/conftest.py) and aiohttp
+# (imported by llmd/cli.py through the clients) are needed too: their wheels (with pycparser, and
+# aiohttp's multidict, yarl, propcache, frozenlist, aiosignal, aiohappyeyeballs, attrs) belong in
+# gpu-wheels/; where a wheel is not there the script says so and goes on
+for pair in cffi:cffi aiohttp:aiohttp; do
+    "$VPY" -c "import ${pair%%:*}" 2>/dev/null && continue
+    if ls gpu-wheels/"${pair#*:}"-*.whl > /dev/null 2>&1; then missing+=("${pair#*:}")
+    else say "warning: ${pair#*:} is not importable and gpu-wheels/ has no wheel of it"; fi
+done
 say "installing from gpu-wheels/: ${missing[*]} setuptools>=70.1"
 # (setuptools >= 70.1 builds the editable install without the wheel package; a venv starts with an older one)
 "$VPY" -m pip install -q --no-index --find-links gpu-wheels "${missing[@]}" "setuptools>=70.1" \

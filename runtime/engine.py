@@ -90,8 +90,8 @@ class Engine:
         self.num_speculative_tokens = k         # the depth in force (the config's None resolved)
         self.runner = self._make_runner(loaded, loaded.model, k if (lookup or loaded.draft is not None) else 0)
         # greedy steps ask for tokens, not logits, where the model has a head screen (formats/head_screen.py)
-        self._screens = getattr(self.runner, "screens_head", False)
-        if config.prefix_cache and getattr(self.runner, "can_shift", False):
+        self._screens = self.runner.screens_head
+        if config.prefix_cache and self.runner.can_shift:
             self.block_manager.max_stale = config.shift_max_stale      # shifted reuse: off where keys cannot move
         self.eos_token_ids = tuple(sorted(set(self.tokenizer.eos_token_ids) | set(loaded.config.eos_token_ids)))
         self.proposer: Optional[Proposer] = None
@@ -341,7 +341,7 @@ class Engine:
                 proposals: dict[int, Proposal]) -> list[list]:
         """Per scheduled request, the (token, logprobs) pairs it gains this step."""
         out: list[list] = [[] for _ in scheduled]
-        on_device = getattr(self.runner, "samples_on_device", False)     # the CUDA runner's logits stay there
+        on_device = self.runner.samples_on_device     # the CUDA runner's logits stay there
         if on_device and any(s.request.params.logprobs is not None or s.num_spec_tokens for s in scheduled):
             p = [s.request.params for s in scheduled]
             if all(_plain_greedy(x) for x in p):
@@ -485,7 +485,7 @@ class Engine:
         """Which of llmd's CPU kernel libraries the cpu backend runs: avx512, avx2, or none (torch's ops);
         from how many rows its int8 products take AMX's tile unit (0: never), and past how many rows
         products over bfloat16 blocks do (0: never)."""
-        if not hasattr(self.runner.execution, "kernels"):
+        if self.runner.execution.kernels is None:
             return {}
         on = self.runner.execution.kernels
         return {"cpu_kernels": kernels.variant() if on else "none",

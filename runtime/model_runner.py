@@ -18,8 +18,10 @@ import torch
 
 from .attention import SeqSpan, int_tensor
 from .execution import backend_class
+from .execution.contract import Runner
 from .models.config import ModelConfig
 from .models.llama import LlamaForCausalLM
+from .sampler import SamplingRow, sample
 from .scheduler import ScheduledRequest
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -85,9 +87,12 @@ class StepBatch:
     sample_counts: list[int]          # per scheduled request: how many of those rows are its own
 
 
-class ModelRunner:
+class ModelRunner(Runner):
     """``execution`` names the backend (llmd.runtime.execution) the model was prepared for; ``backend``
-    is an engine directory's compiled step (llmd.runtime.backends), which runs as the compiled one."""
+    is an engine directory's compiled step (llmd.runtime.backends), which runs as the compiled one.
+    The members the engine reads are the runner contract's (llmd.runtime.execution.contract)."""
+
+    samples_on_device = False          # logits come back on the host: the engine samples them there
 
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: str,
                  reference_attention: bool = False, kv_dtype: str = "auto", backend=None, execution: str = "cpu"):
@@ -98,6 +103,7 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         cls = backend_class("compiled" if backend is not None else execution)
+        self.device = cls.device
         shape = (cfg.num_layers, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
         element = pool_dtype(dtype, kv_dtype)
         self.k_pool = torch.zeros(shape, dtype=element, device=cls.device)
@@ -185,3 +191,7 @@ class ModelRunner:
     def run_greedy(self, batch: StepBatch) -> list[int]:
         """Forward the packed step whose sampled rows are all greedy; returns each row's token."""
         return self.execution.run_greedy(batch)
+
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+        """One token per row, drawn on the host (the engine's own path samples there too, with logprobs)."""
+        return sample(logits, rows).token_ids.tolist()

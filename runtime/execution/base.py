@@ -38,6 +38,7 @@ class ExecutionBackend(ABC):
     name: ClassVar[str]
     device: ClassVar[torch.device] = torch.device("cpu")     # where the pools and step tensors live
     ops: TorchOps = TORCH_OPS                                 # norms and activation between products
+    kernels: Optional[bool] = None      # llmd's CPU kernels: on or off where the backend may run them, else None
 
     def __init__(self, model, attn: PagedAttention):
         self.model, self.attn = model, attn

@@ -1,6 +1,7 @@
-"""CudaBackend: the model runner for ``--device cuda``, with the interface the engine and the
-speculative proposers use (``prepare``, ``prepare_feeds``, ``run``, ``k_pool``, ``model``), plus
-``sample`` for sampling on the device.
+"""CudaBackend: the model runner for ``--device cuda``, held to the runner contract
+(llmd.runtime.execution.contract) like the CPU's ModelRunner, with ``sample`` drawing on the device.
+It has no head screen and cannot move keys to other positions (``screens_head``, ``can_shift``: False);
+its ``execution`` is CudaExecution: the argmax on the device, and a draft's rounds one step at a time.
 
 A step: the feeds' metadata is built on the host (padded to a graph bucket when the step is a decode or
 verification step that fits one), copied to the device in one copy, and either replayed in the
@@ -14,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from llmd.runtime.execution.contract import Runner
 from llmd.runtime.model_runner import Feed, feeds_for, pool_dtype
 from llmd.runtime.sampler import SamplingRow
 from llmd.runtime.scheduler import ScheduledRequest
@@ -33,8 +35,28 @@ class CudaBatch:
     sample_counts: list[int]           # per request: its rows among the sampled ones (as StepBatch)
 
 
-class CudaBackend:
+class CudaExecution:
+    """The contract's ``execution`` of a CudaBackend: what the engine and a draft ask of a backend."""
+
+    name = "cuda"
+    kernels = None                     # llmd's CPU kernels never run here (no cpu_* stats)
+
+    @staticmethod
+    def greedy(logits: torch.Tensor) -> torch.Tensor:
+        """Each row's first largest value (int64 [M]), on the logits' device."""
+        return logits.argmax(-1)
+
+    @staticmethod
+    def greedy_rounds(runner, feeds, positions, block_ids, steps) -> None:
+        """None: a draft's greedy forwards run one step at a time (each may replay a graph)."""
+        return None
+
+
+class CudaBackend(Runner):
     samples_on_device = True
+    screens_head = False               # no head screen: greedy steps read the whole head's logits
+    can_shift = False                  # shifted prefix reuse stays off
+    execution = CudaExecution()
 
     def __init__(self, model, num_blocks: int, block_size: int, dtype: str, kv_dtype: str = "auto",
                  device: str | torch.device = "cuda", max_num_seqs: int = 64, num_spec_tokens: int = 0,
@@ -90,6 +112,27 @@ class CudaBackend:
         if len(meta.sample_rows) != meta.real_rows:
             hidden = hidden.index_select(0, meta.sample_rows)
         return self.model.compute_logits(hidden).float()
+
+    def run_greedy(self, batch: CudaBatch) -> list[int]:
+        """Each sampled row's greedy token: the argmax on the device, the ids in one copy."""
+        return self.execution.greedy(self.run(batch)).tolist()
+
+    @torch.inference_mode()
+    def copy_slots(self, src: int, dst: int, n: int) -> None:
+        """Copy the first ``n`` slots of block ``src`` into block ``dst``, every layer's keys and values."""
+        if src == dst:
+            return
+        bs = self.block_size
+        for pool in (self.k_pool, self.v_pool):
+            pool[:, dst * bs:dst * bs + n] = pool[:, src * bs:src * bs + n]
+
+    def copy_shifted(self, src: list[int], dst: list[int], delta: int) -> None:
+        raise RuntimeError("the CUDA backend cannot move keys to other positions")
+
+    def block_views(self, block_id: int) -> list[torch.Tensor]:
+        """One block's keys and values in every layer: views of the pools, in the disk tier's order."""
+        bs = self.block_size
+        return [self.k_pool[:, block_id * bs:(block_id + 1) * bs], self.v_pool[:, block_id * bs:(block_id + 1) * bs]]
 
     def _forward_all(self, meta: StepMetadata, splits: int) -> torch.Tensor:
         """Logits of every row of a bucket's step (what a graph captures)."""
