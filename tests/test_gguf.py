@@ -7,6 +7,7 @@ import json
 import struct
 import tracemalloc
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -99,12 +100,13 @@ def test_import_cli(gguf_file, tmp_path, capsys):
 
 # ---- refusals and hostile files --------------------------------------------------------------------
 
-def _write(path: Path, arch: str = "llama", tokenizer_model: str = "gpt2", pre: str = "default") -> Path:
+def _write(path: Path, arch: str = "llama", tokenizer_model: str = "gpt2", pre: Optional[str] = "default") -> Path:
     import gguf
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(1)
     w.add_tokenizer_model(tokenizer_model)
-    w.add_tokenizer_pre(pre)
+    if pre is not None:
+        w.add_tokenizer_pre(pre)
     w.add_token_list(["a", "b", "ab"])
     w.add_token_merges(["a b"])
     w.add_tensor("token_embd.weight", np.zeros((3, 32), np.float32))
@@ -115,17 +117,19 @@ def _write(path: Path, arch: str = "llama", tokenizer_model: str = "gpt2", pre: 
     return path
 
 
-@pytest.mark.parametrize("kwargs, field", [({"arch": "gpt2"}, "general.architecture"),
-                                           ({"tokenizer_model": "llama"}, "tokenizer.ggml.model"),
-                                           ({"pre": "mystery"}, "tokenizer.ggml.pre")])
-def test_unsupported_things_are_refused_with_field_and_file(tmp_path, kwargs, field):
+@pytest.mark.parametrize("kwargs, field, named", [
+    ({"arch": "gpt2"}, "general.architecture", "gpt2"),
+    ({"tokenizer_model": "t5"}, "tokenizer.ggml.model", "'t5'"),
+    ({"pre": "mystery-bpe"}, "tokenizer.ggml.pre", "'mystery-bpe'"),
+    ({"tokenizer_model": "llama", "pre": None}, "tokenizer.ggml.scores", "SentencePiece")])
+def test_unsupported_things_are_refused_with_field_name_and_file(tmp_path, kwargs, field, named):
     from llmd.runtime.formats.gguf import open_gguf
     from llmd.runtime.formats.gguf_tokenizer import tokenizer_files
     path = _write(tmp_path / "x.gguf", **kwargs)
     with pytest.raises(GGUFError) as e:
         f = open_gguf(path)
         tokenizer_files(f) if field.startswith("tokenizer") else import_gguf(path, tmp_path / "out")
-    assert field in str(e.value) and str(path) in str(e.value)
+    assert field in str(e.value) and named in str(e.value) and str(path) in str(e.value)
 
 
 def _offset_after(data: bytes, key: bytes) -> int:

@@ -1,71 +1,72 @@
 """A Hugging Face tokenizer (tokenizer.json, tokenizer_config.json, generation_config.json) built
 from a GGUF file's `tokenizer.*` metadata with the `tokenizers` library.
 
-Byte-level BPE (`tokenizer.ggml.model` = gpt2) is supported: the vocabulary, merges and token types
-come from the file, and text is split before BPE the way the vocabulary was trained, as named by
-`tokenizer.ggml.pre`. Control tokens (type 3) become special added tokens and user-defined ones
-(type 4) plain added tokens, so both match whole.
+Two kinds of `tokenizer.ggml.model` are read:
+
+- ``gpt2``, byte-level BPE: the vocabulary and merges come from the file, and text is cut into words
+  before BPE the way the vocabulary was trained, as named by `tokenizer.ggml.pre`
+  (pretokenizers.py);
+- ``llama``, SentencePiece BPE: merges by token score, byte fallback and the leading "▁"
+  (spm_tokenizer.py).
+
+Token types (`tokenizer.ggml.token_type`): control (3) and unknown (2) tokens become special added
+tokens, user-defined ones (4) plain added tokens, so that each matches whole in text; byte tokens
+(6) spell the bytes of SentencePiece's fallback. BOS and EOS are added as `add_bos_token` and
+`add_eos_token` say, and otherwise as each kind does by default.
 """
 from __future__ import annotations
 
 import json
 
+from . import pretokenizers
 from .gguf import GGUFFile
+from .spm_tokenizer import spm_model
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
-
-# How text is cut into words before BPE, per `tokenizer.ggml.pre`.
-_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-          r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-SPLITS = {"llama3": _LLAMA3, "llama-v3": _LLAMA3, "llama-bpe": _LLAMA3, "smaug-bpe": _LLAMA3, "dbrx": _LLAMA3,
-          "qwen2": _QWEN2, "deepseek-r1-qwen": _QWEN2}
-GPT2_STYLE = ("default", "gpt2", "gpt-2")                   # the byte-level regex alone
-DIGITS_THEN_GPT2 = ("smollm", "starcoder", "refact")        # each digit alone, then the byte-level regex
+MODELS = ("gpt2", "llama")
+_RSTRIP_NAMES = ("phi-3", "phi3")       # models whose special tokens swallow the spaces after them
+# Spellings that are control tokens whatever type the file gives them (some files type them normal or
+# user-defined): those that end a turn or the text, always; the fill-in-the-middle ones where the file
+# names no token of their role.
+END_NAMES = frozenset({
+    "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|calls|>", "<|flush|>",
+    "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<turn|>", "<|tool_response>", "<EOT>",
+    "_<EOT>", "[EOT]", "[EOS]", "<\uff5cend\u2581of\u2581sentence\uff5c>", "<end_of_utterance>", "[e~["})
+FIM_NAMES = {
+    "pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<\uff5cfim\u2581begin\uff5c>", "<PRE>", "\u2581<PRE>",
+            "<|code_prefix|>", "<|prefix|>"),
+    "suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<\uff5cfim\u2581hole\uff5c>", "<SUF>", "\u2581<SUF>",
+            "<|code_suffix|>", "<|suffix|>"),
+    "mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<\uff5cfim\u2581end\uff5c>", "<MID>", "\u2581<MID>",
+            "<|code_middle|>", "<|middle|>"),
+    "pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+    "rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    "sep": ("<|file_sep|>",),
+}
 
 
 def tokenizer_files(f: GGUFFile) -> dict[str, str]:
     """{file name: JSON text} for tokenizer.json, tokenizer_config.json and generation_config.json."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
+    from tokenizers import processors
     model = f.get("tokenizer.ggml.model", str)
-    if model != "gpt2":
-        f.fail("tokenizer.ggml.model", f"{model!r} is not supported (llmd imports byte-level BPE, 'gpt2')")
+    if model not in MODELS:
+        f.fail("tokenizer.ggml.model", f"tokenizer model {model!r} is not supported (llmd reads byte-level BPE, "
+               "'gpt2', and SentencePiece, 'llama')")
     tokens = f.get("tokenizer.ggml.tokens", list)
     types = f.get("tokenizer.ggml.token_type", list, [NORMAL] * len(tokens))
-    merges = f.get("tokenizer.ggml.merges", list)
     if not tokens or len(types) != len(tokens):
         f.fail("tokenizer.ggml.token_type", f"{len(types)} types for {len(tokens)} tokens")
-    pairs = [tuple(m.split(" ")) for m in merges]
-    bad = next((m for m, p in zip(merges, pairs) if len(p) != 2), None)
-    if bad is not None:
-        f.fail("tokenizer.ggml.merges", f"{bad!r} is not two tokens separated by one space")
-    alphabet = _byte_alphabet()
-    letters = set(alphabet.values())
-    vocab = {t if set(t) <= letters else _byte_spelling(t, alphabet): i for i, t in enumerate(tokens)}
-    try:
-        tok = Tokenizer(models.BPE(vocab, pairs))
-    except Exception as e:                       # tokenizers raises a bare Exception for a merge of unknown tokens
-        f.fail("tokenizer.ggml.merges", f"not a valid BPE vocabulary: {e}")
-    tok.pre_tokenizer = _pre_tokenizer(f)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t, k in zip(tokens, types) if k == CONTROL and set(t) <= letters])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False)
-                    for t, k in zip(tokens, types) if k == USER_DEFINED and t in vocab])
-    ids = {k: f.get(f"tokenizer.ggml.{k}_token_id", int, None) for k in ("bos", "eos", "eot", "padding", "unknown")}
-    for key, value in ids.items():
-        if value is not None and not 0 <= value < len(tokens):
-            f.fail(f"tokenizer.ggml.{key}_token_id", f"{value} is not a token id (vocabulary of {len(tokens)})")
-    add_bos = f.get("tokenizer.ggml.add_bos_token", bool, False) and ids["bos"] is not None
-    if add_bos:
-        bos = tokens[ids["bos"]]
-        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
-                                                           special_tokens=[(bos, ids["bos"])])
-    else:
+    tok, add_bos_default = _spm(f, tokens) if model == "llama" else _byte_level(f, tokens)
+    _add_tokens(f, tok, tokens, types)
+    ids = _special_ids(f, len(tokens))
+    add_bos = f.get("tokenizer.ggml.add_bos_token", bool, add_bos_default) and ids["bos"] is not None
+    add_eos = f.get("tokenizer.ggml.add_eos_token", bool, False) and ids["eos"] is not None
+    if add_bos or add_eos:
+        tok.post_processor = _template(tokens, ids, add_bos, add_eos)
+    elif model == "gpt2":
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
     name = lambda key: tokens[ids[key]] if ids[key] is not None else None     # noqa: E731
-    config = {"add_bos_token": add_bos, "add_eos_token": False, "bos_token": name("bos"), "eos_token": name("eos"),
+    config = {"add_bos_token": add_bos, "add_eos_token": add_eos, "bos_token": name("bos"), "eos_token": name("eos"),
               "pad_token": name("padding"), "model_max_length": 1 << 20, "clean_up_tokenization_spaces": False}
     template = f.get("tokenizer.chat_template", str, None)
     if template is not None:
@@ -76,32 +77,75 @@ def tokenizer_files(f: GGUFFile) -> dict[str, str]:
             "generation_config.json": json.dumps(generation, indent=1)}
 
 
-def _pre_tokenizer(f: GGUFFile):
-    from tokenizers import Regex, pre_tokenizers
+def _byte_level(f: GGUFFile, tokens: list[str]):
+    """(tokenizer, whether BOS is added by default). Every token keeps its spelling in the file: one
+    outside the byte alphabet (an added token with a real space, say) is matched whole in text and
+    never made by a merge."""
+    from tokenizers import Tokenizer, decoders, models
     pre = f.get("tokenizer.ggml.pre", str, "default")
-    if pre in SPLITS:
-        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(SPLITS[pre]), behavior="isolated"),
-                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    if pre in GPT2_STYLE:
-        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in DIGITS_THEN_GPT2:
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
-    known = sorted([*SPLITS, *GPT2_STYLE, *DIGITS_THEN_GPT2])
-    f.fail("tokenizer.ggml.pre", f"pre-tokenizer {pre!r} is not supported (supported: {', '.join(known)})")
+    spec = pretokenizers.lookup(pre)
+    if spec is None:
+        f.fail("tokenizer.ggml.pre", f"pre-tokenizer {pre!r} is not supported (supported: "
+               f"{', '.join(sorted(pretokenizers.PRE_TOKENIZERS))})")
+    merges = f.get("tokenizer.ggml.merges", list)
+    pairs = [tuple(m.split(" ")) for m in merges]
+    bad = next((m for m, p in zip(merges, pairs) if len(p) != 2), None)
+    if bad is not None:
+        f.fail("tokenizer.ggml.merges", f"{bad!r} is not two tokens separated by one space")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    pairs = [p for p in pairs if p[0] + p[1] in vocab]      # a merge into no token cannot apply
+    try:
+        tok = Tokenizer(models.BPE(vocab, pairs, ignore_merges=spec.ignore_merges))
+    except Exception as e:                       # tokenizers raises a bare Exception for a merge of unknown tokens
+        f.fail("tokenizer.ggml.merges", f"not a valid BPE vocabulary: {e}")
+    missing = "".join(c for c in pretokenizers.byte_alphabet().values() if c not in vocab)
+    tok.pre_tokenizer = pretokenizers.build(spec, missing)
+    tok.decoder = decoders.ByteLevel()
+    return tok, spec.add_bos
 
 
-def _byte_alphabet() -> dict[int, str]:
-    """Byte-level BPE spells each byte as one printable character: printable Latin-1 bytes as
-    themselves, the others shifted past U+0100 in order."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
-    shifted = [b for b in range(256) if b not in keep]
-    table = {b: chr(b) for b in keep}
-    table.update({b: chr(256 + i) for i, b in enumerate(shifted)})
-    return table
+def _spm(f: GGUFFile, tokens: list[str]):
+    """(tokenizer, True: SentencePiece adds BOS unless the file says not to)."""
+    if not f.has("tokenizer.ggml.scores"):
+        f.fail("tokenizer.ggml.scores", "missing: a SentencePiece vocabulary (tokenizer.ggml.model 'llama') "
+               "merges by token score")
+    scores = f.get("tokenizer.ggml.scores", list)
+    if len(scores) != len(tokens):
+        f.fail("tokenizer.ggml.scores", f"{len(scores)} scores for {len(tokens)} tokens")
+    unknown = f.get("tokenizer.ggml.unknown_token_id", int, None)
+    unk = tokens[unknown] if unknown is not None and 0 <= unknown < len(tokens) else None
+    add_space = f.get("tokenizer.ggml.add_space_prefix", bool, True)
+    return spm_model(tokens, [float(s) for s in scores], unk, add_space), True
 
 
-def _byte_spelling(token: str, alphabet: dict[int, str]) -> str:
-    """A token outside the byte alphabet (a mislabelled added token with a real space, say) spelled
-    byte by byte, so BPE can still reach it."""
-    return "".join(alphabet[b] for b in token.encode("utf-8"))
+def _add_tokens(f: GGUFFile, tok, tokens: list[str], types: list[int]) -> None:
+    """Control and unknown tokens (and the spellings above) as special added tokens, user-defined ones
+    as plain added tokens."""
+    from tokenizers import AddedToken
+    rstrip = any(n in f.get("general.name", str, "").lower() for n in _RSTRIP_NAMES)
+    keep = {"<unk>", "<s>", "<|endoftext|>"}
+    control = END_NAMES.union(*(names for role, names in FIM_NAMES.items()
+                                if not f.has(f"tokenizer.ggml.fim_{role}_token_id")))
+    special = [AddedToken(t, special=True, normalized=False, rstrip=rstrip and t not in keep)
+               for t, k in zip(tokens, types) if k in (CONTROL, UNKNOWN) or t in control]
+    plain = [AddedToken(t, special=False, normalized=False, rstrip=rstrip)
+             for t, k in zip(tokens, types) if k == USER_DEFINED and t not in control]
+    tok.add_special_tokens(special)
+    tok.add_tokens(plain)
+
+
+def _special_ids(f: GGUFFile, n: int) -> dict:
+    ids = {k: f.get(f"tokenizer.ggml.{k}_token_id", int, None) for k in ("bos", "eos", "eot", "padding", "unknown")}
+    for key, value in ids.items():
+        if value is not None and not 0 <= value < n:
+            f.fail(f"tokenizer.ggml.{key}_token_id", f"{value} is not a token id (vocabulary of {n})")
+    return ids
+
+
+def _template(tokens: list[str], ids: dict, add_bos: bool, add_eos: bool):
+    from tokenizers import processors
+    bos, eos = (tokens[ids[k]] if ids[k] is not None else None for k in ("bos", "eos"))
+    head, tail = (f"{bos} " if add_bos else ""), (f" {eos}" if add_eos else "")
+    used = [(t, ids[k]) for t, k, on in ((bos, "bos", add_bos), (eos, "eos", add_eos)) if on]
+    return processors.TemplateProcessing(single=f"{head}$A{tail}", pair=f"{head}$A{tail} {head}$B{tail}",
+                                         special_tokens=list(dict(used).items()))
