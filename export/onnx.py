@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmd.runtime.models.llama import HalfRope, LlamaForCausalLM
+from llmd.runtime.errors import ModelLoadError
 from llmd.runtime.models.loader import load_model
 
 INPUTS = ("input_ids", "positions", "past_k", "past_v")
@@ -39,6 +40,10 @@ class OnnxStep(nn.Module):
 
     def __init__(self, model: LlamaForCausalLM, separate_embedding: bool = True):
         super().__init__()
+        plan = model.config.plan
+        if not plan.plain():       # this graph computes the Llama plan's layer only
+            raise ModelLoadError(f"the ONNX step graph does not compute {model.config.architecture}'s "
+                                 f"{', '.join(plan.features())} yet; serve this model from its directory")
         self.model = model
         # For ONNX a tied table gets its own copy for the lookup: the quantizers rewrite the head's
         # matmul weight, which must not be the initializer the embedding Gather reads.

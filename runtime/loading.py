@@ -90,7 +90,8 @@ def load_for_engine(config: EngineConfig, progress=None) -> LoadedModel:
                     "(about half the speed of float32 here); --dtype float32 keeps a bfloat16 checkpoint's "
                     "weights in bfloat16 blocks (the same bytes) with float32 arithmetic, and --kv-dtype "
                     "bfloat16 halves the cache as well")
-    if config.head_screen and backend is None and execution == "cpu":
+    # the screen finds the largest raw logit; soft-capped logits (plan.final_softcap) may tie where raw ones do not
+    if config.head_screen and backend is None and execution == "cpu" and cfg.plan.final_softcap is None:
         head = model.lm_head if model.lm_head is not None else model._tied_head
         model.head_screen = HeadScreen.build(head, model.norm.weight)
     draft = draft_cfg = None

@@ -16,8 +16,9 @@ def config(arch: str, **extra) -> ModelConfig:
     return ModelConfig.from_dict(hf_config("tiny", architectures=[arch], **extra))
 
 
-def test_the_four_families_are_registered_with_their_traits():
-    assert registry.supported() == ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+def test_the_families_are_registered_with_their_traits():
+    assert registry.supported() == ["Gemma2ForCausalLM", "Gemma3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
+                                    "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
     llama, biased = config("LlamaForCausalLM"), config("LlamaForCausalLM", attention_bias=True)
     assert (llama.family, llama.attention_bias, llama.o_proj_bias, llama.qk_norm) == ("llama", False, False, False)
     assert biased.attention_bias and biased.o_proj_bias

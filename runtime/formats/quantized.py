@@ -65,6 +65,7 @@ from llmd.runtime.errors import InvalidRequest
 from llmd.runtime.kernels import ops
 from llmd.runtime.models.fused_decode import FusedDecode
 from llmd.runtime.models.layers import Linear
+from llmd.runtime.models.plan import LayerPlan
 
 METHODS = ("none", "int8", "int4", "w8a8", "mixed")
 HEADS = ("auto", "float", "int8", "int8g", "w8a8", "int4")
@@ -583,8 +584,8 @@ def equalize_columns(model: nn.Module, alpha: float = EQUALIZE_ALPHA) -> None:
 @torch.no_grad()
 def equalize_layer(layer: nn.Module, alpha: float = EQUALIZE_ALPHA) -> None:
     """``equalize_columns`` for one decoder layer (it touches nothing outside the layer)."""
-    for norm, proj in ((layer.input_layernorm, layer.self_attn.qkv_proj),
-                       (layer.post_attention_layernorm, layer.mlp.gate_up_proj)):
+    for norm_name, proj_name in norm_pairs(layer):
+        norm, proj = layer.get_submodule(norm_name), layer.get_submodule(proj_name)
         if not isinstance(proj, Linear) or proj.weight is None:
             continue
         w = proj.weight.float()
@@ -592,6 +593,12 @@ def equalize_layer(layer: nn.Module, alpha: float = EQUALIZE_ALPHA) -> None:
         s = (col / col.mean()).clamp(min=1e-3) ** alpha
         proj.weight.copy_((w / s).to(proj.weight.dtype))
         norm.weight.copy_((norm.weight.float() * s).to(norm.weight.dtype))
+
+
+def norm_pairs(layer: nn.Module) -> tuple[tuple[str, str], ...]:
+    """(norm, product) pairs of a layer where the norm's output is the product's whole input, as the
+    layer plan places its norms (llmd.runtime.models.plan; a sandwich norm after attention is not one)."""
+    return getattr(layer, "norm_before", None) or LayerPlan().norm_before()
 
 
 def quantize_model(model: nn.Module, spec: QuantSpec, from_weights: bool = True) -> nn.Module:

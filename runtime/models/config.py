@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
 from ..errors import ModelLoadError
 from . import registry
+from .plan import LayerPlan
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -49,6 +50,7 @@ class ModelConfig:
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple[int, ...] = ()
     o_proj_bias: bool = False     # Llama and Qwen3 with attention_bias bias o_proj too (Qwen2 never does)
+    plan: LayerPlan = LayerPlan()  # what each layer computes (llmd.runtime.models.plan)
 
     @property
     def q_size(self) -> int:
@@ -116,9 +118,6 @@ class ModelConfig:
                 fail(f"'{key}' must be true or false, got {v!r}")
             return v
 
-        act = raw.get("hidden_act", "silu")
-        if act != "silu":
-            fail(f"hidden_act {act!r} is not supported (only silu)")
         hidden = get_int("hidden_size")
         heads = get_int("num_attention_heads")
         kv_heads = get_int("num_key_value_heads", heads)
@@ -138,9 +137,17 @@ class ModelConfig:
         max_pos = get_int("max_position_embeddings", 2048)
         if max_pos > MAX_POSITIONS:         # the rotary tables are built for every position
             fail(f"max_position_embeddings {max_pos} is more than llmd takes ({MAX_POSITIONS})")
-        traits = arch.traits(raw, get_bool("attention_bias", False))
-        window = traits.sliding_window
-        if isinstance(window, int) and not isinstance(window, bool) and 0 < window < max_pos:
+        try:
+            plan = arch.layer_plan(raw, get_bool("attention_bias", False))
+            plan = plan.with_(activation=activation(raw, plan), **_mlp_bias(plan, get_bool("mlp_bias", False)))
+        except ValueError as e:
+            fail(str(e))
+        window = plan.sliding_window
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+            fail(f"'sliding_window' must be a positive integer, got {window!r}")
+        if plan.sliding_layers is not None and len(plan.sliding_layers) != get_int("num_hidden_layers"):
+            fail("the layer types do not name every layer")
+        if window is not None and window < max_pos and any(map(plan.slides, range(get_int("num_hidden_layers")))):
             # llmd computes full attention; capping the context at the window keeps results exact.
             max_pos = window
 
@@ -166,11 +173,33 @@ class ModelConfig:
             num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, max_position_embeddings=max_pos,
             rms_norm_eps=get_float("rms_norm_eps", 1e-6), rope_theta=rope_theta, rope_scaling=scaling,
             tie_word_embeddings=get_bool("tie_word_embeddings", False),
-            attention_bias=traits.qkv_bias, qk_norm=traits.qk_norm, mlp_bias=get_bool("mlp_bias", False),
+            attention_bias=plan.bias("self_attn.qkv_proj"), qk_norm=plan.qk_norm,
+            mlp_bias=plan.bias("mlp.down_proj"),
             torch_dtype=str(dtype), bos_token_id=bos_ids[0] if bos_ids else None,
             eos_token_ids=eos_ids,
-            o_proj_bias=traits.o_proj_bias,
+            o_proj_bias=plan.bias("self_attn.o_proj"), plan=plan,
         )
+
+
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+def activation(raw: dict, plan: LayerPlan) -> str:
+    """The MLP's activation: config.json's ``hidden_activation`` (Gemma), else ``hidden_act``, else
+    the plan's."""
+    name = raw.get("hidden_activation") or raw.get("hidden_act") or None
+    if name is None:
+        return plan.activation
+    if name not in ACTIVATIONS:
+        raise ValueError(f"hidden activation {name!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
+    return ACTIVATIONS[name]
+
+
+def _mlp_bias(plan: LayerPlan, bias: bool) -> dict:
+    """config.json's ``mlp_bias`` on the plan's gate/up and down products."""
+    if not bias:
+        return {}
+    return {"products": tuple(replace(p, bias=True) if p.module.startswith("mlp.") else p for p in plan.products)}
 
 
 def _rope(raw: dict, fail) -> tuple[float, RopeScaling]:
@@ -179,6 +208,10 @@ def _rope(raw: dict, fail) -> tuple[float, RopeScaling]:
     scaling = raw.get("rope_scaling") or {}
     if not isinstance(params, dict) or not isinstance(scaling, dict):
         fail("rope_parameters / rope_scaling must be objects")
+    # per layer kind (Gemma 3): the full layers' rotary here; the plan reads the sliding layers' base
+    params, scaling = params.get("full_attention", params), scaling.get("full_attention", scaling)
+    if not isinstance(params, dict) or not isinstance(scaling, dict):
+        fail("rope_parameters' full_attention must be an object")
     merged = {**scaling, **params}
     def positive(name: str, v) -> float:
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:

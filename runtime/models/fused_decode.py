@@ -213,17 +213,18 @@ def head_of(model):
 
 
 def _shapes_fit(model) -> bool:
-    """The kernels are built and take this model's shapes: rotary on adjacent pairs without q/k norms,
+    """The kernels are built and take this model's plan and shapes: the Llama plan (``LayerPlan.plain``),
+    rotary on adjacent pairs without q/k norms,
     rows in whole vectors of 16, head sizes the attention kernel takes."""
     cfg = model.config
-    return (kernels.available() and model._interleaved and not cfg.qk_norm and not cfg.hidden_size % 16
+    return (kernels.available() and cfg.plan.plain() and model._interleaved and not cfg.qk_norm and not cfg.hidden_size % 16
             and not cfg.intermediate_size % 16 and not cfg.head_dim % 16 and cfg.head_dim <= 256)
 
 
 def layer_linears(model) -> list:
-    """Each layer's four products, in order."""
-    return [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                 layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    """Each layer's four products, in the plan's order (qkv, o, gate_up, down: decode.c's)."""
+    modules = [p.module for p in model.config.plan.products]
+    return [layer.get_submodule(m) for layer in model.layers for m in modules]
 
 
 def _held(t: torch.Tensor | None) -> torch.Tensor | None:

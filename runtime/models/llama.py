@@ -31,13 +31,19 @@ class HalfRope:
     sin: torch.Tensor
 
     def rotate(self, attn: "Attention", qkv: torch.Tensor, ops: TorchOps):
-        q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-        q = q.unflatten(-1, (attn.num_heads, attn.head_dim))
-        k = k.unflatten(-1, (attn.num_kv_heads, attn.head_dim))
-        v = v.unflatten(-1, (attn.num_kv_heads, attn.head_dim))
-        if attn.q_norm is not None:
-            q, k = ops.rmsnorm(q, attn.q_norm), ops.rmsnorm(k, attn.k_norm)
+        q, k, v = split_heads(attn, qkv, ops)
         return apply_rotary(q, self.cos, self.sin), apply_rotary(k, self.cos, self.sin), v
+
+
+def split_heads(attn: "Attention", qkv: torch.Tensor, ops: TorchOps):
+    """q, k, v [..., T, heads, D] of a qkv product, q and k normed where the layer has q/k norms."""
+    q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+    q = q.unflatten(-1, (attn.num_heads, attn.head_dim))
+    k = k.unflatten(-1, (attn.num_kv_heads, attn.head_dim))
+    v = v.unflatten(-1, (attn.num_kv_heads, attn.head_dim))
+    if attn.q_norm is not None:
+        q, k = ops.rmsnorm(q, attn.q_norm), ops.rmsnorm(k, attn.k_norm)
+    return q, k, v
 
 
 @dataclass
@@ -148,6 +154,8 @@ def materialize(module: nn.Module, dtype: torch.dtype) -> nn.Module:
 
 
 class LlamaForCausalLM(nn.Module):
+    interleaves = True        # prepared weights rotate adjacent pairs (the kernel rotary, the fused step)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
@@ -225,7 +233,7 @@ class LlamaForCausalLM(nn.Module):
         model: it becomes a Linear with its own plan (its storage for products), and the
         embedding looks its rows up in that storage: no second copy."""
         self.requires_grad_(False)
-        if all(layer.self_attn.can_interleave() for layer in self.layers):
+        if self.interleaves and all(layer.self_attn.can_interleave() for layer in self.layers):
             self._interleaved = all([layer.self_attn.interleave_rope() for layer in self.layers])
         for m in self.modules():
             if isinstance(m, Linear) and m.weight is not None:

@@ -1,7 +1,8 @@
 """Load and save Llama-family weights in the Hugging Face safetensors layout.
 
-Checkpoint names map onto llmd's fused parameters: q/k/v_proj are row slices of qkv_proj, gate/up_proj
-of gate_up_proj. Every tensor is checked for presence, shape and dtype before it is copied; a problem
+Checkpoint names map onto llmd's fused parameters as the layer plan says (llmd.runtime.models.plan):
+q/k/v_proj are row slices of qkv_proj and gate/up_proj of gate_up_proj, or a checkpoint's own fused
+tensor is taken whole. Every tensor is checked for presence, shape and dtype before it is copied; a problem
 raises ModelLoadError naming the file and the tensor.
 """
 from __future__ import annotations
@@ -18,42 +19,44 @@ from ..errors import ModelLoadError
 from . import registry
 from .config import ModelConfig
 from .llama import LlamaForCausalLM
+from .plan import rows_of
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def checkpoint_layout(cfg: ModelConfig) -> dict[str, tuple[str, int, tuple[int, ...]]]:
-    """checkpoint name -> (llmd parameter name, row offset, expected shape)."""
-    h, q, kv, i = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    """checkpoint name -> (llmd parameter name, row offset, expected shape), from the layer plan's
+    products and norms."""
+    plan = cfg.plan
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    sizes = {"h": h, "q": cfg.q_size, "kv": cfg.kv_size, "i": i}
     out = {"model.embed_tokens.weight": ("embed_tokens.weight", 0, (cfg.vocab_size, h)),
            "model.norm.weight": ("norm.weight", 0, (h,))}
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = ("lm_head.weight", 0, (cfg.vocab_size, h))
     for n in range(cfg.num_layers):
         src, dst = f"model.layers.{n}.", f"layers.{n}."
-        a = dst + "self_attn."
-        for name, off, rows in (("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)):
-            out[f"{src}self_attn.{name}.weight"] = (a + "qkv_proj.weight", off, (rows, h))
-            if cfg.attention_bias:
-                out[f"{src}self_attn.{name}.bias"] = (a + "qkv_proj.bias", off, (rows,))
-        out[f"{src}self_attn.o_proj.weight"] = (a + "o_proj.weight", 0, (h, q))
-        if cfg.o_proj_bias:
-            out[f"{src}self_attn.o_proj.bias"] = (a + "o_proj.bias", 0, (h,))
-        if cfg.qk_norm:
-            out[f"{src}self_attn.q_norm.weight"] = (a + "q_norm.weight", 0, (cfg.head_dim,))
-            out[f"{src}self_attn.k_norm.weight"] = (a + "k_norm.weight", 0, (cfg.head_dim,))
-        m = dst + "mlp."
-        out[f"{src}mlp.gate_proj.weight"] = (m + "gate_up_proj.weight", 0, (i, h))
-        out[f"{src}mlp.up_proj.weight"] = (m + "gate_up_proj.weight", i, (i, h))
-        out[f"{src}mlp.down_proj.weight"] = (m + "down_proj.weight", 0, (h, i))
-        if cfg.mlp_bias:
-            out[f"{src}mlp.gate_proj.bias"] = (m + "gate_up_proj.bias", 0, (i,))
-            out[f"{src}mlp.up_proj.bias"] = (m + "gate_up_proj.bias", i, (i,))
-            out[f"{src}mlp.down_proj.bias"] = (m + "down_proj.bias", 0, (h,))
-        out[f"{src}input_layernorm.weight"] = (dst + "input_layernorm.weight", 0, (h,))
-        out[f"{src}post_attention_layernorm.weight"] = (dst + "post_attention_layernorm.weight", 0, (h,))
+        for product in plan.products:
+            offset, width = 0, sizes[product.inputs]
+            for source in product.sources:
+                rows = rows_of(source.rows, sizes)
+                out[f"{src}{source.module}.weight"] = (f"{dst}{product.module}.weight", offset, (rows, width))
+                if product.bias:
+                    out[f"{src}{source.module}.bias"] = (f"{dst}{product.module}.bias", offset, (rows,))
+                offset += rows
+        if plan.qk_norm:
+            for norm in ("q_norm", "k_norm"):
+                out[f"{src}self_attn.{norm}.weight"] = (f"{dst}self_attn.{norm}.weight", 0, (cfg.head_dim,))
+        for norm in plan.layer_norms():
+            out[f"{src}{norm}.weight"] = (f"{dst}{norm}.weight", 0, (h,))
     return out
+
+
+def stored_shift(cfg: ModelConfig, target: str) -> float:
+    """What llmd adds to a checkpoint tensor's values: 1 for norms whose checkpoints store w for a
+    (1 + w) scale (llmd keeps the scale itself, so every norm computes alike), else 0."""
+    return 1.0 if cfg.plan.norm_kind == "rms_one_plus" and target.endswith("norm.weight") else 0.0
 
 
 LOADABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -140,7 +143,10 @@ def load_model(path: str | Path, dtype: str = "float32", cfg: ModelConfig | None
         if name in seen:
             raise ModelLoadError(f"{f}: tensor {name!r} is also in another safetensors file; remove the "
                                  "stale file (a leftover model.safetensors beside shards?)")
-        params[target].data[offset:offset + shape[0]].copy_(checked(f, name, tensor, shape))
+        rows = params[target].data[offset:offset + shape[0]]
+        rows.copy_(checked(f, name, tensor, shape))
+        if shift := stored_shift(cfg, target):
+            rows.add_(shift)
         seen.add(name)
         if progress:
             progress(n + 1, len(layout))
@@ -159,5 +165,6 @@ def save_model(model: LlamaForCausalLM, path: str | Path, extra_config: dict | N
     params = dict(model.named_parameters())
     tensors = {}
     for name, (target, offset, shape) in checkpoint_layout(model.config).items():
-        tensors[name] = params[target].detach()[offset:offset + shape[0]].contiguous().float().clone()
+        rows = params[target].detach()[offset:offset + shape[0]].float()
+        tensors[name] = (rows - stored_shift(model.config, target)).contiguous().clone()
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})

@@ -1,18 +1,22 @@
 """The architectures llmd runs, registered under the names a Hugging Face config.json gives them.
 
 An architecture is one file in ``architectures/`` that calls ``register``: its ``architectures``
-name (``Qwen2ForCausalLM``), its ``model_type`` (``qwen2``), the module that computes it, and the
-traits its family fixes that config.json does not always say (biases, q/k norms, a sliding window).
-The files are imported on the first lookup, so adding an architecture is a file and a test.
+name (``Qwen2ForCausalLM``), its ``model_type`` (``qwen2``), the module that computes it, and its
+layer plan (llmd.runtime.models.plan) from config.json: products and checkpoint map, norms,
+activation, rotary and attention options. The Llama family may give ``Traits`` instead, the
+shorthand for a Llama plan. The files are imported on the first lookup, so adding an architecture
+is a file and its tests.
 """
 from __future__ import annotations
 
 import importlib
 import pkgutil
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 from torch import nn
+
+from .plan import LayerPlan, split_products
 
 
 @dataclass(frozen=True)
@@ -23,13 +27,26 @@ class Traits:
     qk_norm: bool = False                   # per-head RMSNorm on q and k before rotary
     sliding_window: Optional[int] = None    # every layer attends this many positions back, or None
 
+    def plan(self) -> LayerPlan:
+        return LayerPlan(products=split_products(self.qkv_bias, self.o_proj_bias), qk_norm=self.qk_norm,
+                         sliding_window=self.sliding_window)
+
 
 @dataclass(frozen=True)
 class Architecture:
     name: str                                       # config.json "architectures" entry
     model_type: str                                 # config.json "model_type"
     model_class: type[nn.Module]                    # built from a ModelConfig; has ``empty(cfg, dtype)``
-    traits: Callable[[dict, bool], Traits]          # (config.json, its attention_bias) -> Traits
+    plan: Callable[[dict, bool], Union[LayerPlan, Traits]]   # (config.json, its attention_bias) -> plan
+
+    @property
+    def traits(self):
+        return self.plan
+
+    def layer_plan(self, raw: dict, attention_bias: bool) -> LayerPlan:
+        """This architecture's plan for config.json ``raw`` (ValueError where it names what llmd lacks)."""
+        plan = self.plan(raw, attention_bias)
+        return plan.plan() if isinstance(plan, Traits) else plan
 
 
 _BY_NAME: dict[str, Architecture] = {}

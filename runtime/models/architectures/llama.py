@@ -1,6 +1,11 @@
-"""Llama, Llama 2 and 3: an ``attention_bias`` biases q, k, v and o."""
+"""Llama, Llama 2 and 3: q, k, v and gate, up stored apart; an ``attention_bias`` biases q, k, v and o."""
 from ..llama import LlamaForCausalLM
-from ..registry import Architecture, Traits, register
+from ..plan import LayerPlan, split_products
+from ..registry import Architecture, register
 
-register(Architecture("LlamaForCausalLM", "llama", LlamaForCausalLM,
-                      lambda raw, bias: Traits(qkv_bias=bias, o_proj_bias=bias)))
+
+def plan(raw: dict, bias: bool) -> LayerPlan:
+    return LayerPlan(products=split_products(qkv_bias=bias, o_bias=bias))
+
+
+register(Architecture("LlamaForCausalLM", "llama", LlamaForCausalLM, plan))

@@ -1,7 +1,8 @@
 """Qwen2: q, k, v always biased (o never); layers from ``max_window_layers`` on slide over the
 window only with ``use_sliding_window``."""
 from ..llama import LlamaForCausalLM
-from ..registry import Architecture, Traits, register
+from ..plan import LayerPlan, split_products
+from ..registry import Architecture, register
 
 
 def qwen_window(raw: dict):
@@ -10,5 +11,8 @@ def qwen_window(raw: dict):
     return raw.get("sliding_window") if slides else None
 
 
-register(Architecture("Qwen2ForCausalLM", "qwen2", LlamaForCausalLM,
-                      lambda raw, bias: Traits(qkv_bias=True, sliding_window=qwen_window(raw))))
+def plan(raw: dict, bias: bool) -> LayerPlan:
+    return LayerPlan(products=split_products(qkv_bias=True), sliding_window=qwen_window(raw))
+
+
+register(Architecture("Qwen2ForCausalLM", "qwen2", LlamaForCausalLM, plan))
