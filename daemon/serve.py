@@ -52,8 +52,12 @@ def serve(settings: Settings, notifier: systemd.Notifier | None = None) -> int:
     if not settings.model:
         print("llmd serve: no model given (--model, LLMD_MODEL or `model` in llmd.toml)", file=sys.stderr)
         return 2
-    settings, fd = activated_socket(settings)
-    server = Server(settings, engine_factory(settings, freeze=True), notifier or systemd.Notifier(), listen_fd=fd)
+    try:
+        settings, fd = activated_socket(settings)
+        server = Server(settings, engine_factory(settings, freeze=True), notifier or systemd.Notifier(), listen_fd=fd)
+    except SettingsError as e:          # a bad warm file, or socket: said before the model loads
+        print(f"llmd serve: {e}", file=sys.stderr)
+        return 2
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: server.request_stop())
     front = HttpChild(settings, on_exit=server.request_stop) if settings.http else None

@@ -32,6 +32,7 @@ from .engine_thread import Abort, Call, Died, EngineThread, Failed, Loaded, Load
 from .flights import Flight, FlightTable
 from .settings import Settings
 from .stats import ServerStats, plain
+from .warm import Warmer, WarmFileError, read_warm_file
 
 log = logging.getLogger("llmd.daemon")
 _ids = itertools.count()
@@ -71,6 +72,7 @@ class Server:
         self.ready_event = None        # optional threading.Event set when ready (tests, embedding)
         self.engine: Optional[EngineThread] = None
         self.ctx = self.router = self.monitor = self.wake = None     # set by _open
+        self.warmer = self._warmer()      # a bad warm file stops the start here, before the model loads
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -144,6 +146,7 @@ class Server:
         if self.engine is not None:
             self.engine.submit(Stop())
             self.engine.join(timeout=5.0)
+            self._close_engine()
         if self.monitor is not None:
             self.router.disable_monitor()
         for sock in (self.monitor, self.wake):
@@ -160,6 +163,35 @@ class Server:
                 pass
         if self.notifier is not None:
             self.notifier.status("stopped")
+
+    def _close_engine(self) -> None:
+        """Once the engine thread has ended, the engine is no one's: close it, so the disk tier writes
+        what it lacks before the process exits (`llmd serve` ends with os._exit, which runs no atexit)."""
+        engine = self.engine.engine
+        if engine is None or self.engine.is_alive() or not hasattr(engine, "close"):
+            return
+        try:
+            engine.close()
+        except Exception as e:
+            log.warning("closing the engine failed: %s", e)
+
+    def _warmer(self) -> Optional[Warmer]:
+        s = self.settings
+        if not s.warm:
+            return None
+        if not s.prefix_cache:
+            raise WarmFileError("warm computes prompts into the prefix cache, which is off: set prefix_cache "
+                                "(--prefix-cache) or leave warm unset")
+        return Warmer(s.warm, read_warm_file(s.warm), self._submit_warm, lambda eid: self.engine.submit(Abort(eid)))
+
+    def _submit_warm(self, req) -> str:
+        submit = self._submission(req)
+        self.engine.submit(submit)
+        return submit.engine_id
+
+    def _warm_status(self) -> None:
+        if self.state == "ready":
+            self._status(f"ready, {self.warmer.status()}")
 
     def _status(self, text: str) -> None:
         self.status_text = text
@@ -202,6 +234,8 @@ class Server:
         if self._drain_until is None:
             self.state = "draining"
             self._drain_until = time.monotonic() + self.settings.drain_grace_s
+            if self.warmer is not None:
+                self.warmer.stop()
             if self.notifier is not None:
                 self.notifier.stopping(f"draining {len(self.flights)} request(s)")
             log.info("draining %d request(s), grace %.1fs", len(self.flights), self.settings.drain_grace_s)
@@ -304,7 +338,9 @@ class Server:
             self.engine.submit(Call(self._stats_token, lambda engine: engine.stats()))
 
     def _server_stats(self, engine_stats: Optional[dict]) -> dict:
-        return {**self._health(), "model": self.model_name, **self.stats.snapshot(), "engine": plain(engine_stats)}
+        warm = {"warm": self.warmer.snapshot()} if self.warmer is not None else {}
+        return {**self._health(), "model": self.model_name, **self.stats.snapshot(), **warm,
+                "engine": plain(engine_stats)}
 
     def _read_monitor(self) -> None:
         while True:
@@ -411,6 +447,7 @@ class Server:
 
     def _on_engine(self, item) -> None:
         if isinstance(item, Failed):
+            self._warm_failed(item)
             targets = list(self.flights) if item.engine_id == "*" else [self.flights.by_engine(item.engine_id)]
             for f in targets:
                 if f is not None:
@@ -446,12 +483,36 @@ class Server:
         self._status("ready")
         if self.notifier is not None:
             self.notifier.ready(f"ready: {self.model_name}")
+        if self.warmer is not None and self.state == "ready":
+            self.warmer.begin(memory_only=not self.settings.kv_disk)
+            self._warm_status()
         if self.ready_event is not None:
             self.ready_event.set()
+
+    def _warm_failed(self, item: Failed) -> None:
+        w = self.warmer
+        if w is None or w.current is None or item.engine_id not in ("*", w.current):
+            return
+        if item.engine_id == "*":
+            self.engine.submit(Abort(w.current))
+        w.failed(f"{item.code}: {item.message}")
+        self._warm_status()
+
+    def _warm_output(self, out) -> None:
+        """An output of the warm prompt in flight (a prompt-only request ends with its first output)."""
+        if not out.finished:
+            return
+        if out.finish_reason in ("stop", "length"):
+            self.warmer.finished(out.metrics)
+        else:
+            self.warmer.failed(out.error or f"the engine ended it ({out.finish_reason})")
+        self._warm_status()
 
     def _on_output(self, out) -> None:
         f = self.flights.by_engine(out.request_id)
         if f is None:
+            if self.warmer is not None and out.request_id == self.warmer.current:
+                self._warm_output(out)
             return                    # cancelled, replaced, timed out or its client vanished
         now = time.monotonic()
         if out.new_token_ids or out.text_delta:

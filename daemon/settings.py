@@ -62,6 +62,11 @@ class DaemonSettings:
     drain_grace_s: float = setting(10.0, unit="seconds",
                                    help="on SIGTERM, time to let in-flight requests finish before cancelling them")
     warmup: bool = setting(True, help="run one short request through the engine before reporting ready")
+    warm: Optional[str] = setting(
+        None, help="prompts to compute into the prefix cache (and the kv_disk tier) once the model is loaded, at "
+                   "batch priority while clients are served: a JSON Lines file, one {\"prompt\": TEXT} or "
+                   "{\"messages\": [{\"role\": ..., \"content\": ...}]} a line, optionally with \"cache_salt\" "
+                   "(at most 256 prompts, 8 MiB; a bad file stops the start with its line named)")
     log_level: str = setting("info", help="log verbosity", choices=LOG_LEVELS)
 
 
@@ -129,6 +134,8 @@ class _SettingsChecks:
             raise SettingsError(f"tcp must be a tcp://host:port endpoint, got {self.tcp!r}")
         if self.http is not None:
             check_http(self.http, self.http_allow_remote, self.http_api_key_file)
+        if self.warm is not None and not self.warm.strip():
+            raise SettingsError("warm must be the path of a file of prompts (JSON Lines)")
         if self.log_level not in LOG_LEVELS:
             raise SettingsError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         if self.group is not None:

@@ -18,6 +18,7 @@ import hashlib
 import json
 import logging
 import sys
+import time
 import weakref
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
@@ -100,19 +101,20 @@ class DiskTier:
             if not self.disk.holds(record.key):
                 self.disk.put(record, lambda b=block_id: self._copy(b))
 
-    def flush(self) -> None:
+    def flush(self) -> int:
         """The engine is idle: queue each cached full block the tier lacks, as the queue has room, once
         while it stays in memory (a budget smaller than memory would otherwise rewrite blocks at
-        every idle moment)."""
-        offered = set()
+        every idle moment). Returns how many it queued."""
+        offered, queued = set(), 0
         for block_id, record in self.bm.cached_records():
             held = (block_id, self.bm.blocks[block_id].epoch)      # a block handed out again: a new epoch
             if held in self.offered:
                 offered.add(held)
             elif self.disk.room() and not self.disk.holds(record.key):
                 offered.add(held)
-                self.disk.put(record, lambda b=block_id: self._copy(b))
+                queued += self.disk.put(record, lambda b=block_id: self._copy(b))
         self.offered = offered
+        return queued
 
     def _copy(self, block_id: int) -> list:
         """A copy of the block's bytes in every pool, as flat byte arrays."""
@@ -137,10 +139,13 @@ class DiskTier:
         return {**self.disk.stats(), "kv_disk_blocks_restored": self.blocks_restored,
                 "kv_disk_parked": len(self.parked)}
 
-    def close(self) -> None:
-        """Write what is cached and stop the I/O thread (tests, shutdown)."""
-        self.flush()
-        self.disk.close()
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Write every cached block the tier lacks, a queueful at a time, for at most ``timeout_s``,
+        and stop the I/O thread (shutdown, tests)."""
+        deadline = time.monotonic() + timeout_s
+        while self.flush() and self.disk.drain(max(0.0, deadline - time.monotonic())):
+            pass
+        self.disk.close(max(0.0, deadline - time.monotonic()))
 
 
 def prompt_blocks(bm: BlockManager, request: Request, holds: Callable[[int], bool]) \

@@ -32,7 +32,7 @@ def daemon_sample(tmp_path) -> dict:
                 tcp="tcp://127.0.0.1:5999", http="127.0.0.1:8089", http_allow_remote=True,
                 http_api_key_file=str(tmp_path / "http.key"), max_queue=9, max_message_bytes=4096, send_hwm=10, send_buffer_bytes=8192,
                 heartbeat_ivl_ms=300, heartbeat_timeout_ms=900, keepalive_s=0.5, drain_grace_s=1.5, warmup=False,
-                log_level="debug")
+                log_level="debug", warm=str(tmp_path / "warm.jsonl"))
 
 
 def toml_text(value) -> str:
