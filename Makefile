@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test models models-real models-shapes bench clean gpu-wheels
+.PHONY: demo test models models-real models-shapes bench clean gpu-bundle
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -38,14 +38,10 @@ models-shapes: models-real
 bench: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
 
-# Wheels of what bench/gpu_check.sh needs beyond a GPU machine's torch, triton, numpy and transformers,
-# for its Python (3.12), kept beside the tree in gpu-wheels/ (gitignored): that machine has no network.
-GPU_WHEELS := safetensors==0.8.0 tokenizers==0.23.3 pyzmq==27.3.0 msgpack==1.2.4 pydantic==2.14.3 \
-	jinja2==3.1.6 tqdm==4.70.1 pytest==9.2.0 pytest-timeout==2.4.0 setuptools
-gpu-wheels: $(STAMP)
-	$(BIN)/pip download -q -d gpu-wheels --only-binary :all: --python-version 3.12 --implementation cp \
-		--platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 --platform any $(GPU_WHEELS)
-	du -sh gpu-wheels
+# the folder to copy to a GPU machine without network: this tree and the cp312 wheels
+# bench/gpu_check.sh needs (bench/gpu_wheels.txt), checked at <= 60 MiB
+gpu-bundle: $(STAMP)
+	PIP=$(BIN)/pip bench/gpu_bundle.sh gpu-bundle
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -207,7 +207,11 @@ def measure(args, model: str, llm, spec_llm) -> int:
     res: dict = {"model": model, "threads": torch.get_num_threads(), "prompt_len": args.prompt_len, "gen": args.gen,
                  "device": str(device), "dtype": args.dtype or "auto"}
     singles, hfs, specs, concurrents, llamas = [], [], [], [], []
-    single_stream(llm, prompt[:8], 8)                       # warm-up
+    # warm-up: a full-length prompt, so that the timed rounds compile nothing (the prompt chunks' kernel
+    # variants, on a GPU) and the peer's first call pays no start-up either
+    single_stream(llm, prompt, min(8, args.gen))
+    if hf is not None:
+        hf_single(hf, prompt, 2)
     streams = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(args.concurrency)]
     # one stream, its peers and many streams take turns, so a slow spell of the machine falls on
     # all of them alike; each figure is the median of its repeats (llama-bench's: the best too)

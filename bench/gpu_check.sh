@@ -1,88 +1,130 @@
 #!/usr/bin/env bash
 # The CUDA backend's check on an NVIDIA machine, in at most 8 minutes:
 #
-#   bench/gpu_check.sh RESULTS_DIR
+#   bench/gpu_check.sh RESULTS_DIR               on the GPU machine (make gpu-bundle builds what to copy there)
+#   bench/gpu_check.sh --rehearse RESULTS_DIR    the same stages on a CPU (tests/test_gpu_check.py, in make test)
 #
 # For a machine whose Python (3.12; PYTHON=... to choose another) has torch with CUDA, triton, numpy and
-# transformers but no network: llmd is installed from this tree with --no-deps into a virtual environment
-# that sees those packages, with the wheels of anything else it needs from gpu-wheels/ beside the tree
-# (`make gpu-wheels` fetches them where there is a network). Then:
-#   1. pytest -m gpu: the kernels at real shapes against the float32 reference, graph replay against eager
-#      steps, sampling against the CPU sampler, greedy parity between the GPU and CPU engines on the
-#      bundled pair and a random-weight Qwen2-0.5B shape, with draft and n-gram speculation; and the
-#      fake-tensor step lint, here on fake cuda tensors;
+# transformers but no network. Stages, each under `timeout -s INT` (pytest still prints its summary) and
+# each run whatever the ones before gave; RESULTS/check.json is written again after every stage:
+#   0. step 0 (bench/gpu_preflight.py, about 20 s, before anything is installed): a C compiler and
+#      Python.h, a one-line Triton kernel, llmd's two custom ops captured in a CUDA graph at Qwen2-0.5B shapes;
+#   1. install: a venv over the machine's packages; the wheels of bench/gpu_wheels.txt whose modules do not
+#      import, from gpu-wheels/ beside the tree (all at once, else one by one); llmd with --no-deps;
 #   2. llmd bench --device cuda against transformers on the same GPU (Qwen2-0.5B shape, random weights,
-#      bfloat16, 1,000-token prompt, 64 streams).
-# Everything lands in RESULTS_DIR: env.json, pytest.log, pytest.xml, agreement_*.json, bench_*.json, summary.txt.
+#      bfloat16, 1,000-token prompt, 64 streams): tok/s, ttft, graphs on or not;
+#   3. pytest -m gpu: agreement figures recorded first (bfloat16 and float32 tokens against the CPU engine),
+#      then kernels at real shapes, graph replay against eager steps, the device sampler, exact float32 parity;
+#   4. the step lint on fake cuda tensors.
+# --rehearse: CPU torch, Triton's interpreter and the graph stand-in (llmd.bench.gpu_rehearse), this
+# Python with llmd installed, nothing installed, a tiny random model and a few tokens.
+# RESULTS gets env.json, step0.json, bench.json, pytest.log, pytest.xml, agreement_*.json, lint.log,
+# *.err, check.json and summary.txt. The exit status is 1 when any stage failed.
 set -uo pipefail
-RESULTS=${1:?usage: bench/gpu_check.sh RESULTS_DIR}
+REHEARSE=0
+if [ "${1:-}" = "--rehearse" ]; then REHEARSE=1; shift; fi
+RESULTS=${1:?usage: bench/gpu_check.sh [--rehearse] RESULTS_DIR}
 cd "$(dirname "$0")/.."
 mkdir -p "$RESULTS"
 RESULTS=$(cd "$RESULTS" && pwd)
+rm -f "$RESULTS/check.json" "$RESULTS/env.json"
 PY=${PYTHON:-python3}
 VENV=${GPU_CHECK_VENV:-.gpu-venv}
 START=$SECONDS
+DEADLINE=$((START + ${GPU_CHECK_SECONDS:-470}))
 status=0
 say() { echo "gpu_check [$((SECONDS - START))s]: $*" | tee -a "$RESULTS/summary.txt"; }
 
-"$PY" - <<'PY' > "$RESULTS/env.json" || { echo "gpu_check: $PY needs torch with a CUDA GPU, and triton" >&2; exit 2; }
-import json, platform, sys
-try:
-    import torch, triton
-except ImportError as e:
-    sys.exit(f"gpu_check: {e}")
-if not torch.cuda.is_available():
-    sys.exit(f"gpu_check: torch {torch.__version__} sees no CUDA GPU")
-print(json.dumps({"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-                  "triton": triton.__version__, "gpu": torch.cuda.get_device_name(0)}, indent=1))
-PY
-say "$(tr -d '\n' < "$RESULTS/env.json")"
+# stage NAME LIMIT_S STDOUT_FILE CMD...: CMD under `timeout -s INT` (at most LIMIT_S, and never past the
+# deadline), stdout to RESULTS/STDOUT_FILE, stderr to RESULTS/NAME.err; recorded in check.json
+stage() {
+    local name=$1 limit=$2 out=$3 t0=$SECONDS rc
+    shift 3
+    local left=$((DEADLINE - SECONDS))
+    [ "$limit" -gt "$left" ] && limit=$left
+    if [ "$limit" -lt 5 ]; then
+        say "$name: skipped, the 8 minutes are spent"; rc=124
+    elif declare -F "$1" > /dev/null; then          # a function of this script (no timeout: it cannot exec one)
+        "$@" > "$RESULTS/$out" 2> "$RESULTS/$name.err"; rc=$?
+    else
+        timeout -s INT -k 15 "$limit" "$@" > "$RESULTS/$out" 2> "$RESULTS/$name.err"; rc=$?
+    fi
+    [ $rc -eq 0 ] || status=1
+    local line
+    line=$("$PY" bench/gpu_check_report.py "$RESULTS" "$name" "$rc" "$((SECONDS - t0))")
+    say "$name: exit $rc${line:+ ($line)}"
+    [ $rc -eq 0 ] || say "$name: $(grep -v '^\s*$' "$RESULTS/$name.err" | tail -1)"
+    return $rc
+}
 
-# -- install: a venv over the system's packages, the missing ones from gpu-wheels/, llmd without deps --------
-test -x "$VENV/bin/python" || "$PY" -m venv --system-site-packages "$VENV"
-VPY="$VENV/bin/python"
-missing=()
-for pair in safetensors:safetensors tokenizers:tokenizers zmq:pyzmq msgpack:msgpack pydantic:pydantic \
-            jinja2:jinja2 tqdm:tqdm pytest:pytest pytest_timeout:pytest-timeout; do
-    "$VPY" -c "import ${pair%%:*}" 2>/dev/null || missing+=("${pair#*:}")
-done
-# cffi (the CPU kernels' loader, imported through runtime/engine.py and tests/conftest.py) and aiohttp
-# (imported by llmd/cli.py through the clients) are needed too: their wheels (with pycparser, and
-# aiohttp's multidict, yarl, propcache, frozenlist, aiosignal, aiohappyeyeballs, attrs) belong in
-# gpu-wheels/; where a wheel is not there the script says so and goes on
-for pair in cffi:cffi aiohttp:aiohttp; do
-    "$VPY" -c "import ${pair%%:*}" 2>/dev/null && continue
-    if ls gpu-wheels/"${pair#*:}"-*.whl > /dev/null 2>&1; then missing+=("${pair#*:}")
-    else say "warning: ${pair#*:} is not importable and gpu-wheels/ has no wheel of it"; fi
-done
-say "installing from gpu-wheels/: ${missing[*]} setuptools>=70.1"
-# (setuptools >= 70.1 builds the editable install without the wheel package; a venv starts with an older one)
-"$VPY" -m pip install -q --no-index --find-links gpu-wheels "${missing[@]}" "setuptools>=70.1" \
-    || { say "wheel install failed"; exit 2; }
-"$VPY" -m pip install -q --no-index --no-deps --no-build-isolation -e . || { say "llmd install failed"; exit 2; }
-git rev-parse HEAD > "$RESULTS/commit.txt" 2>/dev/null
-
-# -- 1. the gpu tests and the lint (at most 240 + 40 s) -------------------------------------------------------
-LLMD_GPU_RESULTS="$RESULTS" timeout 240 "$VPY" -m pytest -q -m gpu -p no:cacheprovider --timeout 120 \
-    --junitxml "$RESULTS/pytest.xml" tests/test_cuda_gpu.py > "$RESULTS/pytest.log" 2>&1
-rc=$?; say "pytest -m gpu: exit $rc ($(tail -1 "$RESULTS/pytest.log"))"; [ $rc -eq 0 ] || status=1
-timeout 40 "$VPY" -m pytest -q -p no:cacheprovider tests/test_cuda_lint.py >> "$RESULTS/pytest.log" 2>&1
-rc=$?; say "step lint on fake cuda tensors: exit $rc"; [ $rc -eq 0 ] || status=1
-
-# -- 2. llmd bench --device cuda against transformers on the same GPU (at most 140 s) ---------------------
-timeout 140 "$VPY" -m llmd.cli bench --shape qwen2-0.5b --device cuda --dtype bfloat16 --against hf \
-    --prompt-len 1000 --gen 64 --concurrency 64 --repeat 2 --shared-prefix 0 --kv-memory 4GiB \
-    --max-batch-tokens 2048 --json > "$RESULTS/bench_qwen2-0.5b.json" 2> "$RESULTS/bench.log"
-rc=$?; say "llmd bench --device cuda: exit $rc"; [ $rc -eq 0 ] || status=1
-if [ $rc -eq 0 ]; then
-    "$VPY" - "$RESULTS/bench_qwen2-0.5b.json" <<'PY' | tee -a "$RESULTS/summary.txt"
-import json, sys
-r = json.load(open(sys.argv[1]))
-one, hf, many = r["llmd_single"], r.get("hf_single", {}), r["llmd_concurrent"]
-print(f"single stream {one['decode_tok_s']:.0f} tok/s (goal >= 1,500), {r.get('ratio_decode_vs_hf', 0):.2f}x "
-      f"transformers (goal >= 3x); 1,000-token ttft {1000 * one['ttft_s']:.1f} ms (goal <= 15 ms); "
-      f"{many['streams']} streams {many['decode_aggregate_tok_s']:.0f} tok/s (goal >= 20,000)")
-PY
+# -- 0. the machine, and step 0: it can build and capture, before anything is installed -----------------------
+if [ $REHEARSE -eq 1 ]; then
+    export TRITON_INTERPRET=1
+    PRE=(--rehearse)
+else
+    PRE=()
 fi
+stage step0 60 step0.json "$PY" bench/gpu_preflight.py "${PRE[@]}" --env "$RESULTS/env.json"
+[ -s "$RESULTS/env.json" ] || { say "$PY needs torch and triton (and a CUDA GPU): $(cat "$RESULTS/step0.err")"; exit 2; }
+say "$(tr -d '\n' < "$RESULTS/env.json")"
+{ git rev-parse HEAD 2>/dev/null || cat BUNDLE_COMMIT 2>/dev/null; } > "$RESULTS/commit.txt"
+
+# -- 1. install: the missing wheels, then llmd without dependencies ------------------------------------------
+wheels() { grep -v '^#' bench/gpu_wheels.txt; }
+install() {
+    local missing=() req failed=()
+    read -r -a missing < <(wheels | "$VPY" -c '
+import importlib.util, sys
+print(" ".join(req for mod, req in (line.split() for line in sys.stdin if line.strip())
+               if importlib.util.find_spec(mod) is None))')
+    if [ $REHEARSE -eq 1 ]; then
+        echo "rehearsal: nothing installed; not importable: ${missing[*]:-none}"
+        [ ${#missing[@]} -eq 0 ]; return
+    fi
+    echo "installing from gpu-wheels/: ${missing[*]:-nothing} setuptools>=70.1"
+    # one call for all; where it fails, one by one, so that a bad wheel costs only its own module
+    if ! "$VPY" -m pip install -q --no-index --find-links gpu-wheels "${missing[@]}" "setuptools>=70.1"; then
+        for req in "${missing[@]}" "setuptools>=70.1"; do
+            "$VPY" -m pip install -q --no-index --find-links gpu-wheels "$req" || failed+=("$req")
+        done
+    fi
+    # (setuptools >= 70.1 builds the editable install without the wheel package)
+    "$VPY" -m pip install -q --no-index --no-deps --no-build-isolation -e . || failed+=(llmd)
+    echo "not installed: ${failed[*]:-none}"
+    [ ${#failed[@]} -eq 0 ]
+}
+if [ $REHEARSE -eq 1 ]; then
+    VPY=$PY
+    RUN=("$VPY" -m llmd.bench.gpu_rehearse)
+    export LLMD_REHEARSE_IMPORTS="$RESULTS/imports.txt"        # what the stages import, for the wheel list's test
+else
+    test -x "$VENV/bin/python" || "$PY" -m venv --system-site-packages "$VENV"
+    VPY="$VENV/bin/python"
+    RUN=("$VPY" -m)
+fi
+stage install 90 install.log install
+cat "$RESULTS/install.log" >> "$RESULTS/summary.txt"
+
+# -- 2. llmd bench --device cuda against transformers on the same GPU ----------------------------------------
+if [ $REHEARSE -eq 1 ]; then
+    SIZE=(--shape tiny --dtype float32 --prompt-len 20 --gen 3 --concurrency 2 --repeat 1 --kv-memory 8MiB
+          --max-batch-tokens 64 --max-num-seqs 2 --max-model-len 64)     # (tiny: one layer when rehearsed)
+else
+    SIZE=(--shape qwen2-0.5b --dtype bfloat16 --prompt-len 1000 --gen 64 --concurrency 64 --repeat 2 --kv-memory 4GiB
+          --max-batch-tokens 2048)
+fi
+stage bench 150 bench.json "${RUN[@]}" llmd.cli bench --device cuda --against hf --shared-prefix 0 --json "${SIZE[@]}"
+
+# -- 3. the gpu tests: agreement recorded first, then exact parity and the kernels at real shapes ------------
+export LLMD_GPU_RESULTS="$RESULTS"
+export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1          # the plugins named here only, wherever the tests run
+stage pytest_gpu 170 pytest.log "${RUN[@]}" pytest -q -m gpu -p no:cacheprovider -p pytest_timeout \
+    --timeout 120 --junitxml "$RESULTS/pytest.xml" tests/test_cuda_gpu.py
+say "pytest -m gpu: $(tail -1 "$RESULTS/pytest.log")"
+
+# -- 4. the step lint on fake cuda tensors -------------------------------------------------------------------
+LINT=(); [ $REHEARSE -eq 1 ] && LINT=(--collect-only)          # (make test runs it on the CPU anyway)
+stage lint 40 lint.log "$VPY" -m pytest -q -p no:cacheprovider -p pytest_timeout "${LINT[@]}" tests/test_cuda_lint.py
+
 say "done: exit $status (results in $RESULTS)"
 exit $status

@@ -113,6 +113,10 @@ class EngineConfig:
              "provider when onnxruntime-gpu is installed; a TensorRT engine on the GPU), cpu, or cuda (an engine "
              "exported with --backend onnxruntime and llmd[gpu], or --backend tensorrt); a model that cannot run "
              "where asked is refused")
+    cuda_graphs: bool = setting(
+        True,
+        help="--device cuda: replay decode and verification steps from CUDA graphs captured at load (a capture "
+             "that fails is reported and the steps run eagerly); off: every step runs eagerly")
     execution: str = setting(
         "auto", choices=EXECUTIONS,
         help="how a step runs: auto (llmd's CPU kernels and fused step, or an engine directory's compiled step), "

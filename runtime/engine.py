@@ -118,7 +118,8 @@ class Engine:
         if loaded.device == "cuda":
             from .execution.cuda.backend import CudaBackend     # needs triton: imported for the GPU only
             return CudaBackend(model, loaded.num_blocks, c.block_size, float_dtype(c.dtype), loaded.kv_dtype, "cuda",
-                                   c.max_num_seqs, num_spec_tokens, self.max_model_len)
+                               c.max_num_seqs, num_spec_tokens, self.max_model_len,
+                               graphs=None if c.cuda_graphs else "off")
         if draft:
             return ModelRunner(model, loaded.num_blocks, c.block_size, float_dtype(c.dtype), kv_dtype=loaded.kv_dtype,
                                execution=choose(c.execution))
@@ -473,6 +474,7 @@ class Engine:
             "kv_dtype": self.kv_dtype,
             "kv_pool_dtype": str(self.runner.k_pool.dtype).removeprefix("torch."),
             "max_model_len": self.max_model_len,
+            **({"cuda_graphs": self.runner.step_graphs} if self.runner.step_graphs is not None else {}),
             **(self.tier.stats() if self.tier is not None else {}),
             **self._kernel_stats(),
             **self._screen_stats(),

@@ -3,8 +3,8 @@ the kernels at real shapes against the float32 reference, graph replay against e
 metadata changes, sampling against the CPU sampler, and greedy parity between the GPU and CPU engines
 on the bundled pair and a random-weight Qwen2-0.5B shape, with draft and n-gram speculation.
 
-Figures that are measured rather than asserted (bfloat16 token agreement) are written as JSON into
-``$LLMD_GPU_RESULTS`` when it is set."""
+The parity tests come first, and each records its bfloat16 and float32 token agreement with the CPU
+engine (JSON in ``$LLMD_GPU_RESULTS`` when it is set) before it asserts float32 identical."""
 import json
 import os
 from pathlib import Path
@@ -32,6 +32,41 @@ def record(name: str, value) -> None:
 def attend(q, kc, vc, meta, splits):
     return torch.ops.llmd.paged_attention(q, kc, vc, meta.query_start, meta.seq_lens, meta.block_table,
                                           meta.shape.max_query_len, splits, q.shape[-1] ** -0.5)
+
+
+def greedy(model: Path, device: str, dtype: str, draft=None, n=64, prompts=None):
+    opts = dict(device=device, dtype=dtype, kv_memory="256MiB", max_num_seqs=8, draft=draft,
+                num_speculative_tokens=4 if draft else None, adaptive_speculation=False)
+    prompts = prompts or ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n", "import os\nimport"]
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    return [c.token_ids for c in LLM(str(model), **opts).generate(prompts, params)]
+
+
+def agreement_then_parity(name: str, model: Path, draft, prompts=None) -> None:
+    """bfloat16 and float32 token agreement with the CPU engine recorded first, then float32 asserted
+    identical: a difference still leaves both figures."""
+    cpu = greedy(model, "cpu", "float32", draft, prompts=prompts)
+    f32 = greedy(model, "cuda", "float32", draft, prompts=prompts)
+    record(f"agreement_{name}_f32", agreement(f32, cpu))
+    record(f"agreement_{name}_bf16", agreement(greedy(model, "cuda", "bfloat16", draft, prompts=prompts), cpu))
+    assert f32 == cpu, agreement(f32, cpu)
+
+
+@pytest.mark.parametrize("draft", [None, "ngram", str(DRAFT)])
+def test_greedy_parity_bundled_pair(draft):
+    agreement_then_parity(f"bundled_{Path(draft).name if draft else 'plain'}", TARGET, draft)
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory):
+    from llmd.runtime.models.random_model import write_random_model
+    return write_random_model(tmp_path_factory.mktemp("qwen") / "qwen2-0.5b", "qwen2-0.5b")
+
+
+@pytest.mark.parametrize("draft", [None, "ngram"])
+def test_greedy_parity_qwen_shape(qwen_dir, draft):
+    agreement_then_parity(f"qwen_{draft or 'plain'}", qwen_dir, draft,
+                          prompts=[list(range(100, 164)), list(range(7, 300, 3))])
 
 
 CASES = {
@@ -107,40 +142,6 @@ def test_device_sampler_matches_the_cpu_sampler():
         want = sample(logits, rows()).token_ids.tolist()
         got = sample_tokens(logits.cuda(), SamplingBatch.build(rows(), "cuda")).tolist()
         assert got == want
-
-
-def greedy(model: Path, device: str, dtype: str, draft=None, n=64, prompts=None):
-    opts = dict(device=device, dtype=dtype, kv_memory="256MiB", max_num_seqs=8, draft=draft,
-                num_speculative_tokens=4 if draft else None, adaptive_speculation=False)
-    prompts = prompts or ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n", "import os\nimport"]
-    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-    return [c.token_ids for c in LLM(str(model), **opts).generate(prompts, params)]
-
-
-@pytest.mark.parametrize("draft", [None, "ngram", str(DRAFT)])
-def test_greedy_parity_bundled_pair(draft):
-    cpu = greedy(TARGET, "cpu", "float32", draft)
-    assert greedy(TARGET, "cuda", "float32", draft) == cpu
-    bf16 = greedy(TARGET, "cuda", "bfloat16", draft)
-    record(f"agreement_bundled_{Path(draft).name if draft else 'plain'}_bf16", agreement(bf16, cpu))
-
-
-@pytest.fixture(scope="module")
-def qwen_dir(tmp_path_factory):
-    from llmd.runtime.models.random_model import write_random_model
-    return write_random_model(tmp_path_factory.mktemp("qwen") / "qwen2-0.5b", "qwen2-0.5b")
-
-
-@pytest.mark.parametrize("draft", [None, "ngram"])
-def test_greedy_parity_qwen_shape(qwen_dir, draft):
-    prompts = [list(range(100, 164)), list(range(7, 300, 3))]
-    cpu = greedy(qwen_dir, "cpu", "float32", draft, prompts=prompts)
-    gpu = greedy(qwen_dir, "cuda", "float32", draft, prompts=prompts)
-    figure = agreement(gpu, cpu)
-    record(f"agreement_qwen_{draft or 'plain'}_f32", figure)
-    assert gpu == cpu, figure
-    record(f"agreement_qwen_{draft or 'plain'}_bf16",
-           agreement(greedy(qwen_dir, "cuda", "bfloat16", draft, prompts=prompts), cpu))
 
 
 def agreement(got: list[list[int]], want: list[list[int]]) -> dict:

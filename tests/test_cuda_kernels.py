@@ -99,3 +99,22 @@ def test_decode_splits_fill_the_gpu_and_stay_powers_of_two():
         s = ops.decode_splits(b, 2, 64)
         assert s > 1 and s & (s - 1) == 0 and s <= ops.MAX_SPLITS
     assert ops.decode_splits(1, 2, 2) == 2          # never more splits than blocks
+
+
+def test_split_ranges_follow_each_request_length():
+    """Keys split by each request's own length, not the block table's width (a graph bucket's table is
+    as wide as the longest context): with q = 0 every visible key weighs exactly 1, so a split's sum is
+    the count of keys it covered. Share s of n blocks in S splits covers blocks [s * ceil(n / S), ...)."""
+    lens = [1, 16, 17, 40, 100, 250]
+    splits, width = 4, 16
+    bucket = StepShape(len(lens), len(lens), width, 1)
+    q, kc, vc, meta, spans = make_case([(1, n) for n in lens], 4, 2, 16, pad_to=bucket)
+    out, _, stats = ops.launch_attention(torch.zeros_like(q), kc, vc, meta.query_start, meta.seq_lens,
+                                         meta.block_table, 1, splits, 0.25)
+    for row, n in enumerate(lens):
+        per = -(-(-(-n // BS)) // splits) * BS                        # keys per share
+        want = [max(0, min(n, (s + 1) * per) - s * per) for s in range(splits)]
+        got = stats[row, :, :, 1]                                     # every head: keys summed per split
+        assert got.tolist() == [want] * q.shape[1], (n, got[0].tolist(), want)
+    assert stats[lens.index(40), 0, :, 1].tolist() == [16, 16, 8, 0]  # not all in split 0 of a 16-block width
+    torch.testing.assert_close(out, reference(torch.zeros_like(q), kc, vc, spans, len(lens)), atol=1e-5, rtol=1e-5)

@@ -1,20 +1,22 @@
-"""A rehearsal of the device path on the CPU: the engine driven through CudaBackend over CPU tensors,
-Triton's interpreter for the kernels and the graph stand-in for the captured steps, over what a first
-GPU run does: a repeated prompt (partial-block reuse: ``copy_slots``), n-gram speculation verified
-greedily (graph replays of the verification buckets), sampled and penalised verification, ``stats()``,
-and a draft model's rounds on a CudaBackend of its own. Greedy tokens must equal the cpu runner's. A one-layer model keeps it to seconds (the
-bundled pair takes about 9 s a step on the interpreter: tests/test_cuda_engine.py, marked slow)."""
+"""A rehearsal of the device path on the CPU: ``LLM(device="cuda")`` with the engine building its own
+CudaBackends over CPU tensors (llmd.bench.gpu_rehearse: Triton's interpreter for the kernels, the graph
+stand-in for the captured steps), over what a first GPU run does: a repeated prompt (partial-block reuse:
+``copy_slots``), n-gram speculation verified greedily (graph replays of the verification buckets),
+sampled and penalised verification, ``stats()``, a draft model's rounds, graphs turned off, and a
+capture that fails. Greedy tokens must equal the cpu runner's. A one-layer model keeps it to seconds
+(the bundled pair takes about 9 s a step on the interpreter: tests/test_cuda_engine.py, marked slow)."""
+import logging
 import os
 
 import pytest
 
 from llmd.runtime.llm import LLM
-from llmd.runtime.models.loader import load_model
 from llmd.runtime.request import SamplingParams
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="interpreted kernels only")
 pytest.importorskip("triton")
 from llmd.runtime.execution.cuda.backend import CudaBackend  # noqa: E402
+from llmd.runtime.execution.cuda.graphs import StepGraphs  # noqa: E402
 
 K = 3
 OPTS = dict(dtype="float32", kv_memory="1MiB", max_num_seqs=2, max_model_len=96, draft="ngram",
@@ -32,24 +34,18 @@ def model_dir(tmp_path_factory):
                           tie=False)     # untied: its greedy text varies, and repeats for n-grams to find
 
 
-def cuda_runner(llm: LLM, path, k: int) -> CudaBackend:
-    e, c = llm.engine, llm.engine.config
-    return CudaBackend(load_model(path, "float32"), e.block_manager.num_blocks, c.block_size, "float32",
-                       device="cpu", max_num_seqs=c.max_num_seqs, num_spec_tokens=k,
-                       max_model_len=e.max_model_len, graphs="standin")
+@pytest.fixture(scope="module")
+def cpu_tokens(model_dir):
+    return greedy_pass(LLM(str(model_dir), **OPTS))
 
 
-def on_cuda_backend(llm: LLM, path) -> tuple[LLM, list]:
-    """``llm`` with its runner, before any step, a CudaBackend over CPU tensors with the graph stand-in,
-    and the engine's flags read again from it (as ``Engine.__init__`` reads them from a runner it
-    builds); the second value collects the ``copy_slots`` calls."""
-    e, runner = llm.engine, cuda_runner(llm, path, K)
-    copies, copy = [], runner.copy_slots
-    runner.copy_slots = lambda src, dst, n: (copies.append((src, dst, n)), copy(src, dst, n))
-    e.runner = runner
-    e._screens = runner.screens_head
-    e.block_manager.max_stale = 0                  # can_shift is False: shifted reuse stays off
-    return llm, copies
+def on_cuda(path, graphs: str = "standin", **opts) -> LLM:
+    """``LLM(device="cuda")`` on the CPU: the engine's runners are CudaBackends it built itself."""
+    from llmd.bench.gpu_rehearse import rehearsing     # (imported here: it sets TRITON_INTERPRET where unset)
+    with rehearsing(graphs):
+        llm = LLM(str(path), device="cuda", **{**OPTS, **opts})
+    assert isinstance(llm.engine.runner, CudaBackend)
+    return llm
 
 
 def greedy_pass(llm: LLM) -> list[list[int]]:
@@ -57,29 +53,49 @@ def greedy_pass(llm: LLM) -> list[list[int]]:
     return [llm.generate([PROMPT], GREEDY)[0].token_ids for _ in range(2)]
 
 
-def test_the_engine_through_the_cuda_backend(model_dir):
-    want = greedy_pass(LLM(str(model_dir), **OPTS))
-    llm, copies = on_cuda_backend(LLM(str(model_dir), **OPTS), model_dir)
-    assert greedy_pass(llm) == want
+def test_the_engine_through_the_cuda_backend(model_dir, cpu_tokens):
+    llm = on_cuda(model_dir)
+    runner = llm.engine.runner
+    copies, copy = [], runner.copy_slots
+    runner.copy_slots = lambda src, dst, n: (copies.append((src, dst, n)), copy(src, dst, n))
+    assert greedy_pass(llm) == cpu_tokens
     assert copies, "the repeated prompt did not reuse a partly filled block"
-    graphs = llm.engine.runner.graphs
-    verify = [s for s, b in graphs.buckets.items() if s.max_query_len > 1]
-    assert graphs.replays > 0 and verify
+    verify = [s for s in runner.graphs.buckets if s.max_query_len > 1]
+    assert runner.graphs.replays > 0 and verify
     sampled = llm.generate([WIDE], SAMPLED)[0]       # n-gram guesses, verified by sampling
     assert len(sampled.token_ids) == SAMPLED.max_tokens and sampled.metrics["spec_proposed"] > 0
     stats = llm.stats()
     assert stats["spec_accepted"] > 0 and stats["prefix_tokens_hit"] > 0
     assert stats["kv_pool_dtype"] == "float32" and "cpu_kernels" not in stats
+    assert stats["cuda_graphs"] == "standin"
 
 
 def test_a_draft_round_through_the_cuda_backend(model_dir, tmp_path):
     from modelfactory import make_model_dir
     draft = make_model_dir(tmp_path / "draft", seed=1, layers=1, heads=4, kv_heads=2, max_pos=96, tie=False)
-    opts = {**OPTS, "draft": str(draft)}
-    want = LLM(str(model_dir), **opts).generate([PROMPT], GREEDY)[0].token_ids
-    llm, _ = on_cuda_backend(LLM(str(model_dir), **opts), model_dir)
+    want = LLM(str(model_dir), **{**OPTS, "draft": str(draft)}).generate([PROMPT], GREEDY)[0].token_ids
+    llm = on_cuda(model_dir, draft=str(draft))
     e = llm.engine
-    e.draft_runner = e.proposer.runner = cuda_runner(llm, draft, 0)
+    assert isinstance(e.draft_runner, CudaBackend) and e.proposer.runner is e.draft_runner
     got = llm.generate([PROMPT], GREEDY)[0]
     assert got.token_ids == want and got.metrics["spec_proposed"] > 0
     assert e.draft_runner.graphs.replays > 0
+
+
+def test_graphs_turned_off(model_dir, cpu_tokens):
+    llm = on_cuda(model_dir, cuda_graphs=False)
+    assert llm.engine.runner.graphs is None
+    assert greedy_pass(llm) == cpu_tokens
+    assert llm.stats()["cuda_graphs"] == "off"
+
+
+def test_a_failed_capture_warns_and_runs_eagerly(model_dir, cpu_tokens, monkeypatch, caplog):
+    def planted(self):
+        raise RuntimeError("planted capture failure")
+    monkeypatch.setattr(StepGraphs, "_capture_all", planted)
+    with caplog.at_level(logging.WARNING, logger="llmd.cuda"):
+        llm = on_cuda(model_dir, graphs="capture")
+    assert "CUDA graph capture failed (RuntimeError: planted capture failure)" in caplog.text
+    assert llm.engine.runner.graphs is None
+    assert greedy_pass(llm) == cpu_tokens
+    assert llm.stats()["cuda_graphs"] == "failed: RuntimeError: planted capture failure"

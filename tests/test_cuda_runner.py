@@ -86,3 +86,57 @@ def test_replay_copies_overwrite_the_previous_step(runners):
     assert static.seq_lens.tolist() == [4, 6, 8, 0]
     assert static.query_start.tolist() == [0, 1, 2, 3, 3]
     assert static.block_table[3].abs().sum() == 0
+
+
+class Launches:
+    """A kernel's launches, recorded and passed through."""
+
+    def __init__(self, kernel):
+        self.kernel, self.calls = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.calls.append((args, kw))
+            return self.kernel[grid](*args, **kw)
+        return launch
+
+
+def specializations(kernel, calls) -> dict:
+    """Per constexpr combination, the set of full specializations a GPU compile of ``kernel`` would
+    key its cache on (sm_90): 16-byte pointer alignment, integers equal to 1 or divisible by 16."""
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend as TritonCuda
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+    jit = JITFunction(kernel.fn, do_not_specialize=kernel.kwargs.get("do_not_specialize"))
+    bind = create_function_from_signature(jit.signature, jit.params, TritonCuda(GPUTarget("cuda", 90, 32)))
+    seen: dict = {}
+    for args, kw in calls:
+        spec = tuple(map(repr, bind(*args, **kw)[1]))
+        seen.setdefault(tuple(sorted(kw.items())), set()).add(spec)
+    return seen
+
+
+def test_a_run_compiles_each_kernel_variant_once(runners, monkeypatch):
+    """Eager steps of 1 to 3 requests with odd and even row counts: every launch of a kernel with the
+    same compile-time constants specializes alike (metadata parts stay 128-byte aligned, the varying
+    integers unspecialized), so a GPU run would not recompile when the batch changes."""
+    from llmd.runtime.execution.cuda import kernels
+    from llmd.runtime.execution.cuda.metadata import build_metadata
+    standin = runners[0]
+    names = ("store_kv_kernel", "paged_attention_kernel", "combine_splits_kernel")
+    launches = {n: Launches(getattr(kernels, n)) for n in names}
+    for n in names:
+        monkeypatch.setattr(kernels, n, launches[n])
+    tables, lens = [[0], [1, 2], [3, 4, 5]], (12, 20, 37)              # block tables 1 to 3 wide
+    steps = [[feed(list(range(3, 3 + n)), 0, t, 1)] for n, t in zip(lens, tables)]                       # prompts
+    steps += [[feed([4] * k, n, t) for k, n, t in zip(ks, lens, tables)] for ks in ((1, 2), (2, 2, 1), (1,))]
+    steps += [[feed([4, 5], 6, [0]), feed([7] * 3, 0, [9], 1)], [feed([1], 9, [1]), feed([2], 24, tables[1])]]
+    for feeds in steps:
+        meta = build_metadata(feeds, BS)
+        assert all((v.data_ptr() - meta.flat.data_ptr()) % 128 == 0 for v in
+                   (meta.input_ids, meta.positions, meta.slot_mapping, meta.query_start, meta.seq_lens, meta.block_table))
+        standin.run(standin.prepare_feeds(feeds))
+    assert launches["combine_splits_kernel"].calls, "no split-KV step ran"
+    for n in names:
+        variants = specializations(getattr(kernels, n).kernel, launches[n].calls)
+        assert all(len(v) == 1 for v in variants.values()), (n, variants)

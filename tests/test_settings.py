@@ -23,7 +23,7 @@ from llmd.runtime.llm import LLM
 ENGINE_SAMPLE = dict(dtype="bfloat16", kv_memory="48MiB", block_size=32, max_batch_tokens=200, batch_prompt_chunk=9, batch_quiet_ms=7.5, max_num_seqs=5,
                      max_model_len=100, max_waiting=7, prefix_cache=False, head_screen=False, kv_dtype="int8", kv_disk="/nonexistent/llmd-kv",
                      kv_disk_size="3GiB", shift_max_stale=5, attention="reference",
-                     threads=int(os.environ.get("LLMD_TEST_THREADS", "2")), device="cpu", execution="reference", draft="ngram",
+                     threads=int(os.environ.get("LLMD_TEST_THREADS", "2")), device="cpu", cuda_graphs=False, execution="reference", draft="ngram",
                      num_speculative_tokens=3, adaptive_speculation=False, ngram_n=2, seed=11)
 
 

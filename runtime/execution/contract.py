@@ -7,7 +7,7 @@ capability flag, never through a missing attribute the caller would have to prob
                     sample (if samples_on_device), execution.greedy
     spec/draft.py   prepare_feeds, run, execution.greedy, execution.greedy_rounds
     kv_tier.py      block_views
-    engine.stats    k_pool, model, execution.kernels
+    engine.stats    k_pool, model, execution.kernels, step_graphs
 """
 from __future__ import annotations
 
@@ -26,12 +26,17 @@ RUNNER_ATTRIBUTES = {
     "can_shift": "capability: ``copy_shifted`` moves keys to other positions (else it raises)",
     "screens_head": "capability: greedy steps find their tokens through the head's screen (``run_greedy``)",
     "samples_on_device": "capability: ``run``'s logits stay on the device and ``sample`` draws there",
+    "step_graphs": "how steps are replayed from captured graphs (None: never), for the stats",
 }
 EXECUTION_MEMBERS = ("greedy", "greedy_rounds", "kernels")
 
 
 class Runner(ABC):
     """One model's pools and steps. Subclasses set every name in RUNNER_ATTRIBUTES."""
+
+    # how steps are replayed: None where a runner captures nothing (the CPU's), else the CUDA runner's
+    # "captured", "standin" (the CPU stand-in), "off", or "failed: <error>" (steps run eagerly)
+    step_graphs: Optional[str] = None
 
     @abstractmethod
     def prepare(self, scheduled: list) -> object:

@@ -10,6 +10,7 @@ returns the ids in one device-to-host copy.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Optional
 
@@ -27,6 +28,7 @@ from .ops import BLOCK_SIZE, decode_splits
 from .sampling import SamplingBatch, sample_tokens
 
 GRAPH_MODES = ("capture", "standin", "off")
+log = logging.getLogger("llmd.cuda")
 
 
 @dataclass
@@ -82,12 +84,29 @@ class CudaBackend(Runner):
         mode = graphs or ("capture" if self.device.type == "cuda" else "off")
         if mode not in GRAPH_MODES:
             raise ValueError(f"graphs must be one of {', '.join(GRAPH_MODES)}, got {mode!r}")
-        self.graphs = None
+        self.graphs: Optional[StepGraphs] = None
+        self.step_graphs = "off"
         if mode != "off":
-            shapes = bucket_shapes(max_num_seqs, self.width, num_spec_tokens)
-            self.graphs = StepGraphs(self._forward_all, shapes, block_size, self.device,
-                                     lambda s: decode_splits(s.num_seqs, cfg.num_kv_heads, s.width),
+            self._set_up_graphs(mode, bucket_shapes(max_num_seqs, self.width, num_spec_tokens))
+
+    def _set_up_graphs(self, mode: str, shapes) -> None:
+        """The graph buckets, captured (``capture``) or replayed eagerly from their static buffers
+        (``standin``). A capture that raises is reported and leaves every step eager: parity and the
+        eager step's speed are kept, only the graphs' saving is lost."""
+        kv_heads = self.config.num_kv_heads
+        try:
+            self.graphs = StepGraphs(self._forward_all, shapes, self.block_size, self.device,
+                                     lambda s: decode_splits(s.num_seqs, kv_heads, s.width),
                                      capture=mode == "capture", pin=self.pin)
+        except Exception as e:      # any capture failure: the eager path needs none of what it built
+            self.graphs = None
+            self.step_graphs = f"failed: {type(e).__name__}: {e}"
+            log.warning("llmd: CUDA graph capture failed (%s: %s); running every step eagerly. "
+                        "--no-cuda-graphs skips the capture.", type(e).__name__, e)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            return
+        self.step_graphs = "captured" if mode == "capture" else "standin"
 
     def prepare(self, scheduled: list[ScheduledRequest]) -> CudaBatch:
         return self.prepare_feeds(feeds_for(scheduled))

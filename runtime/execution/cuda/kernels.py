@@ -16,7 +16,14 @@ to the keys up to its own position. A padding request has no rows and seq_len 0;
 request's (a graph bucket's unused rows) belong to no request and their output is zero. One program serves BLOCK_Q query rows of one request for one kv head and all
 the query heads that share it (GQA), so each key block is read once per group. With NUM_SPLITS > 1
 (small decode batches, where B * kv_heads programs cannot fill the GPU) each program covers one
-share of the key blocks and writes an unnormalised partial; ``combine_splits`` merges them.
+share of its own request's key blocks (``split_range``: shares of the request's length, not of the
+block table's width, which a graph bucket sets to the longest context) and writes an unnormalised
+partial; ``combine_splits`` merges them.
+
+Recompiles: Triton compiles a kernel once per specialization of its arguments (integers equal to 1 or
+divisible by 16, pointers aligned to 16 bytes). The integers that change from step to step (the
+block table's row stride, the number of requests) are left unspecialized (``VARYING``), and every
+metadata view starts on a 128-byte boundary (metadata.py), so a run compiles each variant once.
 
 Arithmetic: scores and the softmax are float32. With DOT_F32 the products read float32 operands in
 IEEE precision (float32 pools, and the Triton interpreter, which computes bfloat16 arithmetic
@@ -26,6 +33,9 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+# per kernel, the integer arguments whose values change with the batch: never specialized on
+VARYING = {"paged_attention_kernel": ("stride_bt",), "combine_splits_kernel": ("num_seqs",)}
 
 
 @triton.jit
@@ -45,11 +55,19 @@ def store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
 
 
 @triton.jit
+def split_range(n_blocks, split, NUM_SPLITS: tl.constexpr):
+    """The key blocks [first, end) of share ``split`` of ``n_blocks`` in NUM_SPLITS shares: equal
+    shares of ceil(n_blocks / NUM_SPLITS) blocks, the last ones shorter or empty."""
+    per = tl.cdiv(n_blocks, NUM_SPLITS)
+    first = split * per
+    return first, tl.minimum(first + per, n_blocks)
+
+
+@triton.jit(do_not_specialize=VARYING["paged_attention_kernel"])
 def paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, stats_ptr,
         query_start_ptr, seq_lens_ptr, block_table_ptr,
         scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_cs, stride_ch, stride_bt,
-        blocks_per_split,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_F32: tl.constexpr):
     b = tl.program_id(0)
@@ -90,8 +108,7 @@ def paged_attention_kernel(
     last = tl.minimum(seq_len, seq_len - q_len + (q_tile + 1) * BLOCK_Q)
     last = tl.where(q_tile * BLOCK_Q < q_len, last, 0)
     n_blocks = tl.cdiv(tl.maximum(last, 0), BLOCK_SIZE)
-    first_block = split * blocks_per_split
-    end_block = tl.minimum(first_block + blocks_per_split, n_blocks)
+    first_block, end_block = split_range(n_blocks, split, NUM_SPLITS)
     offs = tl.arange(0, BLOCK_SIZE)
     for j in range(first_block, end_block):
         block_id = tl.load(block_table_ptr + b.to(tl.int64) * stride_bt + j).to(tl.int64)
@@ -129,7 +146,7 @@ def paged_attention_kernel(
         tl.store(stats_ptr + base * 2 + 1, l_i, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=VARYING["combine_splits_kernel"])
 def combine_splits_kernel(part_ptr, stats_ptr, out_ptr, query_start_ptr, num_seqs, stride_ot, stride_oh, heads,
                           HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr):
     """One program per (row, head): the splits' partials rescaled to their common maximum. Rows past

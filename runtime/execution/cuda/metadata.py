@@ -7,6 +7,11 @@ captured graph's replay is one copy into its static buffer of the same layout):
     flat: | input_ids T | positions T | slot_mapping T | query_start B+1 | seq_lens B | block_table B*W |
     sample_rows: the packed rows whose logits are sampled (a separate buffer: it is read after the graph)
 
+Each part starts at a multiple of SEGMENT elements (128 bytes; the gaps are zeros, never read), so a
+view's alignment is the same whatever T and B are: Triton, which specializes a kernel on its
+pointers' 16-byte alignment, compiles each kernel variant once per run instead of again whenever a
+batch's size moves a view (kernels.py).
+
 Padding to a graph bucket of (B requests, T rows): the real requests come first; padding requests
 have no rows and seq_len 0, and rows past the last request's are padding rows with token 0 at
 position 0, slot -1 (written nowhere) and owned by no request (attending to nothing: their attention
@@ -21,6 +26,8 @@ import torch
 
 from llmd.runtime.model_runner import Feed
 
+SEGMENT = 16            # int64 elements: every part of the flat buffer starts on a 128-byte boundary
+
 
 @dataclass(frozen=True)
 class StepShape:
@@ -32,9 +39,28 @@ class StepShape:
     max_query_len: int
 
     @property
-    def flat_size(self) -> int:
+    def parts(self) -> list[int]:
+        """The lengths of the flat buffer's parts, in order (see the module docstring)."""
         t, b = self.num_rows, self.num_seqs
-        return 3 * t + 2 * b + 1 + b * self.width
+        return [t, t, t, b + 1, b, b * self.width]
+
+    @property
+    def flat_size(self) -> int:
+        return sum(_padded(n) for n in self.parts)
+
+
+def _padded(n: int) -> int:
+    return -(-n // SEGMENT) * SEGMENT
+
+
+def split_parts(flat, shape: StepShape) -> list:
+    """The six parts of ``flat`` (a numpy array or a tensor) as views, the block table [B, W]."""
+    views, at = [], 0
+    for n in shape.parts:
+        views.append(flat[at:at + n])
+        at += _padded(n)
+    views[-1] = views[-1].reshape(shape.num_seqs, shape.width)
+    return views
 
 
 @dataclass
@@ -50,10 +76,8 @@ class StepMetadata:
     real_seqs: int
 
     def __post_init__(self):
-        t, b, w = self.shape.num_rows, self.shape.num_seqs, self.shape.width
-        parts = self.flat.split([t, t, t, b + 1, b, b * w])
-        self.input_ids, self.positions, self.slot_mapping, self.query_start, self.seq_lens, table = parts
-        self.block_table = table.view(b, w)
+        parts = split_parts(self.flat, self.shape)
+        self.input_ids, self.positions, self.slot_mapping, self.query_start, self.seq_lens, self.block_table = parts
 
     def to(self, device: torch.device | str, pin: bool = False) -> "StepMetadata":
         """The same metadata on ``device``: one copy for the flat buffer, one for the sample rows
@@ -79,10 +103,8 @@ def build_metadata(feeds: list[Feed], block_size: int, width: int | None = None,
         if not fits(shape, rows, len(feeds), max_q, need):
             raise ValueError(f"a step of {len(feeds)} requests, {rows} rows ({max_q} at most each), {need} blocks "
                              f"does not fit the bucket {shape}")
-    t, b, w = shape.num_rows, shape.num_seqs, shape.width
     flat = np.zeros(shape.flat_size, dtype=np.int64)
-    ids, pos, slots, qstart, lens, table = np.split(flat, np.cumsum([t, t, t, b + 1, b]))
-    table = table.reshape(b, w)
+    ids, pos, slots, qstart, lens, table = split_parts(flat, shape)
     slots[:] = -1
     sample_rows: list[int] = []
     counts = []

@@ -49,20 +49,26 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """Attention of the packed rows ``q`` [T, heads, head_dim] over the paged pools (see kernels.py
     for the metadata). ``max_query_len`` bounds every request's new rows; ``num_splits`` > 1 splits
     each request's keys over that many programs (decode rows only)."""
+    return launch_attention(q, k_cache, v_cache, query_start, seq_lens, block_table, max_query_len, num_splits,
+                            scale)[0]
+
+
+def launch_attention(q, k_cache, v_cache, query_start, seq_lens, block_table, max_query_len: int, num_splits: int,
+                     scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The attention kernels' launch: the output, and with key splits their partials [T, heads, splits,
+    head_pad] and (max, sum) statistics [T, heads, splits, 2] (else the output in their place)."""
     out = torch.zeros_like(q)            # rows that belong to no request stay zero
     t, heads, d = q.shape
     b = seq_lens.shape[0]
     if t == 0 or b == 0:
-        return out
+        return out, out, out
     kvh = k_cache.shape[1]
     group = heads // kvh
     group_pad = triton.next_power_of_2(group)
     head_pad = max(16, triton.next_power_of_2(d))
     block_q = query_tile(max_query_len, group_pad)
     tiles = triton.cdiv(max(1, max_query_len), block_q)
-    width = block_table.shape[1]
-    splits = 1 << (max(1, min(num_splits, width)).bit_length() - 1)     # a power of two (tl.arange)
-    per_split = triton.cdiv(width, splits)
+    splits = 1 << (max(1, min(num_splits, block_table.shape[1])).bit_length() - 1)     # a power of two (tl.arange)
     part = stats = out
     if splits > 1:
         part = torch.empty(t, heads, splits, head_pad, dtype=torch.float32, device=q.device)
@@ -71,13 +77,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     kernels.paged_attention_kernel[(b, tiles, kvh * splits)](
         q, k_cache, v_cache, out, part, stats, query_start, seq_lens, block_table,
         scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
-        block_table.stride(0), per_split,
+        block_table.stride(0),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=d, HEAD_PAD=head_pad, BLOCK_Q=block_q,
         BLOCK_SIZE=BLOCK_SIZE, NUM_SPLITS=splits, DOT_F32=dot_f32)
     if splits > 1:
         kernels.combine_splits_kernel[(t, heads)](part, stats, out, query_start, b, out.stride(0), out.stride(1), heads,
                                                   HEAD_DIM=d, HEAD_PAD=head_pad, NUM_SPLITS=splits)
-    return out
+    return out, part, stats
 
 
 @paged_attention.register_fake
