@@ -36,7 +36,7 @@ log = logging.getLogger("llmd.client")
 
 PROTOCOL_VERSIONS = [1]
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                 "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "prompt_only")
+                 "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "prompt_only", "grammar")
 
 
 class ClientError(Exception):
@@ -382,10 +382,12 @@ class Client(_Base):
 
     def chat(self, messages: list[dict], *, max_tokens: int = 256, priority: Optional[str] = None,
              deadline: Optional[float] = None, sentences: bool = False, request_id: Optional[str] = None,
-             **sampling) -> Stream:
-        """Messages ({"role", "content"}) rendered through the model's chat template."""
+             tools: Optional[list[dict]] = None, **sampling) -> Stream:
+        """Messages ({"role", "content"}, with ``tool_calls`` or a tool's answer) rendered through the
+        model's chat template; ``tools``: functions ({"name", "description", "parameters"}) it may call.
+        ``grammar={"kind": "json_schema", "text": schema}`` (or ``"json_object"``) constrains the output."""
         return self._start(self._work("chat", request_id or self._next_id(), max_tokens, priority, deadline,
-                                      sentences, sampling, messages=list(messages)))
+                                      sentences, sampling, messages=list(messages), tools=tools or None))
 
     def cancel(self, request_id: str) -> bool:
         """Cancel a request; returns whether it was still in flight. No event for it follows the ack
@@ -587,9 +589,10 @@ class AsyncClient(_Base):
 
     async def chat(self, messages: list[dict], *, max_tokens: int = 256, priority: Optional[str] = None,
                    deadline: Optional[float] = None, sentences: bool = False, request_id: Optional[str] = None,
-                   **sampling) -> AsyncStream:
+                   tools: Optional[list[dict]] = None, **sampling) -> AsyncStream:
         return await self._start(self._work("chat", request_id or self._next_id(), max_tokens, priority,
-                                            deadline, sentences, sampling, messages=list(messages)))
+                                            deadline, sentences, sampling, messages=list(messages),
+                                            tools=tools or None))
 
     async def cancel(self, request_id: str) -> bool:
         return (await self._call({"type": "cancel", "id": self._next_id(), "target": request_id})).found

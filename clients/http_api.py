@@ -17,6 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from llmd.protocol import MAX_FILES, MAX_MESSAGES, MAX_TEXT_LEN
 
+from .http_tools import ToolError, call_grammar, format_grammar, one_grammar, wire_calls, wire_tools
+
 MAX_STOP = 16                       # as the ZeroMQ edge's Sampling.stop
 MAX_TOKENS = 1 << 20
 DEFAULT_MAX_TOKENS = 256            # when a request names none
@@ -71,6 +73,7 @@ class _Sampled(_Body):
     logit_bias: Optional[Annotated[dict, Field(max_length=0)]] = None
     user: Optional[Annotated[str, Field(max_length=256)]] = None
     ignore_eos: Optional[bool] = None                 # an extension vLLM and llama.cpp share
+    response_format: Optional[dict] = None            # text, json_object or json_schema (http_tools)
 
     def sampling(self, max_tokens: Optional[int], logprobs: Optional[int]) -> dict:
         s = {"max_tokens": max_tokens or self.max_tokens or DEFAULT_MAX_TOKENS, "temperature": self.temperature,
@@ -101,6 +104,9 @@ class Part(_Body):
 class Message(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[Text, Annotated[list[Part], Field(max_length=64)], None] = None
+    tool_calls: Optional[Annotated[list[dict], Field(max_length=64)]] = None
+    tool_call_id: Optional[Annotated[str, Field(max_length=128)]] = None
+    name: Optional[Annotated[str, Field(max_length=256)]] = None
 
 
 class ChatBody(_Sampled):
@@ -108,7 +114,9 @@ class ChatBody(_Sampled):
     max_completion_tokens: Optional[Annotated[int, Field(ge=1, le=MAX_TOKENS)]] = None
     logprobs: bool = False
     top_logprobs: Optional[Annotated[int, Field(ge=0, le=20)]] = None
-    tools: Optional[Annotated[list, Field(max_length=0)]] = None
+    tools: Optional[Annotated[list[dict], Field(max_length=128)]] = None
+    tool_choice: Optional[Union[Annotated[str, Field(max_length=16)], dict]] = None
+    parallel_tool_calls: Optional[bool] = None
 
 
 class ExtraChunk(_Body):
@@ -172,8 +180,20 @@ def parse(model: type[BaseModel], raw: bytes) -> Any:
         raise HttpError(400, f"{loc or 'body'}: {msg}{more}", param=loc or None) from None
 
 
+def refused(e: ToolError) -> HttpError:
+    return HttpError(400, str(e), param=e.param)
+
+
 def completion_work(body: CompletionBody) -> Work:
     sampling = body.sampling(None, body.logprobs)
+    try:
+        grammar = format_grammar(body.response_format, "response_format")
+    except ToolError as e:
+        raise refused(e) from None
+    if grammar is not None:
+        if body.suffix is not None:
+            raise HttpError(400, "a response_format cannot constrain a fill-in-the-middle answer", param="suffix")
+        sampling["grammar"] = grammar
     prompt = body.prompt[0] if isinstance(body.prompt, list) and isinstance(body.prompt[0], str) else body.prompt
     if body.suffix is not None:
         if not isinstance(prompt, str):
@@ -185,13 +205,32 @@ def completion_work(body: CompletionBody) -> Work:
 
 
 def chat_work(body: ChatBody) -> Work:
+    try:
+        return _chat_work(body)
+    except ToolError as e:
+        raise refused(e) from None
+
+
+def _chat_work(body: ChatBody) -> Work:
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     messages = []
-    for m in body.messages:
+    for i, m in enumerate(body.messages):
         content = m.content if isinstance(m.content, str) else "".join(p.text for p in (m.content or []))
-        messages.append({"role": "system" if m.role == "developer" else m.role, "content": content})
-    return Work("chat", {"messages": messages}, body.sampling(body.max_completion_tokens, logprobs), body.stream,
-                body.include_usage(), logprobs)
+        msg = {"role": "system" if m.role == "developer" else m.role, "content": content}
+        if m.tool_calls:
+            msg["tool_calls"] = wire_calls(m.tool_calls, f"messages.{i}.tool_calls")
+        msg.update({k: v for k, v in (("tool_call_id", m.tool_call_id), ("name", m.name)) if v})
+        messages.append(msg)
+    tools = wire_tools(body.tools)
+    forced, offered = call_grammar(tools, body.tool_choice)
+    sampling = body.sampling(body.max_completion_tokens, logprobs)
+    grammar = one_grammar(forced, format_grammar(body.response_format, "response_format"))
+    if grammar is not None:
+        sampling["grammar"] = grammar
+    fields = {"messages": messages, "tools": tools if offered else None}
+    return Work("chat", fields, sampling, body.stream, body.include_usage(), logprobs,
+                extra={"tool_names": {t["name"] for t in tools} if offered else set(),
+                       "max_calls": 1 if body.parallel_tool_calls is False else None})
 
 
 def infill_work(body: InfillBody) -> Work:
@@ -266,9 +305,12 @@ class Shaper:
     def chat(self) -> bool:
         return self.kind == "chat.completion"
 
-    def chunk(self, text: str, logprobs: Optional[dict], finish: Optional[str] = None, first: bool = False) -> dict:
+    def chunk(self, text: str, logprobs: Optional[dict], finish: Optional[str] = None, first: bool = False,
+              tool_calls: Optional[list] = None) -> dict:
         if self.chat:
             delta = ({"role": "assistant", "content": text} if first else {"content": text}) if text or first else {}
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
             choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             return {"id": self.rid, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
                     "choices": [choice]}
@@ -281,10 +323,13 @@ class Shaper:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model, "choices": [],
                 "usage": usage(done_usage)}
 
-    def whole(self, text: str, logprobs: Optional[dict], finish: str, done_usage: dict) -> dict:
+    def whole(self, text: str, logprobs: Optional[dict], finish: str, done_usage: dict,
+              tool_calls: Optional[list] = None) -> dict:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                      "finish_reason": finish}
+            message = {"role": "assistant", "content": text or None if tool_calls else text}
+            if tool_calls:
+                message["tool_calls"], finish = tool_calls, "tool_calls"
+            choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
         return {"id": self.rid, "object": self.kind, "created": self.created, "model": self.model,

@@ -32,6 +32,7 @@ from .http_metrics import FrontMetrics
 from .http_ollama import OllamaRoutes
 from .http_stream import (collect, events, finish_reason, finished, first_event, predict_limited,
                           raise_error, send_event)
+from .http_tools import ToolStream, parse_calls
 
 
 @dataclass(frozen=True)
@@ -227,27 +228,42 @@ class Front:
                 raise_error(final)
                 if work.logprobs is not None and logprobs is None:
                     logprobs = lp([], "")
-                return finished(web.json_response(shaper.whole("".join(parts), logprobs,
-                                                                finish_reason(final), final.usage)), final)
+                text, calls = parse_calls("".join(parts), work.extra.get("tool_names") or set(),
+                                          work.extra.get("max_calls"))
+                return finished(web.json_response(shaper.whole(text, logprobs, finish_reason(final), final.usage,
+                                                               [c.openai() for c in calls])), final)
             response = await self.sse(request)
             if shaper.chat:
                 await send_event(response, shaper.chunk("", None, first=True))
-            final = None
+            final, calls = None, 0
+            tools = ToolStream(work.extra.get("tool_names") or set(), work.extra.get("max_calls"))
             async for event in events(first, stream):
                 if isinstance(event, Token):
-                    await send_event(response, shaper.chunk(event.text, lp(event.logprobs, event.text)
-                                                       if event.logprobs else None))
+                    calls += await self._send_text(response, shaper, tools.feed(event.text), calls,
+                                                   lp(event.logprobs, event.text) if event.logprobs else None)
                 else:
                     final = event
+            calls += await self._send_text(response, shaper, tools.finish(), calls, None)
             if isinstance(final, Error):
                 await send_event(response, daemon_error(final.code, final.message).body())
             else:
-                await send_event(response, shaper.chunk("", None, finish_reason(final)))
+                await send_event(response, shaper.chunk("", None, "tool_calls" if calls else finish_reason(final)))
                 if work.include_usage:
                     await send_event(response, shaper.usage_chunk(final.usage))
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
             return response
+
+    @staticmethod
+    async def _send_text(response, shaper: Shaper, released: tuple, first_index: int, logprobs) -> int:
+        """Send what a ToolStream released: its text (with the event's logprobs) and each call as a
+        ``tool_calls`` delta; returns how many calls went out."""
+        text, calls = released
+        if text or (logprobs and not calls):
+            await send_event(response, shaper.chunk(text, logprobs))
+        for i, call in enumerate(calls):
+            await send_event(response, shaper.chunk("", None, tool_calls=[call.openai(first_index + i)]))
+        return len(calls)
 
     async def start(self, work: Work, priority: Optional[str] = None, whole: bool = False):
         """The daemon stream of ``work``; ``whole``: the daemon sends the output in one event at the end

@@ -14,6 +14,7 @@ from .http_api import HttpError, Work, parse
 from .http_ollama_api import (API_VERSION, ChatBody, GenerateBody, Shaper, ShowBody, chat_work, generate_work,
                               model_entry, running_entry, show, tagged)
 from .http_stream import collect, events, finished, first_event
+from .http_tools import ToolStream, parse_calls
 
 
 class OllamaRoutes:
@@ -59,18 +60,21 @@ class OllamaRoutes:
         if work is None:
             return web.json_response(shaper.loaded())
         stream = await self.front.start(work, whole=not work.stream)
+        names = work.extra.get("tool_names") or set()
         async with stream:
             first = await first_event(stream)
             if not work.stream:
                 text, final = await collect(events(first, stream))
-                return finished(web.json_response(shaper.final(text, final)), final)
+                text, calls = parse_calls(text, names)
+                return finished(web.json_response(shaper.final(text, final, [c.ollama() for c in calls])), final)
             response = await self.front.sse(request, "application/x-ndjson")
-            final = None
+            final, tools = None, ToolStream(names)
             async for event in events(first, stream):
                 if not isinstance(event, Token):
                     final = event
                 elif event.text:
-                    await _line(response, shaper.chunk(event.text))
+                    await _released(response, shaper, tools.feed(event.text))
+            await _released(response, shaper, tools.finish())
             await _line(response, {"error": final.message} if isinstance(final, Error) else shaper.final("", final))
             await response.write_eof()
             return response
@@ -89,6 +93,13 @@ class OllamaRoutes:
 
     async def version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": API_VERSION})
+
+
+async def _released(response: web.StreamResponse, shaper: Shaper, released: tuple) -> None:
+    """What a ToolStream let go: text, and the calls in one chunk, as Ollama streams them."""
+    text, calls = released
+    if text or calls:
+        await _line(response, shaper.chunk(text, [c.ollama() for c in calls]))
 
 
 async def _line(response: web.StreamResponse, obj: dict) -> None:

@@ -1,8 +1,9 @@
 """Ollama's API at the edge of ``llmd http``: the bodies of ``/api/generate``, ``/api/chat`` and
 ``/api/show``, how each becomes llmd work, and the shape of the answers. Pure Python, no aiohttp.
 
-What llmd cannot honour is refused with a 400 naming the field, never ignored: images, tools,
-``format``, thinking, logprobs, a template or token context of the client's own, and (see
+``format`` ("json" or a JSON schema) constrains the output; ``tools`` are offered to the model
+and its calls come back in ``message.tool_calls`` (``http_tools``). What llmd cannot honour is
+refused with a 400 naming the field, never ignored: images, thinking, logprobs, a template or token context of the client's own, and (see
 ``http_options``) samplers llmd lacks. Fields that do not change the output are accepted:
 ``keep_alive`` (llmd keeps its one model loaded), the load-time options (``num_gpu``,
 ``num_thread``, ``use_mmap`` ...), ``num_keep`` (llmd never shifts the context), and ``num_ctx`` up
@@ -23,6 +24,7 @@ from llmd.protocol import MAX_MESSAGES, MAX_PROMPT_TOKENS
 
 from .http_api import FINISH, MAX_TOKENS, Finite, Text, Work
 from .http_options import LlamaSampling, Strict, predicted, refuse
+from .http_tools import ToolError, format_grammar, wire_calls, wire_tools
 
 API_VERSION = "0.6.0"        # the version of Ollama's API whose fields llmd serves
 FOREVER = "2999-12-31T23:59:59Z"    # /api/ps: llmd never unloads its model
@@ -104,8 +106,6 @@ TEXT_ONLY = "llmd serves text models: send no images"
 
 
 def _check_request(body: _Request, context_length: int) -> None:
-    if body.format not in (None, ""):
-        refuse("format", "structured output is not served by llmd yet: send no format")
     if body.think not in (None, False):
         refuse("think", "llmd serves no thinking models: only false is accepted")
     if body.logprobs:
@@ -122,7 +122,14 @@ def _check_request(body: _Request, context_length: int) -> None:
 
 def _sampling(body: _Request) -> dict:
     o = body.options or Options()
-    return {**predicted(o.num_predict, MAX_TOKENS), **o.sampling("options.")}
+    sampling = {**predicted(o.num_predict, MAX_TOKENS), **o.sampling("options.")}
+    try:
+        grammar = format_grammar(body.format, "format")
+    except ToolError as e:
+        refuse("format", str(e))
+    if grammar is not None:
+        sampling["grammar"] = grammar
+    return sampling
 
 
 def generate_work(body: GenerateBody, chat_template: bool, context_length: int) -> Optional[Work]:
@@ -143,6 +150,8 @@ def generate_work(body: GenerateBody, chat_template: bool, context_length: int) 
     if not body.prompt and not body.suffix and not body.system:
         return None
     if body.suffix is not None and not body.raw:      # even an empty one: the cursor is at the end
+        if "grammar" in sampling:
+            refuse("format", "a format cannot constrain a fill-in-the-middle answer: send no suffix or no format")
         if body.system:
             refuse("system", "filling in the middle has no place for a system prompt")
         return Work("infill", {"prefix": body.prompt, "suffix": body.suffix}, sampling, body.stream)
@@ -159,18 +168,28 @@ def generate_work(body: GenerateBody, chat_template: bool, context_length: int) 
 def chat_work(body: ChatBody, context_length: int) -> Optional[Work]:
     """The work of one ``/api/chat``; None for no messages (Ollama's load call)."""
     _check_request(body, context_length)
-    if body.tools:
-        refuse("tools", "tool calling is not served by llmd yet: send no tools")
     for i, m in enumerate(body.messages):
-        for name, why in (("images", TEXT_ONLY), ("tool_calls", "tool calls are not served by llmd yet"),
-                          ("tool_name", "tool calls are not served by llmd yet"),
-                          ("thinking", "llmd serves no thinking models")):
+        for name, why in (("images", TEXT_ONLY), ("thinking", "llmd serves no thinking models")):
             if getattr(m, name):
                 refuse(f"messages.{i}.{name}", why)
     if not body.messages:
         return None
-    messages = [{"role": m.role, "content": m.content} for m in body.messages]
-    return Work("chat", {"messages": messages}, _sampling(body), body.stream)
+    try:
+        tools = wire_tools(body.tools)
+        messages = [_message(m, i) for i, m in enumerate(body.messages)]
+    except ToolError as e:
+        refuse(e.param or "tools", str(e))
+    return Work("chat", {"messages": messages, "tools": tools or None}, _sampling(body), body.stream,
+                extra={"tool_names": {t["name"] for t in tools}})
+
+
+def _message(m: Message, i: int) -> dict:
+    out = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        out["tool_calls"] = wire_calls(m.tool_calls, f"messages.{i}.tool_calls")
+    if m.tool_name:
+        out["name"] = m.tool_name
+    return out
 
 
 # -- answers ---------------------------------------------------------------------------------------
@@ -188,13 +207,15 @@ class Shaper:
     chat: bool
     started_ns: int = field(default_factory=time.monotonic_ns)
 
-    def chunk(self, text: str) -> dict:
+    def chunk(self, text: str, tool_calls: Optional[list] = None) -> dict:
         key, value = ("message", {"role": "assistant", "content": text}) if self.chat else ("response", text)
+        if tool_calls:
+            value["tool_calls"] = tool_calls
         return {"model": self.model, "created_at": timestamp(), key: value, "done": False}
 
-    def final(self, text: str, done) -> dict:
+    def final(self, text: str, done, tool_calls: Optional[list] = None) -> dict:
         u, t = getattr(done, "usage", {}) or {}, getattr(done, "timings", {}) or {}
-        return {**self.chunk(text), "done": True,
+        return {**self.chunk(text, tool_calls), "done": True,
                 "done_reason": FINISH.get(getattr(done, "finish_reason", "stop"), "stop"),
                 "total_duration": time.monotonic_ns() - self.started_ns, "load_duration": 0,
                 "prompt_eval_count": u.get("prompt_tokens") or 0,

@@ -37,6 +37,7 @@ class Submit:
     files: tuple = ()              # infill: ((path, text), ...)
     layout: str = "psm"            # infill: "psm" | "spm"
     messages: tuple = ()           # chat: ({"role", "content"}, ...)
+    tools: tuple = ()              # chat: ({"name", "description", "parameters"}, ...)
     cache_salt: Optional[str] = None
     reuse_key: Optional[str] = None  # shifted reuse among the requests under this key (infill)
 
@@ -246,7 +247,7 @@ class EngineThread(threading.Thread):
     def _prompt(self, s: Submit):
         tok = self.engine.tokenizer
         if s.kind == "chat":
-            return tok.encode_chat([dict(m) for m in s.messages])
+            return tok.encode_chat([dict(m) for m in s.messages], tools=list(s.tools) or None)
         if s.kind == "infill":
             return tok.build_infill(s.prefix, s.suffix, list(s.files), s.layout, s.middle)
         return s.prompt

@@ -322,7 +322,8 @@ class Server:
             reuse = f"{ident.hex()}:{req.replace}" if req.shift_reuse and req.replace is not None else None
             return Submit(prefix=req.prefix, suffix=req.suffix, middle=req.middle, layout=req.layout, reuse_key=reuse,
                           files=tuple((f.path, f.text) for f in req.files), **common)
-        return Submit(messages=tuple({"role": m.role, "content": m.content} for m in req.messages), **common)
+        return Submit(messages=tuple(m.to_template() for m in req.messages),
+                      tools=tuple(t.model_dump() for t in req.tools), **common)
 
     def _ask_stats(self, ident: bytes, rid: str) -> None:
         if self.state not in ("ready", "draining"):

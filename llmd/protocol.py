@@ -43,6 +43,9 @@ MAX_PROMPT_TOKENS = 1 << 17
 MAX_MESSAGES = 256
 MAX_FILES = 32
 MAX_DEADLINE_MS = 24 * 3600 * 1000
+MAX_GRAMMAR_LEN = 1 << 16
+MAX_TOOLS = 128
+MAX_TOOL_CALLS = 64
 
 
 class ProtocolError(ValueError):
@@ -77,6 +80,13 @@ class _Message(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
 
+class Grammar(_Message):
+    """A constraint on the output: any JSON object, or the JSON schema in ``text``."""
+
+    kind: Literal["json_object", "json_schema"]
+    text: Annotated[str, Field(max_length=MAX_GRAMMAR_LEN)] = ""
+
+
 class Sampling(_Message):
     """Sampling parameters; ranges are checked again by the runtime's SamplingParams."""
 
@@ -94,6 +104,7 @@ class Sampling(_Message):
     ignore_eos: bool = False
     logprobs: Optional[Annotated[int, Field(ge=0, le=20)]] = None
     prompt_only: bool = False
+    grammar: Optional[Grammar] = None
 
 
 Priority = Literal["interactive", "normal", "batch"]
@@ -150,14 +161,47 @@ class Infill(_Work):
     shift_reuse: bool = False
 
 
+Name = Annotated[str, Field(min_length=1, max_length=256)]
+# a JSON object given as its text, so that the message keeps its typed, bounded shape
+JsonText = Annotated[str, Field(min_length=2, max_length=MAX_GRAMMAR_LEN)]
+
+
+class ToolCall(_Message):
+    """A call an assistant message made: the function's name and its arguments (a JSON object's text)."""
+
+    id: Optional[Annotated[str, Field(max_length=MAX_ID_LEN)]] = None
+    name: Name
+    arguments: JsonText = "{}"
+
+
+class Tool(_Message):
+    """A function the model may call: ``parameters`` is its JSON schema's text."""
+
+    name: Name
+    description: Annotated[str, Field(max_length=1 << 14)] = ""
+    parameters: JsonText = '{"type": "object", "properties": {}}'
+
+
 class ChatMessage(_Message):
     role: Literal["system", "user", "assistant", "tool"]
     content: Text
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOL_CALLS)] = []
+    tool_call_id: Optional[Annotated[str, Field(max_length=MAX_ID_LEN)]] = None    # role tool: the call answered
+    name: Optional[Name] = None                                                     # role tool: the function
+
+    def to_template(self) -> dict:
+        """The message as the runtime's chat template takes it (runtime.chat_template)."""
+        out: dict = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump(exclude_none=True) for c in self.tool_calls]
+        out.update({k: v for k, v in (("tool_call_id", self.tool_call_id), ("name", self.name)) if v is not None})
+        return out
 
 
 class Chat(_Work):
     type: Literal["chat"]
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] = []
 
 
 class Cancel(_Message):

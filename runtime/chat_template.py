@@ -3,6 +3,7 @@
 template's own text (so that only the latter may spell control tokens)."""
 from __future__ import annotations
 
+import json
 import secrets
 import time
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Any, Optional
 import jinja2.ext
 from jinja2.exceptions import SecurityError, TemplateError
 
+from .chat_tools import bounded_str, tool_calls, tools_in_text, validate_tools
 from .errors import InvalidRequest
 from .template_sandbox import RENDER_MAX_CHARS, RenderLimit, Sandbox, check_deadline, render_deadline
 
@@ -52,10 +54,28 @@ class ChatTemplate:
             self._template = None
             self._compile_error = f"the chat template in {model_dir} does not compile: {e}"
 
-    def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        return self._render(_validate_messages(messages), add_generation_prompt)
+    @property
+    def has_tools(self) -> bool:
+        """The template places ``tools`` itself; otherwise llmd describes them in a system message."""
+        return self.source is not None and "tools" in self.source
 
-    def render_pieces(self, messages: list[dict], add_generation_prompt: bool) -> list[tuple[str, bool]]:
+    def render(self, messages: list[dict], add_generation_prompt: bool, tools: Optional[list[dict]] = None) -> str:
+        msgs, tools = self._prepare(messages, tools)
+        return self._render(msgs, add_generation_prompt, tools)
+
+    def _prepare(self, messages: list[dict], tools: Optional[list[dict]]) -> tuple[list[dict], Optional[list[dict]]]:
+        msgs, tools = _validate_messages(messages), validate_tools(tools)
+        spelled = [t for t in self._specials for x in (tools, [m.get("tool_calls") for m in msgs])
+                   if x and t in json.dumps(x, ensure_ascii=False)]
+        if spelled:
+            raise InvalidRequest(f"a tool or tool call contains the special token {spelled[0]!r}, which this "
+                                 "chat template would turn into a control token")
+        if not self.has_tools and (tools or any("tool_calls" in m for m in msgs)):
+            return tools_in_text(msgs, tools), None
+        return msgs, tools
+
+    def render_pieces(self, messages: list[dict], add_generation_prompt: bool,
+                      tools: Optional[list[dict]] = None) -> list[tuple[str, bool]]:
         """The rendering as (text, is_message_content) pieces.
 
         Renders twice: with the real contents and with a unique marker in place of each content. When
@@ -63,14 +83,16 @@ class ChatTemplate:
         rendering exactly, the pieces are known. Otherwise the template transforms contents; then contents that spell a special
         token are refused, since they could not be kept as text.
         """
-        msgs = _validate_messages(messages)
+        msgs, tools = self._prepare(messages, tools)
         nonce = secrets.token_hex(8)
-        marks = [f"[[llmd-{nonce}-{i}]]" for i in range(len(msgs))]   # no whitespace: survives strip()
+        # empty contents stay empty: templates test them ("if message.content")
+        marks = [f"[[llmd-{nonce}-{i}]]" if m["content"] else "" for i, m in enumerate(msgs)]   # survives strip()
         with render_deadline():
-            real = self._render(msgs, add_generation_prompt)
-            marked = self._render([{**m, "content": k} for m, k in zip(msgs, marks)], add_generation_prompt)
+            real = self._render(msgs, add_generation_prompt, tools)
+            marked = self._render([{**m, "content": k} for m, k in zip(msgs, marks)], add_generation_prompt, tools)
+        marked_msgs = [m for m, k in zip(msgs, marks) if k]
         for transform in (str, str.strip):     # templates commonly strip message contents
-            pieces = _split_at_marks(marked, marks, [transform(m["content"]) for m in msgs])
+            pieces = _split_at_marks(marked, [k for k in marks if k], [transform(m["content"]) for m in marked_msgs])
             if pieces is not None and "".join(t for t, _ in pieces) == real:
                 return pieces
         bad = [t for t in self._specials for m in msgs if t in m["content"]]
@@ -79,12 +101,12 @@ class ChatTemplate:
                                  "template would turn into a control token")
         return [(real, False)]
 
-    def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+    def _render(self, messages: list[dict], add_generation_prompt: bool, tools: Optional[list[dict]] = None) -> str:
         if self._template is None:
             raise InvalidRequest(self._compile_error)
         try:
             with render_deadline():
-                out = self._bounded(messages, bool(add_generation_prompt))
+                out = self._bounded(messages, bool(add_generation_prompt), tools)
         except RenderLimit as e:
             raise InvalidRequest(str(e)) from None
         except SecurityError as e:
@@ -95,10 +117,11 @@ class ChatTemplate:
             raise InvalidRequest(f"the chat template failed: {type(e).__name__}: {e}") from None
         return out
 
-    def _bounded(self, messages: list, add_generation_prompt: bool) -> str:
+    def _bounded(self, messages: list, add_generation_prompt: bool, tools: Optional[list[dict]]) -> str:
         """The rendering, stopped once it runs past RENDER_MAX_CHARS characters or the deadline."""
         parts, size = [], 0
-        for chunk in self._template.generate(messages=messages, add_generation_prompt=add_generation_prompt):
+        extra = {"tools": tools} if tools else {}
+        for chunk in self._template.generate(messages=messages, add_generation_prompt=add_generation_prompt, **extra):
             size += len(chunk)
             if size > RENDER_MAX_CHARS:
                 raise RenderLimit("the rendered chat is too long")
@@ -122,7 +145,8 @@ def _split_at_marks(marked: str, marks: list[str], contents: list[str]) -> Optio
 
 
 def _validate_messages(messages: Any) -> list[dict]:
-    """Messages as fresh {"role", "content"} dicts of bounded strings."""
+    """Messages as fresh {"role", "content"} dicts of bounded strings, with an assistant's
+    ``tool_calls`` and a tool answer's ``tool_call_id`` and ``name`` where given (runtime.chat_tools)."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("messages must be a non-empty list")
     if len(messages) > MAX_MESSAGES:
@@ -137,7 +161,14 @@ def _validate_messages(messages: Any) -> list[dict]:
         if not isinstance(content, str) or len(content) > MAX_MESSAGE_CHARS:
             raise InvalidRequest(f"messages[{i}].content must be a string of at most {MAX_MESSAGE_CHARS} characters")
         total += len(content)
-        out.append({"role": role, "content": content})
+        msg = {"role": role, "content": content}
+        for key in ("tool_call_id", "name"):
+            if m.get(key) is not None:
+                msg[key] = bounded_str(m[key], f"messages[{i}].{key}")
+        if m.get("tool_calls"):
+            msg["tool_calls"] = tool_calls(m["tool_calls"], i)
+            total += len(json.dumps(msg["tool_calls"]))
+        out.append(msg)
     if total > MAX_TEXT_CHARS:
         raise InvalidRequest(f"messages hold more than {MAX_TEXT_CHARS} characters in all")
     return out

@@ -21,6 +21,7 @@ from .errors import CapacityError, EngineDirError, InvalidRequest
 from . import kernels
 from .kernels import ops
 from .execution import choose
+from .grammar import GrammarCompiler, Matcher, vocab_json
 from .kv_tier import DiskTier
 from .loading import LoadedModel, load_for_engine
 from .model_names import resolve_config
@@ -54,10 +55,11 @@ class StepOutput:
 class _Live:
     """Per-request engine-side state that the scheduler does not own."""
 
-    __slots__ = ("detok", "generator", "new_ids", "text", "logprobs")
+    __slots__ = ("detok", "generator", "new_ids", "text", "logprobs", "matcher")
 
-    def __init__(self, detok: IncrementalDetokenizer, generator: Optional[torch.Generator]):
-        self.detok, self.generator = detok, generator
+    def __init__(self, detok: IncrementalDetokenizer, generator: Optional[torch.Generator],
+                 matcher: Optional[Matcher] = None):
+        self.detok, self.generator, self.matcher = detok, generator, matcher
         self.new_ids: list[int] = []
         self.text = ""
         self.logprobs: list = []
@@ -112,6 +114,7 @@ class Engine:
         self._live: dict[str, _Live] = {}
         self._pending: list[StepOutput] = []     # aborts and failures reported at the next step
         self._seeds = itertools.count(config.seed * 1_000_003 + 1)
+        self._grammars: Optional[GrammarCompiler] = None     # built at the first constrained request
 
     def _make_runner(self, loaded: LoadedModel, model, num_spec_tokens: int, draft: bool = False):
         c = self.config
@@ -169,11 +172,20 @@ class Engine:
                                 f"{self.block_manager.num_blocks * self.config.block_size}; raise kv_memory")
         req = Request(request_id, ids, params, priority, cache_salt, self.eos_token_ids,
                       reuse_key=None if reuse_key is None else f"{cache_salt}\0{reuse_key}")
+        matcher = self._compile(params)
         gen = None if params.greedy else make_generator(params.seed if params.seed is not None else next(self._seeds))
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens, params.stop)
-        self._live[request_id] = _Live(detok, gen)
+        self._live[request_id] = _Live(detok, gen, matcher)
         if self.tier is None or not self.tier.park(req):      # parked while the tier reads its blocks
             self.scheduler.add(req)
+
+    def _compile(self, params: SamplingParams) -> Optional[Matcher]:
+        if params.grammar is None:
+            return None
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(vocab_json(self.tokenizer), self.model_config.vocab_size,
+                                             self.eos_token_ids)
+        return self._grammars.compile(params.grammar)
 
     def _num_waiting(self) -> int:
         return self.scheduler.num_waiting + (len(self.tier.parked) if self.tier is not None else 0)
@@ -295,6 +307,8 @@ class Engine:
     def _plan_speculation(self) -> None:
         decoding, other = [], 0
         for r in self.scheduler.running:
+            if r.params.grammar is not None:
+                continue           # constrained rows never speculate: each token needs the mask after the last
             if r.num_computed_tokens == r.num_tokens - 1:
                 decoding.append(r)
             else:
@@ -303,7 +317,9 @@ class Engine:
 
     def _row(self, req: Request, extra: list[int]) -> SamplingRow:
         history = req.token_ids + extra if req.params.needs_penalties else None
-        return SamplingRow(req.params, self._live[req.request_id].generator, history, req.num_prompt_tokens)
+        live = self._live[req.request_id]
+        allowed = live.matcher.allowed() if live.matcher is not None else None
+        return SamplingRow(req.params, live.generator, history, req.num_prompt_tokens, allowed)
 
     def _propose(self, scheduled: list[ScheduledRequest]) -> tuple[dict[int, Proposal], float]:
         items = [s for s in scheduled if s.num_spec_tokens]
@@ -343,7 +359,8 @@ class Engine:
         """Per scheduled request, the (token, logprobs) pairs it gains this step."""
         out: list[list] = [[] for _ in scheduled]
         on_device = self.runner.samples_on_device     # the CUDA runner's logits stay there
-        if on_device and any(s.request.params.logprobs is not None or s.num_spec_tokens for s in scheduled):
+        if on_device and any(s.request.params.logprobs is not None or s.num_spec_tokens
+                             or s.request.params.grammar is not None for s in scheduled):
             p = [s.request.params for s in scheduled]
             if all(_plain_greedy(x) for x in p):
                 return self._greedy(scheduled, counts, logits.argmax(-1).tolist())   # one copy: the ids
@@ -420,10 +437,15 @@ class Engine:
         if tok in req.eos_token_ids or tok in p.stop_token_ids:
             req.stop_reason = tok
             return FinishReason.STOP
+        if live.matcher is not None and not live.matcher.advance(tok):
+            req.error = f"the output left its grammar: {live.matcher.error}"
+            return FinishReason.ERROR
         delta, hit = live.detok.add([tok])
         live.text += delta
         if hit is not None:
             req.stop_reason = hit
+            return FinishReason.STOP
+        if live.matcher is not None and live.matcher.stopped:
             return FinishReason.STOP
         if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
@@ -450,7 +472,7 @@ class Engine:
         metrics = req.metrics.as_dict(req.num_prompt_tokens, req.num_output_tokens)
         metrics["stop_reason"] = req.stop_reason
         self.stats_.record_finished(req, metrics)
-        return StepOutput(req.request_id, live.new_ids, text, True, req.finish_reason.value, error,
+        return StepOutput(req.request_id, live.new_ids, text, True, req.finish_reason.value, error or req.error,
                           live.logprobs or None, metrics)
 
     def _fail(self, req: Request, message: str) -> StepOutput:
@@ -506,4 +528,4 @@ class Engine:
 
 def _plain_greedy(params: SamplingParams) -> bool:
     """A row whose token is its logits' argmax: greedy, without penalties or logprobs."""
-    return params.greedy and not params.needs_penalties and params.logprobs is None
+    return params.greedy and not params.needs_penalties and params.logprobs is None and params.grammar is None

@@ -18,6 +18,8 @@ from .errors import InvalidRequest
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
 MAX_LOGPROBS = 20
+MAX_GRAMMAR_CHARS = 1 << 16
+GRAMMAR_KINDS = ("json_object", "json_schema")
 
 
 class Priority(enum.IntEnum):
@@ -56,6 +58,31 @@ class FinishReason(str, enum.Enum):
 
 
 @dataclass(frozen=True)
+class Grammar:
+    """What a constrained request's output must match: any JSON object (``json_object``) or a JSON
+    schema (``json_schema``, its text in ``text``). Compiled into a token mask by runtime.grammar."""
+
+    kind: str
+    text: str = ""
+
+    def __post_init__(self):
+        if self.kind not in GRAMMAR_KINDS:
+            raise InvalidRequest(f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}, got {self.kind!r}")
+        if not isinstance(self.text, str) or len(self.text) > MAX_GRAMMAR_CHARS:
+            raise InvalidRequest(f"a grammar's text must be a string of at most {MAX_GRAMMAR_CHARS} characters")
+        if self.kind == "json_schema" and not self.text:
+            raise InvalidRequest("a json_schema grammar needs the schema")
+
+    @classmethod
+    def parse(cls, value: "Grammar | dict | None") -> "Optional[Grammar]":
+        if value is None or isinstance(value, Grammar):
+            return value
+        if isinstance(value, dict) and set(value) <= {"kind", "text"}:
+            return cls(**value)
+        raise InvalidRequest("grammar must be {\"kind\": ..., \"text\": ...}")
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token. Validated when built; every field is bounded."""
 
@@ -74,6 +101,7 @@ class SamplingParams:
     logprobs: Optional[int] = None    # None: none; 0: chosen token only; n: chosen plus top-n
     skip_special_tokens: bool = True
     prompt_only: bool = False         # compute the prompt into the prefix cache, generate nothing
+    grammar: Optional[Grammar] = None # constrain the output (structured output, forced tool calls)
 
     def __post_init__(self):
         def check(ok: bool, msg: str):
@@ -108,6 +136,7 @@ class SamplingParams:
               f"stop strings must be non-empty strings of at most {MAX_STOP_STRING_LEN} characters")
         check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative integers")
         check(len(self.stop_token_ids) <= 64, "at most 64 stop token ids")
+        object.__setattr__(self, "grammar", Grammar.parse(self.grammar))
         check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
               f"logprobs must be None or an integer from 0 to {MAX_LOGPROBS}")
 

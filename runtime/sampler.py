@@ -3,7 +3,7 @@
 All functions take float32 logits ``[N, V]`` on the CPU, one row per sampled position, and a list of
 ``N`` ``SamplingRow``s. The order of operations, and so the distribution drawn from, is:
 
-    logits -> penalties -> (greedy rows: one-hot at the argmax)
+    logits -> grammar mask -> penalties -> (greedy rows: one-hot at the argmax)
            -> / temperature -> top-k -> top-p -> min-p -> softmax
 
 ``processed_probs`` returns exactly that distribution and ``sample`` draws from it, so speculative
@@ -19,8 +19,13 @@ Penalty semantics:
     ``presence * [count > 0] + frequency * count``, where count is the token's number of occurrences
     in the output (``history[num_prompt:]``).
 
-Logprobs are those of the model's distribution after penalties and before temperature and the
-filters (``log_softmax`` of the penalized logits), like common servers report them.
+Grammar masks: a constrained row carries ``allowed``, a bool row of the vocabulary (runtime.grammar);
+its logits are ``-inf`` where it is false before anything else, in a copy. Rows without one keep
+their logits bit for bit, and every later operation is per row, so a row's token depends on its own
+logits, parameters and generator only, whatever mix of constrained and free rows shares the step.
+
+Logprobs are those of the model's distribution after the mask and penalties and before temperature
+and the filters (``log_softmax`` of the penalized logits), like common servers report them.
 """
 from __future__ import annotations
 
@@ -45,6 +50,7 @@ class SamplingRow:
     generator: Optional[torch.Generator] = None  # per request; None when greedy
     history: Optional[list[int]] = None          # prompt + output ids; needed when params.needs_penalties
     num_prompt: int = 0                          # how many of ``history`` are prompt tokens
+    allowed: Optional[torch.Tensor] = None       # [V] bool: the grammar's mask; None when unconstrained
 
 
 @dataclass
@@ -61,12 +67,18 @@ def make_generator(seed: Optional[int]) -> torch.Generator:
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Logits with each row's penalties applied. Returns ``logits`` itself when no row has any;
-    otherwise a new tensor (the input is never modified)."""
+    """Logits with each row's grammar mask and penalties applied. Returns ``logits`` itself when no
+    row has any; otherwise a new tensor (the input is never modified)."""
     penalized = [i for i, r in enumerate(rows) if r.params.needs_penalties]
-    if not penalized:
+    masked = [i for i, r in enumerate(rows) if r.allowed is not None]
+    if not penalized and not masked:
         return logits
     out = logits.clone()
+    for i in masked:
+        allowed = rows[i].allowed
+        if allowed.shape != out[i].shape:
+            raise ValueError(f"row {i}: a mask of {tuple(allowed.shape)} for logits of {tuple(out[i].shape)}")
+        out[i].masked_fill_(~allowed, float("-inf"))
     for i in penalized:
         row = rows[i]
         if row.history is None:
@@ -189,7 +201,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], num_logprobs: Optional
         raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
     tops = [num_logprobs for _ in rows] if num_logprobs is not None else [r.params.logprobs for r in rows]
     want_logprobs = any(t is not None for t in tops)
-    if not want_logprobs and all(r.params.greedy and not r.params.needs_penalties for r in rows):
+    if not want_logprobs and all(r.params.greedy and not r.params.needs_penalties and r.allowed is None for r in rows):
         return SampleResult(argmax(logits), None)
     penalized = apply_penalties(logits, rows)
     if all(r.params.greedy for r in rows):

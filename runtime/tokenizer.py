@@ -293,11 +293,17 @@ class Tokenizer:
         return self._special.decode(ids, skip_special_tokens=skip_special_tokens)
 
     # ---- chat and infill -----------------------------------------------------------------
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render messages with the model's chat template (sandboxed) or the documented fallback."""
-        return self._chat.render(messages, add_generation_prompt)
+    def to_json(self) -> str:
+        """The tokenizers library's JSON of this tokenizer (for runtime.grammar)."""
+        return self._special.to_str()
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: Optional[list[dict]] = None) -> str:
+        """Render messages with the model's chat template (sandboxed) or the documented fallback."""
+        return self._chat.render(messages, add_generation_prompt, tools)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: Optional[list[dict]] = None) -> list[int]:
         """Token ids of a chat: the template's control tokens by id, message contents as plain text.
 
         The text between two control tokens (template text and contents together) is encoded as one run,
@@ -313,7 +319,7 @@ class Tokenizer:
                 ids.extend(self.encode("".join(run), add_special_tokens=False))
                 run.clear()
 
-        for text, is_content in self._chat.render_pieces(messages, add_generation_prompt):
+        for text, is_content in self._chat.render_pieces(messages, add_generation_prompt, tools):
             if is_content:
                 run.append(text)
                 continue

@@ -205,7 +205,7 @@ def test_tags_show_ps_and_version(client, url):
 
 @pytest.mark.parametrize("kwargs, field", [
     ({"images": ["aGVsbG8="]}, "images"),
-    ({"format": "json"}, "format"),
+    ({"format": "json", "suffix": "x"}, "format"),
     ({"think": True}, "think"),
     ({"template": "{{ .Prompt }}"}, "template"),
     ({"context": [1, 2, 3]}, "context"),
@@ -229,10 +229,10 @@ def test_what_llmd_cannot_honour_is_refused_by_name(client, kwargs, field):
 
 
 @pytest.mark.parametrize("body, field", [
-    ({"tools": [{"type": "function", "function": {"name": "light_on"}}]}, "tools"),
-    ({"format": {"type": "object"}}, "format"),
+    ({"tools": [{"type": "retrieval"}]}, "tools.0"),
+    ({"format": [1]}, "format"),
     ({"messages": [{"role": "user", "content": "hi", "images": ["aGVsbG8="]}]}, "messages.0.images"),
-    ({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f"}}]}]},
+    ({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}]},
      "messages.0.tool_calls"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
     ({"unknown_field": True}, "unknown_field"),
