@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python -m llmd.models_real smollm2-135m-instruct
+	$(BIN)/python -m llmd.models_real --fetch-only smollm2-135m-instruct qwen2.5-coder-0.5b-instruct
 	$(BIN)/python -m llmd.demo
 
 test: $(STAMP)

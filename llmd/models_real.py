@@ -155,6 +155,9 @@ def add_models_parser(sub) -> None:
                        "is already right.")
     p.add_argument("names", nargs="*", default=[], metavar="NAME",
                    help=f"which models (default: all): {', '.join(MODELS)}")
+    p.add_argument("--fetch-only", action="store_true",
+                   help="fetch and check the GGUF files but do not import them (serving a GGUF file needs no "
+                        "import; `make demo` uses this)")
     p.set_defaults(func=run_models)
 
 
@@ -166,7 +169,9 @@ def run_models(args) -> int:
     for name in args.names or list(MODELS):
         try:
             path = fetch(name)
-            print(f"{name}: {path}\n  import: {cached_import(name) or imported_dir(path)}")
+            print(f"{name}: {path}")
+            if not args.fetch_only:
+                print(f"  import: {cached_import(name) or imported_dir(path)}")
         except (FetchError, LLMDError, OSError, zipfile.BadZipFile, KeyError) as e:
             print(f"llmd models-real: {name}: {e}", file=sys.stderr)
             return 2

@@ -3,7 +3,9 @@
 Prompt text never turns into control tokens: ``encode`` splits text that looks like a special token
 (``<|endoftext|>``, ``<|fim_prefix|>`` ...) into ordinary pieces unless the caller passes
 ``allow_special=True``. Control tokens are inserted by id (``build_infill``) or come from the model's
-own chat template (``encode_chat``).
+own chat template (``encode_chat``). One exception, for completion prompts that editors write in the
+model's fill-in-the-middle format: ``encode_fim_markers`` turns the model's FIM markers written in the
+text (and those alone) into its FIM tokens.
 
 Two ``tokenizers.Tokenizer`` instances are kept, one per mode, so that no shared flag is toggled
 while another thread encodes.
@@ -19,6 +21,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from .chat_template import MAX_TEXT_CHARS, ChatTemplate
 from .errors import InvalidRequest, ModelLoadError
+from .fim import FimTokens, Part, find_fim, layout as fim_layout, marker_pattern, split_markers
 
 if TYPE_CHECKING:
     from .models.config import ModelConfig
@@ -27,13 +30,6 @@ FIM_LAYOUTS = ("psm", "spm")    # fill-in-the-middle orders: prefix-suffix-middl
 MAX_PATH_CHARS = 4096
 TEXT_SLACK = 4          # margin over the longest token, for normalizers that drop characters
 
-# Fill-in-the-middle control tokens: the Qwen-coder spelling first, then the StarCoder one.
-_FIM_NAMES = {
-    "prefix": ("<|fim_prefix|>", "<fim_prefix>"),
-    "suffix": ("<|fim_suffix|>", "<fim_suffix>"),
-    "middle": ("<|fim_middle|>", "<fim_middle>"),
-    "file_sep": ("<|file_sep|>", "<file_sep>"),
-}
 # Used as the end of text when neither config file names an EOS token.
 _FALLBACK_EOS = ("<|endoftext|>", "</s>", "<|end_of_text|>")
 
@@ -110,7 +106,10 @@ class Tokenizer:
         self._eos = self._collect_eos(config, gen_config)
         self._bos = self._find_bos(config, gen_config)
         self._add_bos, self._post_adds_bos = self._decide_add_bos(config)
-        self._fim = {k: self._first_id(names) for k, names in _FIM_NAMES.items()}
+        self._fim: FimTokens = find_fim(config, self._special.token_to_id, self._special.id_to_token, self._special_ids,
+                                        self.vocab_size, str(source / "tokenizer_config.json"))
+        self._fim_markers = marker_pattern(self._fim, self._special.id_to_token)
+        self._joined = _without_space_prefix(text_tok) or text_tok
         self._chat = ChatTemplate(
             self._template_source(config), source,
             bos_token=_token_string(config.get("bos_token")) or self._token_text(self._bos),
@@ -175,12 +174,14 @@ class Tokenizer:
     def _collect_eos(self, config: dict, gen_config: dict) -> tuple[int, ...]:
         gen_path = self._source / "generation_config.json"
         ids = _as_id_list(gen_config.get("eos_token_id"), gen_path, "eos_token_id")
-        name = _token_string(config.get("eos_token"))
-        if name is not None:
-            tid = self._special.token_to_id(name)
-            if tid is None:
-                raise ModelLoadError(f"{self._source / 'tokenizer_config.json'}: eos_token {name!r} is not in the vocabulary")
-            ids.append(tid)
+        for key in ("eos_token", "eot_token"):      # eot_token: where an infill ends (CodeLlama's "▁<EOT>")
+            name = _token_string(config.get(key))
+            if name is not None:
+                tid = self._special.token_to_id(name)
+                if tid is None:
+                    raise ModelLoadError(f"{self._source / 'tokenizer_config.json'}: {key} {name!r} is not in the "
+                                         "vocabulary")
+                ids.append(tid)
         if not ids:
             ids = [tid for n in _FALLBACK_EOS if (tid := self._special.token_to_id(n)) is not None][:1]
         return tuple(dict.fromkeys(ids))
@@ -217,9 +218,6 @@ class Tokenizer:
             raise ModelLoadError(f"{self._source / 'tokenizer_config.json'}: chat_template must be a string")
         return tpl
 
-    def _first_id(self, names: Iterable[str]) -> Optional[int]:
-        return next((tid for n in names if (tid := self._special.token_to_id(n)) is not None), None)
-
     def _token_text(self, tid: Optional[int]) -> str:
         return "" if tid is None else (self._special.id_to_token(tid) or "")
 
@@ -241,20 +239,28 @@ class Tokenizer:
         return self._special_ids
 
     @property
+    def fim(self) -> FimTokens:
+        return self._fim
+
+    @property
+    def can_infill(self) -> bool:
+        return self._fim.can_infill
+
+    @property
     def fim_prefix_id(self) -> Optional[int]:
-        return self._fim["prefix"]
+        return self._fim.prefix
 
     @property
     def fim_suffix_id(self) -> Optional[int]:
-        return self._fim["suffix"]
+        return self._fim.suffix
 
     @property
     def fim_middle_id(self) -> Optional[int]:
-        return self._fim["middle"]
+        return self._fim.middle
 
     @property
     def file_sep_id(self) -> Optional[int]:
-        return self._fim["file_sep"]
+        return self._fim.file_sep
 
     @property
     def has_chat_template(self) -> bool:
@@ -271,6 +277,15 @@ class Tokenizer:
         ``add_special_tokens`` adds what the post-processor adds (BOS for most models); the
         add_bos_token of tokenizer_config.json, when set, decides about BOS.
         """
+        self._check_text(text)
+        ids = self._run(self._special if allow_special else self._text, text, add_special_tokens)
+        if add_special_tokens and self._add_bos and (not ids or ids[0] != self._bos):
+            ids.insert(0, self._bos)
+        elif add_special_tokens and self._post_adds_bos and not self._add_bos:
+            del ids[0]
+        return ids
+
+    def _check_text(self, text: str) -> None:
         if not isinstance(text, str):
             raise InvalidRequest(f"prompt must be a string, got {type(text).__name__}")
         if len(text) > MAX_TEXT_CHARS:
@@ -278,16 +293,13 @@ class Tokenizer:
         if self.limit_tokens and len(text) > self.limit_tokens * self._max_token_chars * TEXT_SLACK:
             raise InvalidRequest(f"a text of {len(text)} characters cannot fit the context window of "
                                  f"{self.limit_tokens} tokens; shorten it")
-        tok = self._special if allow_special else self._text
+
+    @staticmethod
+    def _run(tok: HFTokenizer, text: str, add_special_tokens: bool) -> list[int]:
         try:
-            ids = tok.encode(text, add_special_tokens=add_special_tokens).ids
+            return tok.encode(text, add_special_tokens=add_special_tokens).ids
         except TypeError:   # the tokenizers library refuses lone surrogates this way
             raise InvalidRequest("text is not valid Unicode (it holds a lone surrogate)") from None
-        if add_special_tokens and self._add_bos and (not ids or ids[0] != self._bos):
-            ids.insert(0, self._bos)
-        elif add_special_tokens and self._post_adds_bos and not self._add_bos:
-            del ids[0]
-        return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._special.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -348,17 +360,23 @@ class Tokenizer:
         it): it follows ``<fim_middle>`` and the model continues it, so a prompt whose prefix ends at
         the line's start stays the same up to there while the user types on that line.
 
-        User texts are encoded as text; control tokens are inserted by id. A newline is added after a
-        file's content only when it does not end with one.
+        Those are the orders of the Qwen, StarCoder and DeepSeek-Coder families; CodeLlama's and
+        Codestral's differ (runtime/fim.py). User texts are encoded as text; control tokens are inserted
+        by id. A newline is added after a file's content only when it does not end with one.
         """
         fim = self._fim
-        if fim["prefix"] is None or fim["suffix"] is None or fim["middle"] is None:
-            raise InvalidRequest("this model has no fill-in-the-middle tokens (<|fim_prefix|> ...)")
+        if not fim.can_infill:
+            raise InvalidRequest("this model has no fill-in-the-middle tokens: its file names none "
+                                 "(tokenizer.ggml.fim_pre_token_id ...) and none of its special tokens is spelled "
+                                 "as Qwen, StarCoder, DeepSeek-Coder, CodeLlama or Codestral spell them")
         files = list(extra_files)
-        if files and fim["file_sep"] is None:
-            raise InvalidRequest("this model has no <|file_sep|> token, so extra files cannot be given")
+        if files and fim.file_sep is None:
+            raise InvalidRequest("this model has no file separator token (<|file_sep|>), so extra files cannot be "
+                                 "given")
         if not isinstance(prefix, str) or not isinstance(suffix, str) or not isinstance(middle, str):
             raise InvalidRequest("infill prefix, suffix and middle must be strings")
+        if layout not in FIM_LAYOUTS:
+            raise InvalidRequest(f"infill layout must be one of {', '.join(FIM_LAYOUTS)}, got {layout!r}")
         ids: list[int] = [self._bos] if self._add_bos else []
         for item in files:
             if not (isinstance(item, (tuple, list)) and len(item) == 2 and all(isinstance(s, str) for s in item)):
@@ -367,14 +385,67 @@ class Tokenizer:
             if len(path) > MAX_PATH_CHARS or "\n" in path:
                 raise InvalidRequest(f"file path must be one line of at most {MAX_PATH_CHARS} characters")
             body = content if content.endswith("\n") or not content else content + "\n"
-            ids += [fim["file_sep"]] + self._plain(f"{path}\n{body}")
-        pre, suf = [fim["prefix"]] + self._plain(prefix), [fim["suffix"]] + self._plain(suffix)
-        if layout not in FIM_LAYOUTS:
-            raise InvalidRequest(f"infill layout must be one of {', '.join(FIM_LAYOUTS)}, got {layout!r}")
-        return ids + (pre + suf if layout == "psm" else suf + pre) + [fim["middle"]] + (self._plain(middle) if middle else [])
+            ids += [fim.file_sep] + self._plain(f"{path}\n{body}")
+        return ids + self._encode_parts(fim_layout(fim, prefix, suffix, middle, layout))
+
+    def encode_fim_markers(self, text: str) -> Optional[list[int]]:
+        """Token ids of a completion prompt that writes the model's FIM markers as text (``<|fim_prefix|>``
+        ... as editors send them): each marker becomes its token, the rest is text, as ``build_infill``
+        encodes it. None when the text writes none of them (then it is ordinary text). No other special
+        token is read from text."""
+        if self._fim_markers is None:
+            return None
+        self._check_text(text)
+        parts = split_markers(text, self._fim, self._fim_markers, self._special.token_to_id)
+        if parts is None:
+            return None
+        return ([self._bos] if self._add_bos else []) + self._encode_parts(parts)
+
+    def _encode_parts(self, parts: list[Part]) -> list[int]:
+        ids: list[int] = []
+        for part in parts:
+            if isinstance(part, int):
+                ids.append(part)
+            elif part[1]:
+                self._check_text(part[0])
+                ids += self._run(self._joined, part[0], False)
+            elif part[0]:
+                ids += self._plain(part[0])
+        return ids
 
     def _plain(self, text: str) -> list[int]:
         return self.encode(text, add_special_tokens=False, allow_special=False)
+
+
+def _without_space_prefix(tok: HFTokenizer) -> Optional[HFTokenizer]:
+    """A copy of a SentencePiece-style tokenizer that puts no "▁" before the text (for text that continues
+    what is before it), or None where the tokenizer puts none."""
+    data = json.loads(tok.to_str())
+    changed = False
+
+    def strip(node: Optional[dict], kind: str) -> Optional[dict]:
+        nonlocal changed
+        if not isinstance(node, dict):
+            return node
+        if node.get("type") == "Sequence":
+            key = "normalizers" if kind == "normalizer" else "pretokenizers"
+            node[key] = [n for n in (strip(n, kind) for n in node.get(key) or []) if n is not None]
+            return node
+        if kind == "normalizer" and node.get("type") == "Prepend":
+            changed = True
+            return None
+        if kind == "pre_tokenizer" and node.get("type") == "Metaspace" and node.get("prepend_scheme") != "never":
+            changed = True
+            node["prepend_scheme"] = "never"
+        return node
+
+    data["normalizer"] = strip(data.get("normalizer"), "normalizer")
+    data["pre_tokenizer"] = strip(data.get("pre_tokenizer"), "pre_tokenizer")
+    if not changed:
+        return None
+    joined = HFTokenizer.from_str(json.dumps(data))
+    joined.encode_special_tokens = True
+    return joined
 
 
 def check_vocab(path: Path, tokenizer: Tokenizer, cfg: ModelConfig) -> None:

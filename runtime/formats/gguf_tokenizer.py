@@ -13,11 +13,15 @@ Token types (`tokenizer.ggml.token_type`): control (3) and unknown (2) tokens be
 tokens, user-defined ones (4) plain added tokens, so that each matches whole in text; byte tokens
 (6) spell the bytes of SentencePiece's fallback. BOS and EOS are added as `add_bos_token` and
 `add_eos_token` say, and otherwise as each kind does by default.
+
+The fill-in-the-middle tokens the file names (`tokenizer.ggml.fim_*_token_id`, runtime/fim.py) are
+control tokens whatever their type, and go to tokenizer_config.json as `fim_token_ids`.
 """
 from __future__ import annotations
 
 import json
 
+from .. import fim
 from . import pretokenizers
 from .gguf import GGUFFile
 from .spm_tokenizer import spm_model
@@ -31,18 +35,15 @@ _RSTRIP_NAMES = ("phi-3", "phi3")       # models whose special tokens swallow th
 END_NAMES = frozenset({
     "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|calls|>", "<|flush|>",
     "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<turn|>", "<|tool_response>", "<EOT>",
-    "_<EOT>", "[EOT]", "[EOS]", "<\uff5cend\u2581of\u2581sentence\uff5c>", "<end_of_utterance>", "[e~["})
-FIM_NAMES = {
-    "pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<\uff5cfim\u2581begin\uff5c>", "<PRE>", "\u2581<PRE>",
-            "<|code_prefix|>", "<|prefix|>"),
-    "suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<\uff5cfim\u2581hole\uff5c>", "<SUF>", "\u2581<SUF>",
-            "<|code_suffix|>", "<|suffix|>"),
-    "mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<\uff5cfim\u2581end\uff5c>", "<MID>", "\u2581<MID>",
-            "<|code_middle|>", "<|middle|>"),
-    "pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
-    "rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
-    "sep": ("<|file_sep|>",),
-}
+    "_<EOT>", "\u2581<EOT>", "[EOT]", "[EOS]", "<\uff5cend\u2581of\u2581sentence\uff5c>", "<end_of_utterance>",
+    "[e~["})
+# Where an infill ends, for a file that names no end-of-turn token: CodeLlama's.
+INFILL_ENDS = ("\u2581<EOT>", "<EOT>")
+# Control tokens by spelling where the file names no token of the role: every known FIM spelling, and a
+# few more that llama.cpp treats so.
+FIM_NAMES = {role: fim.all_spellings(role) + extra for role, extra in
+             (("prefix", ()), ("suffix", ()), ("middle", ()), ("pad", ("<PAD>", "[PAD]")), ("repo", ("<REPO>",)),
+              ("file_sep", ()))}
 
 
 def tokenizer_files(f: GGUFFile) -> dict[str, str]:
@@ -57,8 +58,11 @@ def tokenizer_files(f: GGUFFile) -> dict[str, str]:
     if not tokens or len(types) != len(tokens):
         f.fail("tokenizer.ggml.token_type", f"{len(types)} types for {len(tokens)} tokens")
     tok, add_bos_default = _spm(f, tokens) if model == "llama" else _byte_level(f, tokens)
-    _add_tokens(f, tok, tokens, types)
+    fim_ids = fim_token_ids(f, len(tokens))
+    _add_tokens(f, tok, tokens, types, fim_ids)
     ids = _special_ids(f, len(tokens))
+    if ids["eot"] is None:
+        ids["eot"] = next((i for i, t in enumerate(tokens) if t in INFILL_ENDS), None)
     add_bos = f.get("tokenizer.ggml.add_bos_token", bool, add_bos_default) and ids["bos"] is not None
     add_eos = f.get("tokenizer.ggml.add_eos_token", bool, False) and ids["eos"] is not None
     if add_bos or add_eos:
@@ -68,13 +72,26 @@ def tokenizer_files(f: GGUFFile) -> dict[str, str]:
     name = lambda key: tokens[ids[key]] if ids[key] is not None else None     # noqa: E731
     config = {"add_bos_token": add_bos, "add_eos_token": add_eos, "bos_token": name("bos"), "eos_token": name("eos"),
               "pad_token": name("padding"), "model_max_length": 1 << 20, "clean_up_tokenization_spaces": False}
+    if fim_ids:
+        config[fim.CONFIG_IDS] = fim_ids
     template = f.get("tokenizer.chat_template", str, None)
     if template is not None:
         config["chat_template"] = template
-    eos = [i for i in dict.fromkeys((ids["eos"], ids["eot"])) if i is not None]
+    ends = (ids["eos"], ids["eot"], *_generation_ends(tokens, types, fim_ids))
+    eos = [i for i in dict.fromkeys(ends) if i is not None]
     generation = {"bos_token_id": ids["bos"], "eos_token_id": eos, "do_sample": False}
     return {"tokenizer.json": tok.to_str(), "tokenizer_config.json": json.dumps(config, indent=1),
             "generation_config.json": json.dumps(generation, indent=1)}
+
+
+def _generation_ends(tokens: list[str], types: list[int], fim_ids: dict[str, int]) -> list[int]:
+    """Control tokens that end generation besides EOS: the end-of-turn and end-of-text spellings, and
+    the FIM tokens that pad a file or start another (a Qwen-coder instruct model, whose EOS is
+    <|im_end|>, ends an infill with <|endoftext|>). A plain token of such a spelling ("</s>", an HTML
+    tag in a byte-level vocabulary) is text."""
+    names = END_NAMES.union(*(fim.all_spellings(r) for r in ("pad", "repo", "file_sep") if r not in fim_ids))
+    ends = [i for i, (t, k) in enumerate(zip(tokens, types)) if k == CONTROL and t in names]
+    return ends + [fim_ids[r] for r in ("pad", "repo", "file_sep") if r in fim_ids]
 
 
 def _byte_level(f: GGUFFile, tokens: list[str]):
@@ -118,14 +135,28 @@ def _spm(f: GGUFFile, tokens: list[str]):
     return spm_model(tokens, [float(s) for s in scores], unk, add_space), True
 
 
-def _add_tokens(f: GGUFFile, tok, tokens: list[str], types: list[int]) -> None:
-    """Control and unknown tokens (and the spellings above) as special added tokens, user-defined ones
-    as plain added tokens."""
+def fim_token_ids(f: GGUFFile, n: int) -> dict[str, int]:
+    """{role: id} of the fill-in-the-middle tokens the file names (the current key of a role first)."""
+    found = {}
+    for role, keys in fim.GGUF_KEYS.items():
+        key = next((k for k in keys if f.has(k)), None)
+        if key is None:
+            continue
+        value = f.get(key, int)
+        if not 0 <= value < n:
+            f.fail(key, f"{value} is not a token id (vocabulary of {n})")
+        found[role] = value
+    return found
+
+
+def _add_tokens(f: GGUFFile, tok, tokens: list[str], types: list[int], fim_ids: dict[str, int]) -> None:
+    """Control and unknown tokens (and the spellings above, and the FIM tokens the file names) as
+    special added tokens, user-defined ones as plain added tokens."""
     from tokenizers import AddedToken
     rstrip = any(n in f.get("general.name", str, "").lower() for n in _RSTRIP_NAMES)
     keep = {"<unk>", "<s>", "<|endoftext|>"}
-    control = END_NAMES.union(*(names for role, names in FIM_NAMES.items()
-                                if not f.has(f"tokenizer.ggml.fim_{role}_token_id")))
+    control = END_NAMES.union(*(names for role, names in FIM_NAMES.items() if role not in fim_ids),
+                              (tokens[i] for i in fim_ids.values()))
     special = [AddedToken(t, special=True, normalized=False, rstrip=rstrip and t not in keep)
                for t, k in zip(tokens, types) if k in (CONTROL, UNKNOWN) or t in control]
     plain = [AddedToken(t, special=False, normalized=False, rstrip=rstrip)
