@@ -27,7 +27,7 @@ from llmd.clients import Client, DaemonUnavailable, Done, Sentence, Token
 from llmd.clients.lsp_trim import trim_suggestion
 from llmd.models_real import QWEN_CODER, SMOLLM2, cached_file
 
-QUESTION = "What is the capital of France?"
+QUESTION = "What is the capital of France? Answer in one sentence."
 # fill-in-the-middle: the cursor is on the line after `mid = ...`, indented
 CURSOR_LINE = "        "
 FIM_PREFIX = '''def binary_search(items, target):
