@@ -1,8 +1,12 @@
-"""Write a Llama- or Qwen2-architecture model directory (safetensors) as a GGUF file for llama.cpp.
+"""Write a model directory (safetensors) of any architecture llmd reads from GGUF (llama, mistral,
+qwen2, qwen3, phi3, gemma2, gemma3) as a GGUF file for llama.cpp.
 
-Tensor names map one to one. llama.cpp's `llama` architecture rotates query/key pairs that are
+Tensor names map one to one, by the reader's own map (llmd.runtime.formats.gguf_families), and the
+metadata says what the layer plan says: window and sliding layers, soft-caps, the scores' scale, the
+local rotary base. llama.cpp's `llama` and `mistral` architectures rotate query/key pairs that are
 adjacent (dimension 2i with 2i+1) where the Hugging Face layout rotates halves (i with i + d/2), so
-q and k rows are reordered for it; `qwen2` uses the halves layout and needs no reordering.
+q and k rows are reordered for them; the others use the halves layout. Gemma norms are written as
+1 + w, as llama.cpp's converter writes them.
 The vocabulary is written in full (padded with unused entries up to the embedding rows): llama.cpp
 receives token ids from the benchmark, never text, but checks that sizes agree.
 
@@ -17,16 +21,12 @@ from pathlib import Path
 
 import numpy as np
 
-LAYER = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-         "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-         "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-         "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
-         "self_attn.v_proj.bias": "attn_v.bias",
-         "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-         "mlp.down_proj.weight": "ffn_down.weight"}
-TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-       "lm_head.weight": "output.weight"}
-ARCH = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+from llmd.runtime.formats.gguf_families import (ARCHITECTURES, GEMMA, ROTARY_ADJACENT, TOP as FILE_TOP, layer_names,
+                                               norm_shift)
+from llmd.runtime.models.config import ModelConfig
+
+TOP = {v: k for k, v in FILE_TOP.items()}
+ARCH = {v: k for k, v in ARCHITECTURES.items()}
 QUANT_TYPES = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1", "q5_0": "Q5_0"}
 
 
@@ -49,14 +49,17 @@ def convert(model_dir: str | Path, out: str | Path, quant: str | dict = "auto") 
     _hparams(w, cfg)
     _vocab(w, model_dir, cfg)
     n_head, n_kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    names = {v: k for k, v in layer_names(arch).items()}
     files = sorted(model_dir.glob("*.safetensors"))
     for f in files:
         with safe_open(str(f), "pt") as st:
             for name in st.keys():
                 t = st.get_tensor(name).float().numpy()
-                gname = _gguf_name(name)
-                if arch == "llama" and gname.endswith(("attn_q.weight", "attn_k.weight")):
+                gname = _gguf_name(name, names)
+                if arch in ROTARY_ADJACENT and gname.endswith(("attn_q.weight", "attn_k.weight")):
                     t = _pairs_adjacent(t, n_head if "attn_q" in gname else n_kv)
+                if shift := norm_shift(arch, name):
+                    t = t + np.float32(shift)
                 _add(w, gguf, gname, t, quant, cfg.get("torch_dtype"))
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -65,12 +68,12 @@ def convert(model_dir: str | Path, out: str | Path, quant: str | dict = "auto") 
     return out
 
 
-def _gguf_name(name: str) -> str:
+def _gguf_name(name: str, layer: dict[str, str]) -> str:
     if name in TOP:
         return TOP[name]
     parts = name.split(".")
-    if parts[:2] == ["model", "layers"] and ".".join(parts[3:]) in LAYER:
-        return f"blk.{parts[2]}.{LAYER['.'.join(parts[3:])]}"
+    if parts[:2] == ["model", "layers"] and ".".join(parts[3:]) in layer:
+        return f"blk.{parts[2]}.{layer['.'.join(parts[3:])]}"
     raise ValueError(f"no GGUF name for tensor {name!r}")
 
 
@@ -95,16 +98,46 @@ def _add(w, gguf, name: str, t: np.ndarray, quant: str | dict, dtype) -> None:
 
 
 def _hparams(w, cfg: dict) -> None:
+    import gguf
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    model = ModelConfig.from_dict(cfg)
     w.add_context_length(cfg.get("max_position_embeddings", 4096))
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
     w.add_embedding_length(cfg["hidden_size"])
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(cfg["num_attention_heads"])
     w.add_head_count_kv(cfg.get("num_key_value_heads", cfg["num_attention_heads"]))
     w.add_rope_dimension_count(head_dim)
-    w.add_rope_freq_base(float(cfg.get("rope_theta", 10000.0)))
+    w.add_rope_freq_base(model.rope_theta)
     w.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
+    scaling = model.rope_scaling
+    if scaling.rope_type == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(scaling.factor)
+    elif scaling.rope_type != "default":
+        raise ValueError(f"no GGUF form here for {scaling.rope_type} rotary scaling")
+    _plan_keys(w, model)
+
+
+def _plan_keys(w, model: ModelConfig) -> None:
+    """The layer plan's options, under the keys llama.cpp reads (gguf_families lists them)."""
+    plan, arch = model.plan, w.arch
+    if arch in ("mistral", "phi3") and plan.sliding_window is not None:
+        w.add_sliding_window(plan.sliding_window)
+    if arch not in GEMMA:
+        return
+    if plan.attention_scale is not None:
+        w.add_attention_scale(plan.attention_scale)
+    w.add_sliding_window(plan.sliding_window or 0)
+    w.add_sliding_window_pattern([plan.slides(i) for i in range(model.num_layers)])
+    if plan.attn_softcap is not None:
+        w.add_attn_logit_softcapping(plan.attn_softcap)
+    if plan.final_softcap is not None:
+        w.add_final_logit_softcapping(plan.final_softcap)
+    if plan.rope_local_theta is not None:
+        w.add_rope_freq_base_swa(plan.rope_local_theta)
 
 
 def _vocab(w, model_dir: Path, cfg: dict) -> None:

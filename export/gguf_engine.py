@@ -45,7 +45,7 @@ def import_engine(path: str | Path, out: str | Path, progress: bool = True) -> d
     parts: dict[str, list] = defaultdict(list)      # llmd tensor name -> [(row offset, Blocks | float32 values)]
     kept: list[tuple[str, str, str]] = []            # (GGUF type, llmd tensor name, why not kept or "")
     seen = []
-    for t, name, values, order in tensor_values(f, cfg, progress, desc="reading"):
+    for t, name, values, order in tensor_values(f, cfg, progress, desc="reading", as_checkpoint=False):
         check_tensor(path, cfg, layout, name, values.shape)
         seen.append(name)
         target, offset, _ = layout[name]

@@ -15,6 +15,12 @@ torch's blocked attention, which reuses them across rows, computes prompt chunks
 CPUs), take the torch path: padded gather indices and masks built once per step for at most two
 groups (single-token rows; multi-token rows), one scaled_dot_product_attention per group and layer.
 The reference path loops over requests with explicit softmax; tests hold both fast paths to it.
+
+A sliding layer (``attend(..., window=W)``) sees, from a query at position p, positions p - W + 1 .. p
+only. Where no request of the step reaches past W that is everything, and the step's metadata serves
+as is; else a windowed form is built once per step and window: torch groups with the window in their
+mask, and kernel rows whose table is flat (block size 1, each row's slots from its window's first
+position), so the kernel reads exactly those slots in the same order, the same arithmetic.
 """
 from __future__ import annotations
 
@@ -53,9 +59,10 @@ class KernelRows:
     """The query rows the attention kernel serves this step (int32, as the kernel reads them)."""
 
     rows: torch.Tensor         # [R] packed row of each query
-    spans: torch.Tensor        # [R] its request's row in ``table``
+    spans: torch.Tensor        # [R] its request's row in ``table`` (a flat table: its first slot there)
     lengths: torch.Tensor      # [R] positions it attends to (causal within its request's rows)
-    table: torch.Tensor        # [B, max blocks] block ids, zero-padded
+    table: torch.Tensor        # [B, max blocks] block ids, zero-padded; or [slots, 1] with block size 1
+    block_size: int            # the kernel's block size over ``table``
 
     @classmethod
     def build(cls, spans: list[SeqSpan], block_size: int) -> "KernelRows":
@@ -67,7 +74,27 @@ class KernelRows:
         nb = max(-(-s.ctx_len // block_size) for s in spans)
         r = len(rows)
         flat = int_tensor(rows + owner + lengths, np.int32)     # one tensor, three views
-        return cls(flat[:r], flat[r:2 * r], flat[2 * r:], block_table(spans, nb, np.int32))
+        return cls(flat[:r], flat[r:2 * r], flat[2 * r:], block_table(spans, nb, np.int32), block_size)
+
+    @classmethod
+    def build_window(cls, spans: list[SeqSpan], block_size: int, window: int) -> "KernelRows":
+        """Rows that see the last ``window`` positions each: one flat table of slots per request, from
+        the first position any of its rows sees; a row starts at its own window's first slot there."""
+        rows, owner, lengths, slots = [], [], [], []
+        at = 0
+        for s in spans:
+            pos = np.arange(s.ctx_len - s.num_q, s.ctx_len)
+            first = np.maximum(pos + 1 - window, 0)
+            own = s.kv_slots(block_size)[int(first[0]):]
+            rows.append(np.arange(s.start, s.start + s.num_q))
+            owner.append(at + first - first[0])
+            lengths.append(pos + 1 - first)
+            slots.append(own.numpy())
+            at += own.numel()
+        r = sum(len(x) for x in rows)
+        flat = torch.from_numpy(np.concatenate(rows + owner + lengths).astype(np.int32))
+        table = torch.from_numpy(np.concatenate(slots).astype(np.int32)).view(-1, 1)
+        return cls(flat[:r], flat[r:2 * r], flat[2 * r:], table, 1)
 
 
 @dataclass
@@ -102,6 +129,8 @@ class PagedAttention:
         self.groups: list[Group] = []
         self.kernel_rows: KernelRows | None = None
         self.num_rows = 0
+        self._split: tuple[list[SeqSpan], list[SeqSpan]] = ([], [])     # (kernel's spans, torch's spans)
+        self._windowed: dict[int, tuple[Optional[KernelRows], list[Group]]] = {}
 
     def kernel_fits(self) -> bool:
         """llmd's attention kernel can read these pools (float32 or bfloat16, head sizes it handles)."""
@@ -113,59 +142,81 @@ class PagedAttention:
         """The step's metadata, built once for every layer: the kernel's rows and the torch groups."""
         self.slot_mapping, self.spans = slot_mapping, spans
         self.num_rows = slot_mapping.numel()
-        self.kernel_rows, self.groups = None, []
+        self.kernel_rows, self.groups, self._windowed = None, [], {}
         if self.reference:
             return
+        few: list[SeqSpan] = []
         if self.kernel:
             few = [s for s in spans if s.num_q <= KERNEL_MAX_Q or s.ctx_len <= KERNEL_PROMPT_CONTEXT]
             spans = [s for s in spans if s.num_q > KERNEL_MAX_Q and s.ctx_len > KERNEL_PROMPT_CONTEXT]
             self.kernel_rows = KernelRows.build(few, self.block_size) if few else None
-        self._build_groups(spans)
+        self._split = (few, spans)
+        self.groups = self._build_groups(spans)
 
-    def _build_groups(self, spans: list[SeqSpan]) -> None:
+    def _build_groups(self, spans: list[SeqSpan], window: Optional[int] = None) -> list[Group]:
         singles = [s for s in spans if s.num_q == 1]
         multis = [s for s in spans if s.num_q > 1]
         bs = self.block_size
-        self.groups = [g for g in (build_group(singles, bs), build_group(multis, bs)) if g is not None]
+        return [g for g in (build_group(singles, bs, window), build_group(multis, bs, window)) if g is not None]
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def slides(self, window: Optional[int]) -> bool:
+        """Does a request of this step reach past ``window`` positions (so a sliding layer's rows see
+        less than the whole context)?"""
+        return window is not None and any(s.ctx_len > window for s in self.spans)
+
+    def window_metadata(self, window: Optional[int]) -> tuple[Optional[KernelRows], list[Group]]:
+        """(kernel rows, torch groups) of a layer with this window (None: full attention), this step:
+        the full form where no request reaches past the window, else a windowed one, built once."""
+        if window is None:
+            return self.kernel_rows, self.groups
+        if window not in self._windowed:
+            few, rest = self._split
+            self._windowed[window] = (
+                (KernelRows.build_window(few, self.block_size, window) if few else None,
+                 self._build_groups(rest, window)) if self.slides(window) else (self.kernel_rows, self.groups))
+        return self._windowed[window]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               window: Optional[int] = None) -> torch.Tensor:
+        """Store this layer's keys and values, then attend: over the whole context, or with ``window``
+        over its last positions from each query."""
         kp, vp = self.k_pool[layer], self.v_pool[layer]
         if self.scales is not None:
-            return self._attend_int8(layer, q, k, v)
+            return self._attend_int8(layer, q, k, v, window)
         kp.index_copy_(0, self.slot_mapping, k.to(kp.dtype))
         vp.index_copy_(0, self.slot_mapping, v.to(vp.dtype))
-        if self.kernel_rows is not None:
-            return self._attend_kernel(q, kp, vp)
-        return self._attend(q, kp, vp)
+        rows, groups = self.window_metadata(None if self.reference else window)
+        if rows is not None:
+            return self._attend_kernel(q, kp, vp, rows, groups)
+        return self._attend(q, kp, vp, groups, window)
 
-    def _attend_kernel(self, q, kp, vp) -> torch.Tensor:
+    def _attend_kernel(self, q, kp, vp, kr: KernelRows, groups: list[Group]) -> torch.Tensor:
         """The kernel's rows in float32 (whatever the model's dtype), the torch groups' rows after."""
         dtype = q.dtype
         q = q.float().contiguous()
         out = torch.empty_like(q)
-        kr = self.kernel_rows
-        if not ops.attend(q, kp, vp, kr.rows, kr.spans, kr.lengths, kr.table, self.block_size, out):
+        if not ops.attend(q, kp, vp, kr.rows, kr.spans, kr.lengths, kr.table, kr.block_size, out):
             raise MemoryError("the attention kernel could not allocate its score buffers (out of memory)")
         out = self._attend_groups(q, _gatherer(kp, None, self.block_size, q.dtype),
-                                  _gatherer(vp, None, self.block_size, q.dtype), out)
+                                  _gatherer(vp, None, self.block_size, q.dtype), out, groups)
         return out if dtype == torch.float32 else out.to(dtype)
 
-    def _attend(self, q, kp, vp, ks=None, vs=None) -> torch.Tensor:
+    def _attend(self, q, kp, vp, groups: list[Group], window: Optional[int], ks=None, vs=None) -> torch.Tensor:
         k_get = _gatherer(kp, ks, self.block_size, q.dtype)
         v_get = _gatherer(vp, vs, self.block_size, q.dtype)
         if self.reference:
-            return reference_attention(q, k_get, v_get, self.spans, self.block_size)
-        if len(self.groups) == 1 and len(self.spans) == 1:
-            return self._single(q, k_get, v_get)
-        return self._attend_groups(q, k_get, v_get, q.new_empty(q.shape))
+            return reference_attention(q, k_get, v_get, self.spans, self.block_size, window)
+        if len(groups) == 1 and len(self.spans) == 1:
+            return self._single(q, k_get, v_get, groups[0])
+        return self._attend_groups(q, k_get, v_get, q.new_empty(q.shape), groups)
 
-    def _attend_groups(self, q, k_get, v_get, out: torch.Tensor) -> torch.Tensor:
+    def _attend_groups(self, q, k_get, v_get, out: torch.Tensor, groups: list[Group]) -> torch.Tensor:
         """Each torch-path group's rows of ``out``."""
-        for g in self.groups:
+        for g in groups:
             out.index_copy_(0, g.rows, self._group(q, k_get, v_get, g))
         return out
 
-    def _attend_int8(self, layer, q, k, v) -> torch.Tensor:
+    def _attend_int8(self, layer, q, k, v, window: Optional[int] = None) -> torch.Tensor:
         """int8 pools with per-block, per-head scales (the codec: formats/kv_int8.py)."""
         bs = self.block_size
         ks, vs = self.scales[0][layer], self.scales[1][layer]
@@ -174,12 +225,13 @@ class PagedAttention:
         vs[fresh] = 0
         write_kv_int8(self.k_pool[layer], ks, self.slot_mapping, k, bs)
         write_kv_int8(self.v_pool[layer], vs, self.slot_mapping, v, bs)
-        return self._attend(q, self.k_pool[layer], self.v_pool[layer], ks, vs)
+        groups = self.window_metadata(None if self.reference else window)[1]
+        return self._attend(q, self.k_pool[layer], self.v_pool[layer], groups, window, ks, vs)
 
     # index_select with flat indices: about 4x faster than advanced indexing for these gathers.
-    def _single(self, q, k_get, v_get) -> torch.Tensor:
-        """One request: no padding, and a mask only when the chunk has more than one query."""
-        g = self.groups[0]
+    def _single(self, q, k_get, v_get, g: Group) -> torch.Tensor:
+        """One request: no padding, and a mask only when the chunk has more than one query (or a
+        window)."""
         qq = q.unsqueeze(0).transpose(1, 2)                                     # [1, H, T, D]
         kk = k_get(g.kv_flat).unsqueeze(0).transpose(1, 2)                      # [1, kvh, Lk, D]
         vv = v_get(g.kv_flat).unsqueeze(0).transpose(1, 2)
@@ -223,8 +275,9 @@ def block_table(spans: list[SeqSpan], width: int, dtype) -> torch.Tensor:
     return int_tensor(flat, dtype).view(len(spans), width)
 
 
-def build_group(spans: list[SeqSpan], block_size: int) -> Group | None:
-    """Padded gather indices and mask for a group, from Python lists in a few tensor ops."""
+def build_group(spans: list[SeqSpan], block_size: int, window: Optional[int] = None) -> Group | None:
+    """Padded gather indices and mask for a group, from Python lists in a few tensor ops; with
+    ``window``, a query at position p sees positions p - window + 1 .. p only."""
     if not spans:
         return None
     b = len(spans)
@@ -239,13 +292,19 @@ def build_group(spans: list[SeqSpan], block_size: int) -> Group | None:
     qpos = torch.tensor([list(range(s.ctx_len - s.num_q, s.ctx_len)) + [0] * (lq - s.num_q) for s in spans],
                         dtype=torch.long)
     valid = torch.tensor([[True] * s.num_q + [False] * (lq - s.num_q) for s in spans])
-    needs_mask = lq > 1 or any(s.ctx_len != lk for s in spans)
-    mask = (torch.arange(lk).view(1, 1, lk) <= qpos.unsqueeze(-1)).unsqueeze(1) if needs_mask else None
+    needs_mask = lq > 1 or any(s.ctx_len != lk for s in spans) or window is not None and lk > window
+    keys = torch.arange(lk).view(1, 1, lk)
+    mask = (keys <= qpos.unsqueeze(-1)) if needs_mask else None
+    if mask is not None and window is not None:
+        mask &= keys > qpos.unsqueeze(-1) - window
+    mask = mask.unsqueeze(1) if mask is not None else None
     return Group(q_index, kv_index, mask, valid, q_index[valid])
 
 
-def reference_attention(q: torch.Tensor, k_get, v_get, spans: list[SeqSpan], block_size: int) -> torch.Tensor:
-    """Plain attention, one request at a time, in float32. ``k_get(slots)`` gathers keys."""
+def reference_attention(q: torch.Tensor, k_get, v_get, spans: list[SeqSpan], block_size: int,
+                        window: Optional[int] = None) -> torch.Tensor:
+    """Plain attention, one request at a time, in float32. ``k_get(slots)`` gathers keys. With
+    ``window``, a query at position p sees positions p - window + 1 .. p only."""
     out = torch.empty_like(q)
     heads, d = q.shape[1], q.shape[2]
     for s in spans:
@@ -257,6 +316,8 @@ def reference_attention(q: torch.Tensor, k_get, v_get, spans: list[SeqSpan], blo
         vs = vs.repeat_interleave(rep, dim=1)
         scores = torch.einsum("nhd,lhd->hnl", qs, ks) / d ** 0.5
         qpos = torch.arange(s.ctx_len - s.num_q, s.ctx_len).view(1, -1, 1)
-        scores = scores.masked_fill(torch.arange(s.ctx_len).view(1, 1, -1) > qpos, float("-inf"))
+        keys = torch.arange(s.ctx_len).view(1, 1, -1)
+        hidden = (keys > qpos) | (keys <= qpos - window) if window is not None else keys > qpos
+        scores = scores.masked_fill(hidden, float("-inf"))
         out[s.start:s.start + s.num_q] = torch.einsum("hnl,lhd->nhd", scores.softmax(-1), vs).to(q.dtype)
     return out

@@ -75,6 +75,9 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings)
+        if loaded.config.window_cap and (loaded.device == "cuda" or loaded.backend is not None):
+            # their attention computes every layer in full: exact up to where a window starts to slide
+            self.max_model_len = min(self.max_model_len, loaded.config.window_cap)
         self.tokenizer.limit_tokens = self.max_model_len     # a text that cannot fit is refused untokenized
         self.block_manager = BlockManager(loaded.num_blocks, config.block_size, config.prefix_cache)
         self.scheduler = Scheduler(self.block_manager, config.max_batch_tokens, config.max_num_seqs,

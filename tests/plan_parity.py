@@ -13,13 +13,15 @@ PROMPTS = [[11, 12, 13, 14, 15, 90, 91], [230, 231, 5, 7], [40, 41, 42, 43, 44, 
            [200], [17, 17, 17, 17, 17], [99, 98, 97, 96, 95, 94], [160, 120, 33, 180, 2, 71, 6, 8, 150],
            [1, 2, 3]]
 NEW_TOKENS = 32
+LONG = [[(7 * i + 3) % 250 + 2 for i in range(40)], [(11 * i) % 240 + 5 for i in range(23)]]   # past tiny windows
 
 
-def hf_checkpoint(path: Path, config: dict, *, seed: int = 0, offset_norms: bool = False) -> Path:
+def hf_checkpoint(path: Path, config: dict, *, seed: int = 0, offset_norms: bool = False,
+                  centred_biases: bool = False) -> Path:
     """A transformers model of ``config`` (plus the test vocabulary and small shapes) with random
     weights, saved by transformers in ``path``. Matrices get std 0.5/sqrt(inputs), which keeps greedy
     choices far from ties; norm weights scatter around 1 (around 0 where ``offset_norms``: stored w of a
-    (1 + w) scale)."""
+    (1 + w) scale); biases likewise, or around 0 where ``centred_biases``."""
     import transformers
     path.mkdir(parents=True, exist_ok=True)
     vocab = write_tokenizer(path)
@@ -35,7 +37,7 @@ def hf_checkpoint(path: Path, config: dict, *, seed: int = 0, offset_norms: bool
             if p.dim() > 1:
                 p.normal_(0, 0.5 / p.shape[-1] ** 0.5)
             else:
-                p.normal_(0.0 if offset_norms else 1.0, 0.1)
+                p.normal_(0.0 if offset_norms or centred_biases and name.endswith("bias") else 1.0, 0.1)
     hf.save_pretrained(str(path))
     return path
 

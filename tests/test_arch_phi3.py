@@ -46,5 +46,6 @@ def test_phi3_refuses_rope_scaling_llmd_lacks(rope):
         ModelConfig.from_dict(hf_config("tiny", **PHI3, rope_scaling=rope))
 
 
-def test_phi3_window_caps_the_context():
-    assert ModelConfig.from_dict(hf_config("tiny", **PHI3, sliding_window=2047)).max_position_embeddings == 2047
+def test_phi3_window_slides_every_layer_without_capping_the_context():
+    cfg = ModelConfig.from_dict(hf_config("tiny", **PHI3, sliding_window=2047))
+    assert cfg.max_position_embeddings == 4096 and cfg.plan.windows(cfg.num_layers) == (2047,) * cfg.num_layers

@@ -182,9 +182,10 @@ def test_generate_with_one_bad_prompt_leaves_no_request_behind(tiny_model_dir):
     ("Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 28}, None),
     ("Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}, 16),
 ])
-def test_a_sliding_window_caps_the_context_only_where_layers_slide(arch, extra, window):
+def test_a_sliding_window_is_a_cap_only_for_backends_without_windows(arch, extra, window):
     from llmd.runtime.models.config import ModelConfig
     raw = {"architectures": [arch], "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100, "max_position_embeddings": 8192,
            **extra}
-    assert ModelConfig.from_dict(raw).max_position_embeddings == (window or 8192)
+    cfg = ModelConfig.from_dict(raw)
+    assert cfg.max_position_embeddings == 8192 and cfg.window_cap == window

@@ -38,7 +38,7 @@ def test_every_architecture_declares_a_plan():
     assert gemma3.plan.attention_scale == pytest.approx(24 ** -0.5)
     for cfg in (gemma2, gemma3):
         assert not cfg.plan.plain() and cfg.plan.sandwich and cfg.plan.activation == "gelu_tanh"
-        assert cfg.max_position_embeddings == 128      # sliding layers: the context stops at the window
+        assert cfg.max_position_embeddings == 4096 and cfg.window_cap == 128   # windows slide; no cap
 
 
 def test_the_llama_checkpoint_map_is_unchanged():

@@ -26,13 +26,15 @@ def test_the_families_are_registered_with_their_traits():
     assert qwen2.attention_bias and not qwen2.o_proj_bias and not qwen2.qk_norm       # q, k, v biased always
     qwen3 = config("Qwen3ForCausalLM", attention_bias=True)
     assert qwen3.qk_norm and qwen3.o_proj_bias
-    # Mistral slides every layer: the context is capped at the window (4096 when config.json gives none)
-    assert config("MistralForCausalLM", max_position_embeddings=32768).max_position_embeddings == 4096
-    assert config("MistralForCausalLM", sliding_window=1024).max_position_embeddings == 1024
-    # Qwen2 slides only with use_sliding_window and layers past max_window_layers
-    assert config("Qwen2ForCausalLM", sliding_window=1024).max_position_embeddings == 4096
-    assert config("Qwen2ForCausalLM", sliding_window=1024, use_sliding_window=True,
-                  max_window_layers=2).max_position_embeddings == 1024
+    # Mistral slides every layer (over 4096 when config.json gives no window); the context is not capped
+    mistral = config("MistralForCausalLM", max_position_embeddings=32768)
+    assert mistral.max_position_embeddings == 32768 and mistral.window_cap == 4096
+    assert config("MistralForCausalLM", sliding_window=1024).window_cap == 1024
+    # Qwen2 slides only with use_sliding_window, and only the layers from max_window_layers on
+    assert config("Qwen2ForCausalLM", sliding_window=1024).window_cap is None
+    qwen2 = config("Qwen2ForCausalLM", sliding_window=1024, use_sliding_window=True, max_window_layers=2)
+    assert qwen2.window_cap == 1024 and qwen2.max_position_embeddings == 4096
+    assert qwen2.plan.windows(qwen2.num_layers)[:3] == (None, None, 1024)
 
 
 def test_model_type_resolves_only_where_no_architecture_is_listed():

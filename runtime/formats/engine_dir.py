@@ -16,6 +16,7 @@ from safetensors import SafetensorError, safe_open
 from ..config import float_dtype
 from ..errors import EngineDirError, ModelLoadError
 from ..models.config import ModelConfig
+from ..models import registry
 from ..models.llama import LlamaForCausalLM
 from ..tokenizer import Tokenizer, check_vocab
 from .manifest import read_manifest
@@ -26,7 +27,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def build_empty(cfg: ModelConfig, spec: QuantSpec, dtype: torch.dtype) -> LlamaForCausalLM:
-    model = LlamaForCausalLM.empty(cfg, dtype)
+    model = registry.get(cfg.architecture).model_class.empty(cfg, dtype)
     return quantize_model(model, spec, from_weights=False)
 
 

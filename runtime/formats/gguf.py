@@ -1,14 +1,16 @@
 """Read a GGUF file (llama.cpp's format) with the `gguf` package: its metadata as checked Python
 values, a Hugging Face style config.json, and its tensors dequantized under Hugging Face names.
 
-Supported: the llama, mistral, qwen2 and qwen3 architectures. Every tensor type the `gguf` package
+Supported: the llama, mistral, qwen2, qwen3, phi3, gemma2 and gemma3 architectures (gguf_families
+says what each adds to the Llama layout). Every tensor type the `gguf` package
 can dequantize is read, and becomes float32 (exact) or bfloat16. Q8_0, Q5_0, Q6_K, Q4_0, Q4_1 and
 Q4_K blocks can instead be kept as llmd's int8 and int4 layouts, unrounded (gguf_blocks.py, and
 `llmd import --keep-blocks`, which writes an engine directory).
 
 llama.cpp stores the llama and mistral architectures' q and k rows so that rotary pairs are adjacent
 (rows 2i and 2i+1 of a head); llmd, like the Hugging Face layout, pairs row i with row i + d/2, so
-those rows are put back (`_rotary_order`). qwen2 and qwen3 files keep the halves layout.
+those rows are put back (`_rotary_order`). The other architectures keep the halves layout. Gemma
+files store norms as 1 + w; the import takes 1 away, so the directory holds the checkpoint's w.
 """
 from __future__ import annotations
 
@@ -20,21 +22,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from .gguf_check import GGUFError, TensorSpan, read_header
-
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-ROTARY_ADJACENT = ("llama", "mistral")
-TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-       "output.weight": "lm_head.weight"}
-LAYER = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
-         "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
-         "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
-         "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
-         "attn_v.bias": "self_attn.v_proj.bias", "attn_output.bias": "self_attn.o_proj.bias",
-         "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
-         "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
-         "ffn_down.weight": "mlp.down_proj.weight"}
-
+from .gguf_families import ARCHITECTURES, MODEL_TYPES, ROTARY_ADJACENT, TOP, family_config, layer_names, norm_shift
 
 @dataclass
 class GGUFFile:
@@ -107,6 +95,8 @@ def hf_config(f: GGUFFile, dtype: str = "float32") -> dict:
     names = set(f.tensor_names())
     if "rope_freqs.weight" in names:
         f.fail("rope_freqs.weight", "per-frequency rope factors (llama 3.1 style scaling) are not supported")
+    if "rope_factors_long.weight" in names:
+        f.fail("rope_factors_long.weight", "long-context rotary factors (longrope) are not supported")
     hidden, heads = f.get(a + "embedding_length", int), f.get(a + "attention.head_count", int)
     if hidden < 1 or heads < 1 or hidden % heads and not f.has(a + "attention.key_length"):
         f.fail(a + "attention.head_count", f"{heads} heads do not divide the width {hidden}")
@@ -114,13 +104,13 @@ def hf_config(f: GGUFFile, dtype: str = "float32") -> dict:
     if f.get(a + "rope.dimension_count", int, head_dim) != head_dim:
         f.fail(a + "rope.dimension_count", "partial rotary embeddings are not supported")
     layers = f.get(a + "block_count", int)
-    if not 1 <= layers <= len(names) // 9:
+    if not 1 <= layers <= len(names) // 6:          # six tensors a layer at the least (phi3)
         f.fail(a + "block_count", f"{layers} layers but the file has {len(names)} tensors")
     embd = next(s for s in f.spans if s.name == "token_embd.weight") if "token_embd.weight" in names else None
     if embd is None or len(embd.dims) != 2 or embd.dims[0] != hidden:
         f.fail("token_embd.weight", f"missing or not a [{hidden}, vocabulary] matrix")
     cfg = {
-        "architectures": [ARCHITECTURES[arch]], "model_type": arch, "hidden_act": "silu",
+        "architectures": [ARCHITECTURES[arch]], "model_type": MODEL_TYPES.get(arch, arch), "hidden_act": "silu",
         "vocab_size": int(embd.dims[1]), "hidden_size": hidden,
         "intermediate_size": f.get(a + "feed_forward_length", int),
         "num_hidden_layers": layers,
@@ -136,10 +126,7 @@ def hf_config(f: GGUFFile, dtype: str = "float32") -> dict:
         cfg["rope_scaling"] = {"rope_type": "linear", "factor": f.get(a + "rope.scaling.factor", float)}
     elif scaling != "none":
         f.fail(a + "rope.scaling.type", f"{scaling!r} is not supported (none or linear)")
-    if arch in ("llama", "mistral"):
-        cfg["attention_bias"] = "blk.0.attn_q.bias" in names
-    if arch == "mistral":
-        cfg["sliding_window"] = f.get(a + "attention.sliding_window", int, None)
+    family_config(f, arch, cfg)
     for key, name in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
         value = f.get(f"tokenizer.ggml.{name}", int, None)
         if value is not None:
@@ -151,8 +138,9 @@ def hf_name(f: GGUFFile, name: str) -> str:
     if name in TOP:
         return TOP[name]
     parts = name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in LAYER:
-        return f"model.layers.{int(parts[1])}.{LAYER[parts[2]]}"
+    layer = layer_names(architecture(f))
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer:
+        return f"model.layers.{int(parts[1])}.{layer[parts[2]]}"
     f.fail(name, "a tensor llmd does not know; the file may be of an architecture variant it does not run")
 
 
@@ -166,12 +154,14 @@ def read_tensors(f: GGUFFile, cfg: dict, dtype: str = "float32", progress: bool 
         yield name, torch.from_numpy(values).to(dtypes[dtype])
 
 
-def tensor_values(f: GGUFFile, cfg: dict, progress: bool = True, desc: str = "dequantizing"):
+def tensor_values(f: GGUFFile, cfg: dict, progress: bool = True, desc: str = "dequantizing", as_checkpoint: bool = True):
     """Yield (the reader's tensor, Hugging Face name, float32 values in llmd's row order, the row order
-    applied to the file's rows or None) for every tensor, dequantized by the `gguf` package."""
+    applied to the file's rows or None) for every tensor, dequantized by the `gguf` package. Norms a
+    file stores as 1 + w come as the checkpoint's w (``as_checkpoint``), else as stored: the scale itself,
+    which is what llmd's own modules hold."""
     import gguf
     from tqdm import tqdm
-    arch = cfg["model_type"]
+    arch = architecture(f)
     heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
     bar = tqdm(f.reader.tensors, desc=f"{desc} {f.path.name}", unit="tensor", disable=not progress, leave=False)
     with contextlib.closing(bar):
@@ -187,6 +177,8 @@ def tensor_values(f: GGUFFile, cfg: dict, progress: bool = True, desc: str = "de
             if arch in ROTARY_ADJACENT and kind in heads:
                 order = _rotary_order(f, t.name, values.shape[0], heads[kind])
                 values = values[order]
+            if as_checkpoint and (shift := norm_shift(arch, name)):
+                values = values - np.float32(shift)
             yield t, name, np.ascontiguousarray(values), order
 
 

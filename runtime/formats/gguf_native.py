@@ -2,12 +2,12 @@
 where it lies, by llmd's kernels for GGUF's block types (llmd.runtime.kernels' blocks.c). Nothing is
 dequantized ahead of time, no copy goes to disk, and the model's size in memory is the file's.
 
-    load_native(path)  -> (LlamaForCausalLM, ModelConfig, Tokenizer), ready for the cpu backend
+    load_native(path)  -> (model, ModelConfig, Tokenizer), ready for the cpu backend
 
 Loading walks the header (gguf_check), reads the metadata and tokenizer (gguf, gguf_tokenizer), maps
 the file copy-on-write (pages are shared with the page cache and never written), and builds the model
-on the meta device with a ``GGUFLinear`` per product: q, k and v (gate and up) stay three (two) tensors
-of the file, each of its own type, read as one product's parts. llama and mistral files store q and k
+on the meta device with a ``GGUFLinear`` per product of the layer plan: the tensors of its sources (q, k
+and v as three, or phi3's one ``attn_qkv``), each of its own type, read as one product's parts. llama and mistral files store q and k
 rows with rotary pairs adjacent; that is the order llmd's prepared models use, so each part holds a
 row order (an index, not a copy) that ``permute_outputs`` composes with.
 
@@ -28,10 +28,12 @@ from tqdm import tqdm
 from llmd.runtime import kernels
 from llmd.runtime.kernels import ops
 
+from ..models import registry
 from ..models.config import ModelConfig
-from ..models.llama import LlamaForCausalLM
+from ..models.plan import rows_of
 from ..tokenizer import Tokenizer, check_vocab
-from .gguf import ROTARY_ADJACENT, GGUFFile, hf_config, hf_name, open_gguf
+from .gguf import GGUFFile, architecture, hf_config, hf_name, open_gguf
+from .gguf_families import ROTARY_ADJACENT, layer_names
 from .gguf_check import GGUFError
 from .gguf_tokenizer import tokenizer_files
 from .quantized import QuantEmbedding
@@ -264,36 +266,33 @@ def load_native(path: str | Path, progress: bool = True):
     for name in spans:
         hf_name(f, name)                          # every tensor is one llmd knows
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = registry.get(cfg.architecture).model_class(cfg)
     adjacent = raw["model_type"] in ROTARY_ADJACENT
+    to_file = {hf.removesuffix(".weight"): g.removesuffix(".weight")      # checkpoint module -> GGUF name
+               for g, hf in layer_names(architecture(f)).items() if g.endswith(".weight")}
     h = cfg.hidden_size
+    sizes = {"h": h, "q": cfg.q_size, "kv": cfg.kv_size, "i": cfg.intermediate_size}
     for i, layer in enumerate(tqdm(model.layers, desc=f"mapping {path.name}", unit="layer", disable=not progress,
                                    leave=False)):
         p = f"blk.{i}."
-        attn, mlp = layer.self_attn, layer.mlp
-        q, k, v = (blocks(p + n + ".weight", rows, h) for n, rows in
-                   (("attn_q", cfg.q_size), ("attn_k", cfg.kv_size), ("attn_v", cfg.kv_size)))
-        bias = None
-        if cfg.attention_bias:
-            bias = torch.cat([vector(p + n + ".bias", w) for n, w in
-                              (("attn_q", cfg.q_size), ("attn_k", cfg.kv_size), ("attn_v", cfg.kv_size))])
-        qkv = GGUFLinear(h, [q, k, v], bias, release)
-        if adjacent:                              # the file's rows are in rotary-adjacent order: to halves
-            qo = _rotary_rows(cfg.q_size, cfg.num_heads)
-            ko = _rotary_rows(cfg.kv_size, cfg.num_kv_heads)
-            qkv.permute_outputs(torch.cat([qo, ko + cfg.q_size, torch.arange(cfg.kv_size) + cfg.q_size + cfg.kv_size]))
-        attn.qkv_proj = qkv
-        attn.o_proj = GGUFLinear(cfg.q_size, [blocks(p + "attn_output.weight", h, cfg.q_size)],
-                                 vector(p + "attn_output.bias", h) if cfg.o_proj_bias else None, release)
-        if cfg.qk_norm:
-            attn.q_norm.weight = nn.Parameter(vector(p + "attn_q_norm.weight", cfg.head_dim), requires_grad=False)
-            attn.k_norm.weight = nn.Parameter(vector(p + "attn_k_norm.weight", cfg.head_dim), requires_grad=False)
-        i = cfg.intermediate_size
-        gate, up = blocks(p + "ffn_gate.weight", i, h), blocks(p + "ffn_up.weight", i, h)
-        mlp.gate_up_proj = GGUFLinear(h, [gate, up], None, release)
-        mlp.down_proj = GGUFLinear(i, [blocks(p + "ffn_down.weight", h, i)], None, release)
-        layer.input_layernorm.weight = nn.Parameter(vector(p + "attn_norm.weight", h), requires_grad=False)
-        layer.post_attention_layernorm.weight = nn.Parameter(vector(p + "ffn_norm.weight", h), requires_grad=False)
+        for product in cfg.plan.products:         # each product's parts: the file's tensors of its sources
+            width, sources = sizes[product.inputs], product.sources
+            parts = [blocks(p + to_file[s.module] + ".weight", rows_of(s.rows, sizes), width) for s in sources]
+            bias = torch.cat([vector(p + to_file[s.module] + ".bias", rows_of(s.rows, sizes))
+                              for s in sources]) if product.bias else None
+            linear = GGUFLinear(width, parts, bias, release)
+            if adjacent and product.module == "self_attn.qkv_proj":     # rotary-adjacent rows: to halves
+                qo = _rotary_rows(cfg.q_size, cfg.num_heads)
+                ko = _rotary_rows(cfg.kv_size, cfg.num_kv_heads)
+                linear.permute_outputs(torch.cat([qo, ko + cfg.q_size,
+                                                  torch.arange(cfg.kv_size) + cfg.q_size + cfg.kv_size]))
+            parent, leaf = product.module.rsplit(".", 1)
+            setattr(layer.get_submodule(parent), leaf, linear)
+        norms = [f"self_attn.{n}" for n in ("q_norm", "k_norm") if cfg.qk_norm] + list(cfg.plan.layer_norms())
+        for norm in norms:                        # Gemma files store the scale 1 + w, as llmd holds it
+            size = cfg.head_dim if norm.startswith("self_attn.") else h
+            layer.get_submodule(norm).weight = nn.Parameter(vector(p + to_file[norm] + ".weight", size),
+                                                            requires_grad=False)
     model.norm.weight = nn.Parameter(vector("output_norm.weight", h), requires_grad=False)
     table = GGUFLinear(h, [blocks("token_embd.weight", cfg.vocab_size, h)], packable=False)        # its rows are looked up
     if cfg.tie_word_embeddings:

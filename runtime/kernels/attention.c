@@ -4,7 +4,9 @@
 /* Query row r (row[r] of q [T, H, D]) attends to the first len[r] positions of its request,
  * whose keys/values live at slot table[span[r]][l / bs] * bs + l % bs of the pools [S, KVH, D]
  * (float32, or bfloat16: the same arithmetic over half the bytes, for a step that reads many streams'
- * keys and values from memory).
+ * keys and values from memory). Row r's blocks are read from table + span[r] * table_width on, as many
+ * as its length needs: a table of width 1 with bs 1 is a flat list of slots, span[r] the first of row
+ * r's, which is how a sliding layer's rows see their window only.
  * Softmax(q k / sqrt(D)) v per head in float32, heads sharing a key/value head read it once.
  * Threads take whole rows when there are enough, else (row, kv head) pairs. Decode and verification
  * rows, and prompt chunks' rows alike, so a row's numbers do not depend on how its request was cut. */

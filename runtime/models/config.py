@@ -53,6 +53,14 @@ class ModelConfig:
     plan: LayerPlan = LayerPlan()  # what each layer computes (llmd.runtime.models.plan)
 
     @property
+    def window_cap(self) -> Optional[int]:
+        """The context where some layer's window starts to slide, or None: attention that computes
+        every layer in full (a backend without per-layer windows) stays exact up to it."""
+        windows = [w for w in self.plan.windows(self.num_layers) if w is not None]
+        cap = min(windows, default=None)
+        return cap if cap is not None and cap < self.max_position_embeddings else None
+
+    @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
 
@@ -147,9 +155,6 @@ class ModelConfig:
             fail(f"'sliding_window' must be a positive integer, got {window!r}")
         if plan.sliding_layers is not None and len(plan.sliding_layers) != get_int("num_hidden_layers"):
             fail("the layer types do not name every layer")
-        if window is not None and window < max_pos and any(map(plan.slides, range(get_int("num_hidden_layers")))):
-            # llmd computes full attention; capping the context at the window keeps results exact.
-            max_pos = window
 
         rope_theta, scaling = _rope(raw, fail)
 

@@ -38,6 +38,7 @@ class FusedDecode:
         self.head, self.embed = head_of(model)
         self.max_rows = max_rows
         self.eps = cfg.rms_norm_eps
+        self.windows = frozenset(model.windows)          # the layers' windows (None: full attention)
         # the storage behind the pointers, held (as detached tensors, which a later swap of a parameter's
         # ``.data`` cannot free) for as long as the pointers live; prepare_for_inference builds anew
         norms = [_held(n.weight) for layer in model.layers
@@ -113,7 +114,7 @@ class FusedDecode:
         the Python forward (``attn``'s pools served, see ``serves``). Writes this step's keys and
         values into the pools as that would."""
         t = x.shape[0]
-        kr = attn.kernel_rows
+        kr = self._kernel_rows(attn)
         if (t > self.max_rows or x.dtype != torch.float32 or x.dim() != 2 or kr is None or attn.groups
                 or kr.rows.numel() != t or positions.dtype != torch.int64):
             return None
@@ -122,7 +123,7 @@ class FusedDecode:
             return None
         pools = attn.k_pool
         work = self._scratch(t)                          # held by this call while the kernel writes it
-        dims = self._step_dims(t, pools, kr.table.shape[1], attn.block_size)
+        dims = self._step_dims(t, pools, kr.table.shape[1], kr.block_size)
         rotary = self.rotary
         x = x.contiguous().clone()           # the residual stream, overwritten; the caller's x stays whole
         out = torch.empty_like(x)
@@ -138,6 +139,13 @@ class FusedDecode:
             return None      # a shape a kernel refused (a position past the rotary tables): the Python path says why
         self.steps += 1
         return out
+
+    def _kernel_rows(self, attn):
+        """The kernel rows every layer reads this step (a window's where every layer slides alike), or
+        None where layers read different ones: a window cuts some request's context for some layers
+        and not for others (the Python forward then attends layer by layer)."""
+        forms = {id(rows): rows for rows in (attn.window_metadata(w)[0] for w in self.windows)}
+        return next(iter(forms.values())) if len(forms) == 1 else None
 
     def draft_greedy(self, runner, feeds: list[list[int]], positions: list[int], block_ids: list[list[int]],
                      steps: int) -> list[list[int]] | None:
@@ -161,6 +169,9 @@ class FusedDecode:
         # last position at step s is positions[i] + len(feeds[i]) - 1 + s
         bs = runner.block_size
         steps = min(steps, *(len(b) * bs - p - len(f) + 1 for b, p, f in zip(block_ids, positions, feeds)))
+        window = min((w for w in self.windows if w is not None), default=None)
+        if window is not None:          # the loop attends whole contexts: none may reach past a window
+            steps = min(steps, *(window - p - len(f) + 1 for p, f in zip(positions, feeds)))
         if steps < 1:
             return None
         width = max(len(b) for b in block_ids)

@@ -22,6 +22,7 @@ from torch import nn
 from .config import ModelConfig
 from .fused_decode import FusedDecode
 from .layers import TORCH_OPS, Linear, RMSNorm, Rotary, TorchOps, apply_rotary
+from .plan_attention import layer_attention
 
 
 @dataclass
@@ -168,6 +169,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
         with torch.device("cpu"):      # float32 tables, computed even when built on meta (``empty``)
             self.rotary = Rotary(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.windows = cfg.plan.windows(cfg.num_layers)       # each layer's window, None where it sees all
         self._tied_head: Linear | None = None      # the tied embedding, once prepared (see below)
         self._interleaved = False
         self.fused_decode: FusedDecode | None = None   # every layer in one kernel call, once prepared
@@ -210,7 +212,10 @@ class LlamaForCausalLM(nn.Module):
 
     def _layers(self, x, rope, attend, ops: TorchOps) -> torch.Tensor:
         """Every decoder layer, then the final norm; each layer's MLP output is added with the next
-        norm (``add_norm``)."""
+        norm (``add_norm``). ``attend`` takes the plan's windows and soft-cap (plan_attention)."""
+        plan = self.config.plan
+        attend = layer_attention(attend, self.windows, plan.attn_softcap,
+                                 plan.attention_scale or self.config.head_dim ** -0.5)
         pending = None
         for layer in self.layers:
             x, pending = layer(x, rope, attend, ops, pending)

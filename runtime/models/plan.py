@@ -115,6 +115,10 @@ class LayerPlan:
             return False
         return True if self.sliding_layers is None else self.sliding_layers[layer]
 
+    def windows(self, layers: int) -> tuple[Optional[int], ...]:
+        """Each layer's window: the positions a query sees, itself and those before it (None: all)."""
+        return tuple(self.sliding_window if self.slides(i) else None for i in range(layers))
+
     def with_(self, **changes) -> "LayerPlan":
         return replace(self, **changes)
 

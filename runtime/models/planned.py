@@ -20,7 +20,6 @@ from torch import nn
 from .config import ModelConfig, RopeScaling
 from .layers import TORCH_OPS, Linear, RMSNorm, Rotary, TorchOps, apply_rotary
 from .llama import Attention, LlamaForCausalLM, split_heads
-from .plan_attention import softcapped
 
 log = logging.getLogger("llmd.models")
 
@@ -104,12 +103,6 @@ class PlannedForCausalLM(LlamaForCausalLM):
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> LayerRope:
         tables = (self.rotary.lookup(positions, dtype), self.local_rotary.lookup(positions, dtype))
         return LayerRope(tables, self.local, self.q_scale)
-
-    def _layers(self, x, rope, attend, ops: TorchOps) -> torch.Tensor:
-        plan = self.config.plan
-        if plan.attn_softcap is not None:
-            attend = softcapped(attend, plan.attn_softcap, plan.attention_scale or self.config.head_dim ** -0.5)
-        return super()._layers(x, rope, attend, ops)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)

@@ -3,12 +3,12 @@
 from ..llama import LlamaForCausalLM
 from ..plan import LayerPlan, split_products
 from ..registry import Architecture, register
-from .qwen2 import qwen_window
+from .qwen2 import qwen_layers, qwen_window
 
 
 def plan(raw: dict, bias: bool) -> LayerPlan:
     return LayerPlan(products=split_products(qkv_bias=bias, o_bias=bias), qk_norm=True,
-                     sliding_window=qwen_window(raw))
+                     sliding_window=qwen_window(raw), sliding_layers=qwen_layers(raw))
 
 
 register(Architecture("Qwen3ForCausalLM", "qwen3", LlamaForCausalLM, plan))
