@@ -21,7 +21,7 @@ from .errors import CapacityError, EngineDirError, InvalidRequest
 from . import kernels
 from .kernels import ops
 from .execution import choose
-from .grammar import GrammarCompiler, Matcher, vocab_json
+from .grammar import GrammarCompiler, Matcher
 from .kv_tier import DiskTier
 from .loading import LoadedModel, load_for_engine
 from .model_names import resolve_config
@@ -186,7 +186,7 @@ class Engine:
         if params.grammar is None:
             return None
         if self._grammars is None:
-            self._grammars = GrammarCompiler(vocab_json(self.tokenizer), self.model_config.vocab_size,
+            self._grammars = GrammarCompiler(self.tokenizer.to_json(), self.model_config.vocab_size,
                                              self.eos_token_ids)
         return self._grammars.compile(params.grammar)
 

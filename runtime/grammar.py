@@ -37,8 +37,8 @@ class GrammarError(InvalidRequest):
 
 
 class GrammarCompiler:
-    """Compiles grammars for one model's vocabulary (``vocab_json``: the tokenizers library's JSON
-    of the model's tokenizer; ``vocab_size``: the width of the model's logits)."""
+    """Compiles grammars for one model's vocabulary (``vocab_json``: ``Tokenizer.to_json()``, the
+    tokenizers library's JSON of the model's tokenizer; ``vocab_size``: the width of its logits)."""
 
     def __init__(self, vocab_json: str, vocab_size: int, eos_token_ids: tuple[int, ...]):
         self._vocab_json = vocab_json
@@ -59,13 +59,6 @@ class GrammarCompiler:
         if matcher.is_error():
             raise GrammarError(f"the {grammar.kind} cannot be used: {_short(matcher.get_error())}")
         return Matcher(matcher, self.vocab_size, tuple(self._eos))
-
-
-def vocab_json(tokenizer) -> str:
-    """The tokenizers library's JSON of the model's tokenizer (byte-level vocabulary, merges and
-    added tokens), which llguidance reads."""
-    to_json = getattr(tokenizer, "to_json", None)
-    return to_json() if to_json is not None else tokenizer._special.to_str()
 
 
 def grammar_text(grammar: Grammar) -> str:

@@ -13,7 +13,7 @@ from http_fixtures import call
 from tool_output_fixtures import MODEL, oai, served  # noqa: F401 (fixtures)
 from llmd.bench.structured_schemas import schemas, valid
 from llmd.runtime.errors import InvalidRequest
-from llmd.runtime.grammar import GrammarCompiler, GrammarError, vocab_json
+from llmd.runtime.grammar import GrammarCompiler, GrammarError
 from llmd.runtime.llm import LLM
 from llmd.runtime.request import Grammar, SamplingParams
 from llmd.runtime.sampler import SamplingRow, make_generator, sample
@@ -87,7 +87,7 @@ def test_a_mask_of_the_wrong_width_is_refused():
 @pytest.fixture(scope="module")
 def compiler():
     tok = Tokenizer.from_dir(MODEL)
-    return GrammarCompiler(vocab_json(tok), 8192, tuple(tok.eos_token_ids)), tok
+    return GrammarCompiler(tok.to_json(), 8192, tuple(tok.eos_token_ids)), tok
 
 
 def test_a_matcher_allows_exactly_the_text_of_its_schema(compiler):
