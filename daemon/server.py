@@ -168,7 +168,7 @@ class Server:
         """Once the engine thread has ended, the engine is no one's: close it, so the disk tier writes
         what it lacks before the process exits (`llmd serve` ends with os._exit, which runs no atexit)."""
         engine = self.engine.engine
-        if engine is None or self.engine.is_alive() or not hasattr(engine, "close"):
+        if engine is None or self.engine.is_alive():
             return
         try:
             engine.close()
