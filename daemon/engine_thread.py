@@ -175,7 +175,7 @@ class EngineThread(threading.Thread):
             "context_length": int(getattr(mc, "max_position_embeddings", 0) or 0),
             "vocab_size": int(getattr(mc, "vocab_size", 0) or 0),
             "chat": bool(getattr(tok, "has_chat_template", False)),
-            "infill": bool(getattr(tok, "can_infill", getattr(tok, "fim_middle_id", None) is not None)),
+            "infill": tok.can_infill,
         }
 
     def _loop(self) -> None:
@@ -250,7 +250,7 @@ class EngineThread(threading.Thread):
             return tok.encode_chat([dict(m) for m in s.messages], tools=list(s.tools) or None)
         if s.kind == "infill":
             return tok.build_infill(s.prefix, s.suffix, list(s.files), s.layout, s.middle)
-        if isinstance(s.prompt, str) and hasattr(tok, "encode_fim_markers"):
+        if isinstance(s.prompt, str):
             # an editor's completion prompt in the model's FIM format: its markers become FIM tokens
             return tok.encode_fim_markers(s.prompt) or s.prompt
         return s.prompt
