@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import sys
 import time
 import weakref
@@ -30,7 +29,6 @@ from .config import EngineConfig, parse_bytes
 from .kv_disk import BlockRecord, KVDisk
 from .request import Request
 
-log = logging.getLogger("llmd.kv_tier")
 IDLE_WAIT_S = 0.01           # a step with nothing else to do waits this long for a read to finish
 
 
@@ -48,11 +46,9 @@ class DiskTier:
     @classmethod
     def open(cls, config: EngineConfig, model_paths: list[str], facts: dict, block_manager: BlockManager,
              runners: list) -> Optional["DiskTier"]:
-        """The tier the config asks for, or None (no ``kv_disk``, no prefix cache, or pools it cannot read)."""
+        """The tier the config asks for, or None (no ``kv_disk``, or no prefix cache). Every runner
+        gives its pools block by block (``block_views``, in the runner contract)."""
         if not config.kv_disk or not config.prefix_cache:
-            return None
-        if not all(hasattr(r, "block_views") for r in runners):
-            log.warning("the KV tier on disk is off: this runner's pools cannot be copied block by block")
             return None
         views = [v for r in runners for v in r.block_views(0)]
         layout = [[list(v.shape), str(v.dtype)] for v in views]
