@@ -1,7 +1,7 @@
 """KVDisk: the prefix cache's tier on disk, so computed prompt blocks outlive evictions and restarts.
 
 One file per full block, named by a digest of the model's fingerprint and the block's key (the
-prefix cache's hash chain, llmd.runtime.block_manager), so two models never share a name:
+prefix cache's hash chain, llmd.runtime.prefix_index), so two models never share a name:
 
     <dir>/<32 hex>.kv      0600, in a 0700 directory; written as .<name>.<pid>.tmp, then renamed
 

@@ -24,9 +24,10 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
-from .block_manager import ROOT_KEY, BlockManager, block_key
+from .block_manager import BlockManager
 from .config import EngineConfig, parse_bytes
 from .kv_disk import BlockRecord, KVDisk
+from .prefix_index import ROOT_KEY, block_key
 from .request import Request
 
 IDLE_WAIT_S = 0.01           # a step with nothing else to do waits this long for a read to finish
@@ -103,7 +104,7 @@ class DiskTier:
         every idle moment). Returns how many it queued."""
         offered, queued = set(), 0
         for block_id, record in self.bm.cached_records():
-            held = (block_id, self.bm.blocks[block_id].epoch)      # a block handed out again: a new epoch
+            held = (block_id, self.bm.pool.epoch(block_id))      # a block handed out again: a new epoch
             if held in self.offered:
                 offered.add(held)
             elif self.disk.room() and not self.disk.holds(record.key):
@@ -153,9 +154,7 @@ def prompt_blocks(bm: BlockManager, request: Request, holds: Callable[[int], boo
     for start in range(0, request.num_tokens - bs, bs):
         tokens = tuple(request.token_ids[start:start + bs])
         key = block_key(parent, tokens, request.cache_salt)
-        block_id = bm.cached.get(key)
-        if block_id is not None and bm.blocks[block_id].tokens != tokens:
-            block_id = None
+        block_id = bm.prefix.cached_block(key, tokens)
         if block_id is None and not holds(key):
             return
         yield BlockRecord(key, parent, tokens), block_id
