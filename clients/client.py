@@ -26,7 +26,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from llmd import codec
+from llmd import codec, sampling_fields
 from llmd.protocol import TERMINAL, Ack, Done, Error, Keepalive, Sentence, Token, default_socket_path, from_wire
 
 __all__ = ["Client", "AsyncClient", "Stream", "AsyncStream", "ClientError", "DaemonUnavailable",
@@ -35,8 +35,7 @@ __all__ = ["Client", "AsyncClient", "Stream", "AsyncStream", "ClientError", "Dae
 log = logging.getLogger("llmd.client")
 
 PROTOCOL_VERSIONS = [1]
-SAMPLING_KEYS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                 "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "prompt_only", "grammar")
+SAMPLING_KEYS = tuple(p.name for p in sampling_fields.WIRE)      # the keywords that go into ``params``
 
 
 class ClientError(Exception):

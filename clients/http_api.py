@@ -15,17 +15,17 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from llmd.protocol import MAX_FILES, MAX_MESSAGES, MAX_TEXT_LEN
+from llmd import sampling_fields
+from llmd.protocol import MAX_FILES, MAX_MESSAGES, MAX_STOP, MAX_TEXT_LEN, MAX_TOKENS, sampling_type
 
+from .http_knobs import chained, knob_model, knobs
 from .http_tools import ToolError, call_grammar, format_grammar, one_grammar, wire_calls, wire_tools
 
-MAX_STOP = 16                       # as the ZeroMQ edge's Sampling.stop
-MAX_TOKENS = 1 << 20
 DEFAULT_MAX_TOKENS = 256            # when a request names none
 INFILL_DEFAULT_TOKENS = 64
 
 Text = Annotated[str, Field(max_length=MAX_TEXT_LEN)]
-StopText = Annotated[str, Field(min_length=1, max_length=256)]
+StopText = Annotated[str, Field(min_length=1, max_length=sampling_fields.BY_NAME["stop"].item_len)]
 Finite = Annotated[float, Field(allow_inf_nan=False)]
 
 
@@ -56,16 +56,14 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True, frozen=True)
 
 
-class _Sampled(_Body):
+class _Sampled(knob_model("_Knobs", sampling_fields.OPENAI, _Body)):
+    """The sampling fields both OpenAI bodies share: the knobs sampling_fields gives the OpenAI front
+    (temperature, top_p, and as vLLM's and llama.cpp's servers also take them, top_k, min_p,
+    typical_p, the penalties), and these."""
+
     model: Optional[Annotated[str, Field(max_length=256)]] = None
     max_tokens: Optional[Annotated[int, Field(ge=1, le=MAX_TOKENS)]] = None
-    temperature: Optional[Annotated[Finite, Field(ge=0, le=100)]] = None
-    top_p: Optional[Annotated[Finite, Field(gt=0, le=1)]] = None
-    top_k: Optional[Annotated[int, Field(ge=0, le=MAX_TOKENS)]] = None
-    min_p: Optional[Annotated[Finite, Field(ge=0, lt=1)]] = None
-    presence_penalty: Optional[Annotated[Finite, Field(ge=-2, le=2)]] = None
-    frequency_penalty: Optional[Annotated[Finite, Field(ge=-2, le=2)]] = None
-    seed: Optional[Annotated[int, Field(ge=0, lt=1 << 63)]] = None
+    seed: sampling_type(sampling_fields.BY_NAME["seed"]) = None
     stop: Optional[Union[StopText, Annotated[list[StopText], Field(max_length=MAX_STOP)]]] = None
     n: Annotated[int, Field(ge=1, le=1)] = 1
     stream: bool = False
@@ -76,10 +74,8 @@ class _Sampled(_Body):
     response_format: Optional[dict] = None            # text, json_object or json_schema (http_tools)
 
     def sampling(self, max_tokens: Optional[int], logprobs: Optional[int]) -> dict:
-        s = {"max_tokens": max_tokens or self.max_tokens or DEFAULT_MAX_TOKENS, "temperature": self.temperature,
-             "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p, "seed": self.seed,
-             "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
-             "stop": [self.stop] if isinstance(self.stop, str) else self.stop, "logprobs": logprobs,
+        s = {"max_tokens": max_tokens or self.max_tokens or DEFAULT_MAX_TOKENS, **knobs(self, sampling_fields.OPENAI),
+             "seed": self.seed, "stop": [self.stop] if isinstance(self.stop, str) else self.stop, "logprobs": logprobs,
              "ignore_eos": self.ignore_eos or None}
         return {k: v for k, v in s.items() if v is not None and v != []}
 
@@ -124,9 +120,10 @@ class ExtraChunk(_Body):
     filename: Annotated[str, Field(max_length=4096)] = ""
 
 
-class InfillBody(_Body):
-    """llama.cpp's ``/infill`` fields that llmd acts on; the rest (``n_indent``, ``response_fields``,
-    ``t_max_prompt_ms``, ``samplers`` ...) are read as llama.cpp does, or ignored."""
+class InfillBody(knob_model("_InfillKnobs", sampling_fields.LLAMA, _Body, penalties=False)):
+    """llama.cpp's ``/infill`` fields that llmd acts on: temperature and the filters in llama.cpp's
+    spelling (sampling_fields), and these; the rest (``n_indent``, ``response_fields``,
+    ``t_max_prompt_ms`` ..., the penalties) are read as llama.cpp does, or ignored."""
 
     input_prefix: Text = ""
     input_suffix: Text = ""
@@ -138,10 +135,6 @@ class InfillBody(_Body):
     cache_prompt: bool = True
     stream: bool = False
     samplers: Annotated[list[Annotated[str, Field(max_length=32)]], Field(max_length=16)] = []
-    top_k: Optional[Annotated[int, Field(ge=0, le=MAX_TOKENS)]] = None
-    top_p: Optional[Annotated[Finite, Field(gt=0, le=1)]] = None
-    min_p: Optional[Annotated[Finite, Field(ge=0, lt=1)]] = None
-    temperature: Optional[Annotated[Finite, Field(ge=0, le=100)]] = None
     seed: Optional[Annotated[int, Field(ge=-1, lt=1 << 63)]] = None
     stop: Annotated[list[StopText], Field(max_length=MAX_STOP)] = []
     n_indent: Optional[Annotated[int, Field(ge=0, le=4096)]] = None
@@ -239,19 +232,13 @@ def infill_work(body: InfillBody) -> Work:
     (``predict_limited``);
     a sampler chain without ``temperature`` samples greedily unless ``temperature`` is given."""
     n = body.n_predict if body.n_predict > 0 else INFILL_DEFAULT_TOKENS
-    chain = set(body.samplers)
     sampling = {"max_tokens": n, "stop": body.stop or None,
-                "top_k": body.top_k if not chain or "top_k" in chain else None,
-                "top_p": body.top_p if not chain or "top_p" in chain else None,
-                "min_p": body.min_p if not chain or "min_p" in chain else None,
-                "temperature": body.temperature if body.temperature is not None and (not chain or "temperature" in chain)
-                else None,
                 "seed": body.seed if body.seed is not None and body.seed >= 0 else None,
                 "ignore_eos": body.ignore_eos or None}
     sampling = {k: v for k, v in sampling.items() if v is not None}
-    if sampling.get("temperature", 0) == 0:
-        for k in ("top_k", "top_p", "min_p"):
-            sampling.pop(k, None)
+    sampling.update(chained(knobs(body, sampling_fields.LLAMA, penalties=False), body.samplers))
+    if sampling.get("temperature", 0) == 0:      # greedy: the filters change nothing
+        sampling = {k: v for k, v in sampling.items() if sampling_fields.BY_NAME[k].stage != sampling_fields.FILTER}
     files = [{"path": c.filename or f"chunk-{i}", "text": c.text} for i, c in enumerate(body.input_extra)]
     return Work("infill", {"prefix": body.input_prefix + body.prompt, "suffix": body.input_suffix,
                            "files": files or None}, sampling, body.stream,

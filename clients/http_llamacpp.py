@@ -19,6 +19,7 @@ from pydantic import Field
 from llmd.protocol import MAX_PROMPT_TOKENS, Done, Error, Token
 
 from .http_api import MAX_TOKENS, Finite, HttpError, Text, Work, daemon_error, infill_reply, parse
+from .http_knobs import chained
 from .http_options import LlamaSampling, Strict, predicted, refuse
 from .http_stream import events, finished, first_event, predict_limited, raise_error, send_event
 from .http_tokens import ModelTokenizer
@@ -27,7 +28,6 @@ TokenId = Annotated[int, Field(ge=0, lt=1 << 31)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_TOKENS)]
 Small = Annotated[int, Field(ge=-1, le=1 << 20)]
 Knob = Optional[Annotated[Finite, Field(ge=-1000, le=1000)]]
-FILTERS = ("top_k", "top_p", "min_p", "temperature")
 
 
 class CompletionBody(LlamaSampling):
@@ -103,10 +103,7 @@ def completion_work(body: CompletionBody) -> Work:
     sampling = {**predicted(body.n_predict, MAX_TOKENS), **body.sampling()}
     if body.ignore_eos:
         sampling["ignore_eos"] = True
-    if body.samplers:
-        for name in FILTERS:
-            if name not in body.samplers:
-                sampling.pop(name, None)
+    sampling = chained(sampling, body.samplers)
     prompt = body.prompt[0] if isinstance(body.prompt, list) and isinstance(body.prompt[0], str) else body.prompt
     fields = {"prompt": prompt} if isinstance(prompt, str) else {"token_ids": prompt}
     return Work("generate", fields, sampling, body.stream,

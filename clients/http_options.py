@@ -2,8 +2,9 @@
 ``options``, and how each becomes llmd's sampling map.
 
 Unlike the OpenAI bodies, these models forbid unknown fields: a field llmd does not know may change
-the output, so it is refused (400, naming it) rather than ignored. Fields of samplers llmd lacks
-(typical, tail-free, mirostat) are taken only at the value that turns them off.
+the output, so it is refused (400, naming it) rather than ignored. The knobs llmd has (temperature,
+the filters, the penalties) come from llmd.sampling_fields through ``http_knobs``; fields of samplers
+llmd lacks (tail-free, mirostat) are taken only at the value that turns them off.
 
 Penalty windows: llmd's ``repeat_penalty`` covers the prompt and the output (llama.cpp's
 ``repeat_last_n`` -1), its presence and frequency penalties the output. ``repeat_last_n`` 0 turns
@@ -15,7 +16,10 @@ from typing import Annotated, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from llmd.sampling_fields import LLAMA, PENALTIES
+
 from .http_api import MAX_STOP, MAX_TOKENS, Finite, HttpError, StopText
+from .http_knobs import knob_model, knobs
 
 SEED_MASK = (1 << 63) - 1        # llmd's seeds are 63-bit; a client's 64-bit seed is folded in
 
@@ -24,19 +28,14 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
 
-class LlamaSampling(Strict):
-    temperature: Optional[Annotated[Finite, Field(ge=0, le=100)]] = None
-    top_k: Optional[Annotated[int, Field(ge=0, le=MAX_TOKENS)]] = None
-    top_p: Optional[Annotated[Finite, Field(gt=0, le=1)]] = None
-    min_p: Optional[Annotated[Finite, Field(ge=0, lt=1)]] = None
+class LlamaSampling(knob_model("_LlamaKnobs", LLAMA, Strict)):
+    """llama.cpp's sampling fields: the knobs (``temperature``, ``top_k``, ``typical_p``,
+    ``repeat_penalty`` ...: http_knobs) and these."""
+
     seed: Optional[Annotated[int, Field(ge=-1, lt=1 << 64)]] = None
     stop: Optional[Annotated[list[StopText], Field(max_length=MAX_STOP)]] = None
-    repeat_penalty: Optional[Annotated[Finite, Field(gt=0, le=10)]] = None
-    presence_penalty: Optional[Annotated[Finite, Field(ge=-2, le=2)]] = None
-    frequency_penalty: Optional[Annotated[Finite, Field(ge=-2, le=2)]] = None
     repeat_last_n: Optional[Annotated[int, Field(ge=-1, le=MAX_TOKENS)]] = None
     # samplers llmd lacks: accepted only where they are off
-    typical_p: Optional[Annotated[Finite, Field(ge=0, le=100)]] = None
     tfs_z: Optional[Annotated[Finite, Field(ge=0, le=100)]] = None
     mirostat: Optional[Annotated[int, Field(ge=0, le=2)]] = None
     # mirostat's settings: no effect while mirostat is off
@@ -50,17 +49,15 @@ class LlamaSampling(Strict):
     def sampling(self, where: str = "") -> dict:
         """llmd's sampling map for these fields (HttpError 400 naming a field llmd cannot honour);
         ``where`` prefixes the names in messages (``options.``)."""
-        off = {"typical_p": (self.typical_p is None or self.typical_p >= 1, "locally typical sampling", 1.0),
-               "tfs_z": (self.tfs_z is None or self.tfs_z >= 1, "tail-free sampling", 1.0),
+        off = {"tfs_z": (self.tfs_z is None or self.tfs_z >= 1, "tail-free sampling", 1.0),
                "mirostat": (not self.mirostat, "mirostat sampling", 0)}
         for name, (ok, what, neutral) in off.items():
             if not ok:
                 refuse(where + name, f"llmd has no {what}; only {neutral} (off) is accepted")
         window, last_n = self.last_n()
-        s = {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p, "min_p": self.min_p,
-             "seed": fold_seed(self.seed), "stop": self.stop or None,
-             **penalties(self.repeat_penalty, self.presence_penalty, self.frequency_penalty, last_n, where + window)}
-        return {k: v for k, v in s.items() if v is not None}
+        s = {**knobs(self, LLAMA), "seed": fold_seed(self.seed), "stop": self.stop or None}
+        s = {k: v for k, v in s.items() if v is not None}
+        return {**windowed(s, last_n, where + window), **{k: v for k, v in s.items() if k not in _PENALTY_NAMES}}
 
 
 def refuse(name: str, why: str) -> None:
@@ -72,15 +69,15 @@ def fold_seed(seed: Optional[int]) -> Optional[int]:
     return None if seed is None or seed < 0 else seed & SEED_MASK
 
 
-def penalties(repeat: Optional[float], presence: Optional[float], frequency: Optional[float],
-              last_n: Optional[int], name: str) -> dict:
-    """llmd's penalties for llama.cpp's, with its window ``last_n`` (see the module docstring)."""
-    s = {"repetition_penalty": repeat, "presence_penalty": presence, "frequency_penalty": frequency}
-    s = {k: v for k, v in s.items() if v is not None}
+_PENALTY_NAMES = {p.name for p in PENALTIES}
+
+
+def windowed(sampling: dict, last_n: Optional[int], name: str) -> dict:
+    """The penalties of ``sampling`` under llama.cpp's window ``last_n`` (see the module docstring)."""
+    s = {p.name: sampling[p.name] for p in PENALTIES if p.name in sampling}
     if last_n == 0:
         return {}
-    active = s.get("repetition_penalty", 1.0) != 1.0 or s.get("presence_penalty", 0.0) != 0.0 \
-        or s.get("frequency_penalty", 0.0) != 0.0
+    active = any(not p.is_off(s[p.name]) for p in PENALTIES if p.name in s)
     if active and last_n not in (None, -1):
         refuse(name, "llmd's repeat_penalty covers the whole prompt and output, and its presence and frequency "
                "penalties the output: send -1 (the whole context) or 0 (penalties off)")

@@ -308,8 +308,7 @@ class Server:
 
     def _submission(self, req, ident: bytes = b"") -> Submit:
         try:
-            p = req.params.model_dump()
-            params = SamplingParams(**{**p, "stop": tuple(p["stop"]), "stop_token_ids": tuple(p["stop_token_ids"])})
+            params = SamplingParams(**req.params.model_dump())      # fields: llmd.sampling_fields
             priority = Priority.parse(req.priority)
         except ValueError as e:
             raise protocol.ProtocolError(protocol.INVALID_REQUEST, str(e), req.id) from None

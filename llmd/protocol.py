@@ -17,7 +17,10 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, create_model, model_validator
+
+from llmd import sampling_fields
+from llmd.sampling_fields import Param
 
 SYSTEM_SOCKET = Path("/run/llmd/llmd.sock")
 
@@ -44,6 +47,8 @@ MAX_MESSAGES = 256
 MAX_FILES = 32
 MAX_DEADLINE_MS = 24 * 3600 * 1000
 MAX_GRAMMAR_LEN = 1 << 16
+MAX_STOP = sampling_fields.BY_NAME["stop"].items
+MAX_TOKENS = sampling_fields.MAX_TOKENS
 MAX_TOOLS = 128
 MAX_TOOL_CALLS = 64
 
@@ -72,7 +77,6 @@ INTERNAL = "internal"                # failed inside the engine; other requests 
 Id = Annotated[str, Field(min_length=1, max_length=MAX_ID_LEN)]
 Text = Annotated[str, Field(max_length=MAX_TEXT_LEN)]
 Int64 = Annotated[int, Field(ge=-(1 << 63), le=(1 << 63) - 1)]
-Finite = Annotated[float, Field(allow_inf_nan=False, ge=-1e6, le=1e6)]
 TokenId = Annotated[int, Field(ge=0, lt=1 << 31)]
 
 
@@ -87,24 +91,30 @@ class Grammar(_Message):
     text: Annotated[str, Field(max_length=MAX_GRAMMAR_LEN)] = ""
 
 
-class Sampling(_Message):
-    """Sampling parameters; ranges are checked again by the runtime's SamplingParams."""
+def sampling_type(p: Param, high: Optional[float] = None) -> Any:
+    """The strict, bounded pydantic type of a parameter's wire value (``high``: a front's wider
+    upper bound, see sampling_fields.Spelling)."""
+    if p.kind == "grammar":
+        t = Grammar
+    elif p.kind == "bool":
+        t = bool
+    elif p.kind == "texts":
+        t = Annotated[list[Annotated[str, Field(min_length=1, max_length=p.item_len)]], Field(max_length=p.items)]
+    elif p.kind == "token_ids":
+        t = Annotated[list[TokenId], Field(max_length=p.items)]
+    else:
+        bounds = {"gt" if p.open_low else "ge": p.low, "lt" if p.open_high and high is None else "le": high or p.high}
+        extra = {"allow_inf_nan": False} if p.kind == "float" else {}
+        t = Annotated[int if p.kind == "int" else float, Field(**bounds, **extra, description=p.help)]
+    return Optional[t] if p.optional else t
 
-    max_tokens: Annotated[int, Field(ge=1, le=1 << 20)] = 64
-    temperature: Finite = 0.0
-    top_k: Annotated[int, Field(ge=0, le=1 << 20)] = 0
-    top_p: Finite = 1.0
-    min_p: Finite = 0.0
-    repetition_penalty: Finite = 1.0
-    presence_penalty: Finite = 0.0
-    frequency_penalty: Finite = 0.0
-    seed: Optional[Annotated[int, Field(ge=0, lt=1 << 63)]] = None
-    stop: Annotated[list[Annotated[str, Field(min_length=1, max_length=256)]], Field(max_length=16)] = []
-    stop_token_ids: Annotated[list[TokenId], Field(max_length=64)] = []
-    ignore_eos: bool = False
-    logprobs: Optional[Annotated[int, Field(ge=0, le=20)]] = None
-    prompt_only: bool = False
-    grammar: Optional[Grammar] = None
+
+Sampling = create_model(
+    "Sampling", __base__=_Message, __module__=__name__,
+    __doc__="Sampling parameters, as llmd.sampling_fields declares them; the runtime's SamplingParams checks "
+            "them again.",
+    **{p.name: (sampling_type(p), list(p.default) if isinstance(p.default, tuple) else p.default)
+       for p in sampling_fields.WIRE})
 
 
 Priority = Literal["interactive", "normal", "batch"]

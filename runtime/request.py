@@ -8,16 +8,14 @@ Only the scheduler writes ``status`` and ``num_computed_tokens``; only the block
 from __future__ import annotations
 
 import enum
-import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 from typing import Optional
+
+from llmd.sampling_fields import KNOBS, PARAMS, PENALTIES
 
 from .errors import InvalidRequest
 
-MAX_STOP_STRINGS = 16
-MAX_STOP_STRING_LEN = 256
-MAX_LOGPROBS = 20
 MAX_GRAMMAR_CHARS = 1 << 16
 GRAMMAR_KINDS = ("json_object", "json_schema")
 
@@ -82,63 +80,16 @@ class Grammar:
         raise InvalidRequest("grammar must be {\"kind\": ..., \"text\": ...}")
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to pick each next token. Validated when built; every field is bounded."""
-
-    max_tokens: int = 64
-    temperature: float = 0.0          # 0 means greedy
-    top_k: int = 0                    # 0 disables
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0   # >1 discourages tokens already in prompt or output
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: Optional[int] = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    logprobs: Optional[int] = None    # None: none; 0: chosen token only; n: chosen plus top-n
-    skip_special_tokens: bool = True
-    prompt_only: bool = False         # compute the prompt into the prefix cache, generate nothing
-    grammar: Optional[Grammar] = None # constrain the output (structured output, forced tool calls)
+class _SamplingChecks:
+    """The checks and views every SamplingParams has; its fields are llmd.sampling_fields.PARAMS."""
 
     def __post_init__(self):
-        def check(ok: bool, msg: str):
-            if not ok:
-                raise InvalidRequest(msg)
-
-        def finite(name: str):
-            v = getattr(self, name)
-            check(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
-                  f"{name} must be a finite number, got {v!r}")
-
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
-            finite(name)
-        check(isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool) and 1 <= self.max_tokens <= 1 << 20,
-              f"max_tokens must be an integer from 1 to {1 << 20}, got {self.max_tokens!r}")
-        check(isinstance(self.prompt_only, bool), f"prompt_only must be true or false, got {self.prompt_only!r}")
-        check(0.0 <= self.temperature <= 100.0, f"temperature must be in [0, 100], got {self.temperature}")
-        check(isinstance(self.top_k, int) and 0 <= self.top_k <= 1 << 20, f"top_k must be an integer >= 0, got {self.top_k!r}")
-        check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
-        check(0.0 <= self.min_p < 1.0, f"min_p must be in [0, 1), got {self.min_p}")
-        check(0.0 < self.repetition_penalty <= 10.0, f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
-        check(-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        check(-2.0 <= self.frequency_penalty <= 2.0, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 1 << 63),
-              f"seed must be an integer in [0, 2^63), got {self.seed!r}")
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        check(len(self.stop) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings")
-        check(all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_LEN for s in self.stop),
-              f"stop strings must be non-empty strings of at most {MAX_STOP_STRING_LEN} characters")
-        check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative integers")
-        check(len(self.stop_token_ids) <= 64, "at most 64 stop token ids")
+        for p in PARAMS:
+            try:
+                object.__setattr__(self, p.name, p.check(getattr(self, p.name)))
+            except ValueError as e:
+                raise InvalidRequest(str(e)) from None
         object.__setattr__(self, "grammar", Grammar.parse(self.grammar))
-        check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
-              f"logprobs must be None or an integer from 0 to {MAX_LOGPROBS}")
 
     @property
     def greedy(self) -> bool:
@@ -146,7 +97,22 @@ class SamplingParams:
 
     @property
     def needs_penalties(self) -> bool:
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        return any(not p.is_off(getattr(self, p.name)) for p in PENALTIES)
+
+    @property
+    def knobs_on(self) -> frozenset[str]:
+        """The sampler's knobs (penalties and filters) set away from off."""
+        return frozenset(p.name for p in KNOBS if not p.is_off(getattr(self, p.name)))
+
+
+_TYPES = {"int": "int", "float": "float", "bool": "bool", "texts": "tuple[str, ...]", "token_ids": "tuple[int, ...]",
+          "grammar": "Grammar"}
+SamplingParams = make_dataclass(
+    "SamplingParams", [(p.name, f"Optional[{_TYPES[p.kind]}]" if p.optional else _TYPES[p.kind],
+                        field(default=p.default)) for p in PARAMS],
+    bases=(_SamplingChecks,), frozen=True, kw_only=True,
+    namespace={"__module__": __name__, "__doc__": "How to pick each next token: the fields of "
+               "llmd.sampling_fields.PARAMS, by keyword. Validated when built; every field is bounded."})
 
 
 @dataclass
@@ -207,7 +173,11 @@ class Request:
         self.stop_reason: Optional[str | int] = None
         self.metrics = RequestMetrics()
         self.arrival_seq = 0                  # FIFO order within a priority class, set by the scheduler
-        self.output_logprobs: list = []
+        # how its tokens are drawn and checked, and what the caller has not been sent yet: set by the
+        # engine when it takes the request (runtime.output.RequestOutput)
+        self.generator = None                 # torch.Generator of a sampled request (None: greedy)
+        self.matcher = None                   # grammar.Matcher of a constrained request
+        self.output = None                    # output.RequestOutput
         self.spec_k: int = 0                  # current speculative depth, written by the proposer policy
         # shifted reuse (BlockManager): the key its tables are remembered and looked up under, the
         # first position whose keys and values are approximate, and how many changed tokens they missed

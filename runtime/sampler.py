@@ -4,7 +4,10 @@ All functions take float32 logits ``[N, V]`` on the CPU, one row per sampled pos
 ``N`` ``SamplingRow``s. The order of operations, and so the distribution drawn from, is:
 
     logits -> grammar mask -> penalties -> (greedy rows: one-hot at the argmax)
-           -> / temperature -> top-k -> top-p -> min-p -> softmax
+           -> / temperature -> top-k -> typical -> top-p -> min-p -> softmax
+
+The parameters, their bounds and their off values are declared in llmd.sampling_fields; each filter
+here is a no-op for a row that leaves it off.
 
 ``processed_probs`` returns exactly that distribution and ``sample`` draws from it, so speculative
 decoding can use ``processed_probs`` for both the target and the draft model.
@@ -118,16 +121,19 @@ def _probs(penalized: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
 
 
 def _filtered_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p, batched with per-row parameters. Greedy rows are
-    computed at temperature 1 and discarded by the caller."""
+    """Temperature, then top-k, typical, top-p and min-p, batched with per-row parameters. Greedy
+    rows are computed at temperature 1 and discarded by the caller."""
     params = [r.params for r in rows]
     temp = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], dtype=logits.dtype)
     x = logits / temp[:, None] if bool((temp != 1.0).any()) else logits
     top_k = torch.tensor([p.top_k for p in params], dtype=torch.long)
+    typical_p = torch.tensor([p.typical_p for p in params], dtype=logits.dtype)
     top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype)
     min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype)
     if bool((top_k > 0).any()):
         x = _top_k(x, top_k)
+    if bool((typical_p < 1.0).any()):
+        x = _typical(x, typical_p)
     if bool((top_p < 1.0).any()):
         x = _top_p(x, top_p)
     probs = torch.softmax(x, dim=-1)
@@ -145,6 +151,21 @@ def _top_k(x: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     kth = x.topk(int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])
     kth = torch.where(on[:, None], kth, float("-inf"))
     return x.masked_fill(x < kth, float("-inf"))
+
+
+def _typical(x: torch.Tensor, typical_p: torch.Tensor) -> torch.Tensor:
+    """Locally typical sampling (Meister et al., 2022): keep the tokens whose surprise ``-log p`` is
+    nearest the row's entropy, most typical first (ties by token id), until their probability reaches
+    typical_p (at least one). Tokens already at ``-inf`` have infinite surprise and come last."""
+    logp = torch.log_softmax(x, dim=-1)
+    probs = logp.exp()
+    entropy = -torch.where(probs > 0, probs * logp, 0.0).sum(dim=-1, keepdim=True)   # 0 * -inf would be nan
+    order = (-logp - entropy).abs().argsort(dim=-1, stable=True)
+    sorted_p = probs.gather(1, order)
+    mass_before = sorted_p.cumsum(dim=-1) - sorted_p
+    keep = torch.zeros_like(x, dtype=torch.bool).scatter_(1, order, mass_before < typical_p[:, None])
+    keep |= (typical_p >= 1.0)[:, None]
+    return x.masked_fill(~keep, float("-inf"))
 
 
 def _top_p(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,9 @@ from the request's own CPU generator exactly as the CPU sampler draws it, goes t
 copy; the chosen ids come back in one copy, by the caller. Same order of operations as the CPU sampler:
 
     logits -> penalties -> (greedy rows: argmax) -> / temperature -> top-k -> top-p -> min-p -> softmax -> draw
+
+It applies the knobs in DEVICE_KNOBS; ``draw`` gives a batch with a row that sets another (a knob
+declared in llmd.sampling_fields and written only in the CPU sampler so far) to the CPU sampler.
 """
 from __future__ import annotations
 
@@ -14,7 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from llmd.runtime.sampler import SamplingRow
+from llmd.runtime.sampler import SamplingRow, sample
+
+DEVICE_KNOBS = frozenset({"top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"})
 
 
 @dataclass
@@ -78,6 +83,14 @@ def _uniform(row: SamplingRow) -> float:
     if row.generator is None:
         raise ValueError(f"a row samples at temperature {row.params.temperature} but has no generator")
     return float(torch.rand(1, dtype=torch.float64, generator=row.generator))
+
+
+def draw(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+    """One token id per row: drawn on the logits' device, or by the CPU sampler where a row sets a
+    knob the device lacks (the same distribution and the same one uniform number per random row)."""
+    if all(r.params.knobs_on <= DEVICE_KNOBS for r in rows):
+        return sample_tokens(logits, SamplingBatch.build(rows, logits.device)).tolist()
+    return sample(logits.float().cpu(), rows).token_ids.tolist()
 
 
 def sample_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
