@@ -24,9 +24,8 @@ from llmd.runtime.config import EngineConfig, setting
 from llmd.runtime.errors import InvalidRequest
 
 SYSTEM_CONFIG = Path("/etc/llmd/llmd.toml")
-# LLMD_* variables that are not settings: the system service's socket, the kernel cache and switch,
-# and the test suite's own
-OTHER_VARIABLES = ("LLMD_SYSTEM", "LLMD_CACHE", "LLMD_KERNELS", "LLMD_SOCKET", "LLMD_DEMO_MODELS", "LLMD_TEST_THREADS")
+# LLMD_* variables that are not settings: the system service's socket, and the test suite's own
+OTHER_VARIABLES = ("LLMD_SYSTEM", "LLMD_SOCKET", "LLMD_DEMO_MODELS", "LLMD_TEST_THREADS")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 

@@ -117,6 +117,19 @@ class EngineConfig:
         True,
         help="--device cuda: replay decode and verification steps from CUDA graphs captured at load (a capture "
              "that fails is reported and the steps run eagerly); off: every step runs eagerly")
+    kernels: Optional[str] = setting(
+        None, choices=("auto", "avx512", "avx2", "off"),
+        help="llmd's CPU kernels (a C library built once per machine): auto (the AVX-512 library with VNNI where the "
+             "CPU runs it, else the AVX2 one), avx512, avx2, or off (torch's ops: much slower); one library a process, "
+             "the first engine's; unset: auto")
+    amx: Optional[bool] = setting(
+        None, help="let the kernels use AMX's tile unit for prompts and large batches where the CPU has it (the "
+                   "same numbers for int8 and int4; bfloat16 weights within float32 rounding); off: the vector "
+                   "loop for every row count; one choice a process, the first engine's; unset: on")
+    kernel_cache: Optional[str] = setting(
+        None, unit="directory",
+        help="where the CPU kernels are compiled to and kept (made owner-only; a directory others can write is "
+             "skipped); unset: $XDG_CACHE_HOME/llmd, else ~/.cache/llmd")
     execution: str = setting(
         "auto", choices=EXECUTIONS,
         help="how a step runs: auto (llmd's CPU kernels and fused step, or an engine directory's compiled step), "
@@ -141,7 +154,7 @@ class EngineConfig:
         for f in fields(self):
             choices = f.metadata.get("choices")
             value = getattr(self, f.name)
-            check(choices is None or value in choices,
+            check(choices is None or value is None or value in choices,
                   f"{f.name} must be one of {', '.join(map(str, choices or ()))}, got {value!r}")
         check(1 <= self.max_batch_tokens <= 1 << 16, f"max_batch_tokens must be in [1, 65536], got {self.max_batch_tokens}")
         check(0 <= self.batch_prompt_chunk <= 1 << 16, f"batch_prompt_chunk must be in [0, 65536], got {self.batch_prompt_chunk}")

@@ -2,8 +2,8 @@
 made of, torch's ops for the rest, and the whole step in one kernel call where every part of it has
 a kernel form (llmd.runtime.models.fused_decode).
 
-Where the kernels are not built (no compiler, neither AVX-512 VNNI nor AVX2, ``LLMD_KERNELS=0``) it is decided
-once, when the backend is built: the step runs torch's ops and never asks again.
+Where the kernels are not built (no compiler, neither AVX-512 VNNI nor AVX2, the ``kernels`` setting off) it is
+decided once, when the backend is built: the step runs torch's ops and never asks again.
 
     norms, silu*mul, rotary   kernels (float32 rows), at every row count
     attention                 kernel, read in place; a prompt chunk of more than 16 rows over more than
@@ -25,7 +25,7 @@ from ..kernels import ops
 from ..models.fused_decode import FusedDecode
 from ..models.layers import TORCH_OPS, RMSNorm, Rotary, TorchOps
 from ..models.llama import PairRope
-from .base import ExecutionBackend
+from .base import Execution
 
 
 class KernelOps(TorchOps):
@@ -74,7 +74,7 @@ class KernelRope:
         return PairRope(self.rotary.lookup_cis(self.positions)).rotate(attn, qkv, ops_)
 
 
-class CpuBackend(ExecutionBackend):
+class CpuBackend(Execution):
     name = "cpu"
 
     def __init__(self, model, attn: PagedAttention):

@@ -3,19 +3,23 @@ float32 products (f32.c), paged attention (attention.c), rmsnorm / silu*mul / ro
 every layer of a decode step in one call (decode.c).
 
 The C sources are compiled once per machine with the system C compiler into a cache directory
-(``$LLMD_CACHE``, else ``$XDG_CACHE_HOME/llmd``, else ``~/.cache/llmd``; used only when owned by
-this user and writable by no one else, so nobody can plant a library there; else a fresh private
-temporary directory) and loaded with ctypes, each entry point bound by its declaration in kernels.h
+(the ``kernel_cache`` setting, else ``$XDG_CACHE_HOME/llmd``, else ``~/.cache/llmd``; used only when
+owned by this user and writable by no one else, so nobody can plant a library there; else a fresh
+private temporary directory) and loaded with ctypes, each entry point bound by its declaration in kernels.h
 (read with cffi's C parser); it links the OpenMP runtime torch has already loaded, so both share one
 thread pool.
 
 Two libraries come from the same sources: one for AVX-512 with VNNI, and (``LLMD_AVX2`` defined,
 avx2.h) one for CPUs with AVX2, FMA and F16C only, whose every 512-bit operation is a pair of 256-bit
 ones giving the same numbers (int8's products have an AVX2 loop of their own, with the same exact
-sums). ``lib()`` loads the first this CPU runs; ``variant()`` names it, and ``LLMD_KERNELS=avx2``
-asks for the AVX2 one where both run. ``available()`` is False, with ``why()``
-saying why, when there is no compiler, the CPU has neither, or ``LLMD_KERNELS=0``: every caller then
-uses torch's ops, slower but the same formulas.
+sums). ``lib()`` loads the first this CPU runs; ``variant()`` names it. ``available()`` is False,
+with ``why()`` saying why, when there is no compiler, the CPU has neither, or the kernels are off:
+every caller then uses torch's ops, slower but the same formulas.
+
+Three settings of EngineConfig reach the library through ``configure`` (the engine calls it before it
+loads a model): ``kernels`` (auto, avx512, avx2, off), ``amx`` (the tile unit on or off, passed into
+C by ``llmd_set_amx``) and ``kernel_cache``. A switch no engine set is read from its ``LLMD_*``
+variable (switches.py). The first load fixes them for the process.
 """
 from __future__ import annotations
 
@@ -33,6 +37,9 @@ from pathlib import Path
 import cffi
 import torch
 
+from ..errors import InvalidRequest
+from .switches import Switches, from_environment
+
 log = logging.getLogger("llmd.kernels")
 _HERE = Path(__file__).parent
 _SOURCES = [_HERE / name for name in ("quant.c", "f32.c", "attention.c", "rows.c", "decode.c", "blocks.c")]
@@ -41,6 +48,7 @@ _lib: ctypes.CDLL | None = None
 _why = ""
 _tried = False
 _variant = ""
+_switches: Switches | None = None      # configure()'s; fixed by the first lib()
 VARIANTS = ("avx512", "avx2")         # the libraries lib() tries, the faster first
 
 def _private(d: Path) -> bool:
@@ -49,9 +57,10 @@ def _private(d: Path) -> bool:
     return st.st_uid == os.getuid() and not st.st_mode & 0o022
 
 
-def _cache_dir() -> Path:
+def _cache_dir(asked: str | None) -> Path:
+    """``asked`` (the kernel_cache setting), else the user's cache, whichever is private first."""
     env_home = os.environ.get("XDG_CACHE_HOME")
-    for d in (os.environ.get("LLMD_CACHE"), env_home and Path(env_home) / "llmd", Path.home() / ".cache" / "llmd"):
+    for d in (asked, env_home and Path(env_home) / "llmd", Path.home() / ".cache" / "llmd"):
         if not d:
             continue
         try:
@@ -71,7 +80,7 @@ def compiler() -> str:
 
 
 def compile_command(cc: str, sources: list[Path], out: Path, variant: str = "avx512") -> list[str]:
-    """How the kernel library is built (also used to build another revision's sources for an A/B)."""
+    """How the kernel library is built."""
     defines = ["-DLLMD_AVX2"] if variant == "avx2" else []
     # no contraction of a product and a sum into one FMA: the kernels write their FMAs out, and the
     # compiler fuses differently for 512 and 256 bits, so the two libraries would round differently
@@ -104,15 +113,12 @@ def _ctype(t):
 
 
 def bind(so: ctypes.CDLL) -> ctypes.CDLL:
-    """Give each entry point of ``so`` its signature as kernels.h declares it (an entry point the
-    library lacks, an older build's, is left out)."""
+    """Give each entry point of ``so`` its signature as kernels.h declares it (the library is built
+    from the same sources as the header, so it has every one)."""
     ffi = _ffi()
     declared = ffi.dlopen(so._name)
     for name in dir(declared):
-        try:
-            fn_type = ffi.typeof(getattr(declared, name))
-        except AttributeError:            # declared, but not in this build
-            continue
+        fn_type = ffi.typeof(getattr(declared, name))
         fn = getattr(so, name)
         fn.argtypes, fn.restype = [_ctype(a) for a in fn_type.args], _ctype(fn_type.result)
     return so
@@ -125,11 +131,11 @@ def struct(name: str) -> type[ctypes.Structure]:
     return type(name, (ctypes.Structure,), {"_fields_": [(f, _ctype(t.type)) for f, t in fields]})
 
 
-def _build(variant: str = "avx512") -> Path:
+def _build(variant: str, cache: str | None) -> Path:
     src = b"".join(p.read_bytes() for p in [*_SOURCES, _HEADER, _HERE / "avx2.h"])
     cc = compiler()
     tag = hashlib.sha256(src + " ".join(compile_command(cc, [], Path("-"), variant)).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"kernels-{variant}-{tag}.so"
+    out = _cache_dir(cache) / f"kernels-{variant}-{tag}.so"
     if out.exists() and _private(out):
         return out
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
@@ -140,15 +146,51 @@ def _build(variant: str = "avx512") -> Path:
     return out
 
 
+def configure(kernels: str | None = None, amx: bool | None = None, kernel_cache: str | None = None) -> None:
+    """Set the switches (EngineConfig's ``kernels``, ``amx``, ``kernel_cache``; None: not given, so the
+    ``LLMD_*`` variable, else the default). Before the library loads they choose it; once it has, a value
+    other than the one in force is refused (InvalidRequest), since the library and the tile unit serve the
+    whole process. A library asked for by name (avx512, avx2) is loaded here, and refused where it
+    cannot load. A new cache directory only holds libraries built after it."""
+    global _switches
+    asked = from_environment(kernels=kernels, amx=amx, kernel_cache=kernel_cache)
+    if not _tried:
+        _switches = asked
+        if kernels in VARIANTS and lib() is None:
+            raise InvalidRequest(f"kernels = {kernels} cannot be honoured: {_why}; set kernels = auto to load the "
+                                 "library this CPU runs")
+        return
+    current = switches()
+    clash = {}
+    if kernels is not None and kernels not in (current.kernels, _variant or None):
+        clash["kernels"] = (current.kernels, kernels)
+    if amx is not None and amx != current.amx:
+        clash["amx"] = (current.amx, amx)
+    if clash:
+        said = lambda i: ", ".join(f"{n} = {str(v[i]).lower()}" for n, v in clash.items())
+        raise InvalidRequest(f"llmd's CPU kernels were set up in this process with {said(0)}; {said(1)} takes "
+                             "effect only in a new process (one library and one tile-unit choice a process: the "
+                             "first engine's)")
+    if kernel_cache is not None:
+        _switches = Switches(current.kernels, current.amx, asked.kernel_cache)
+
+
+def switches() -> Switches:
+    """The switches in force (or that the first load will use)."""
+    return _switches if _switches is not None else from_environment()
+
+
 def lib() -> ctypes.CDLL | None:
-    """The loaded library, or None (see ``why()``). Built at most once per process."""
-    global _lib, _why, _tried, _variant
+    """The loaded library, or None (see ``why()``). Built at most once per process, with the switches
+    ``configure`` set (or the environment's)."""
+    global _lib, _why, _tried, _variant, _switches
     if _tried:
         return _lib
+    _switches = switches()
     _tried = True
-    wanted = os.environ.get("LLMD_KERNELS", "1")
-    if wanted == "0":
-        _why = "turned off by LLMD_KERNELS=0"
+    wanted = _switches.kernels
+    if wanted == "off":
+        _why = "turned off (kernels = off: the --kernels flag, llmd.toml or LLMD_KERNELS)"
         return None
     if platform.machine().lower() not in ("x86_64", "amd64"):
         _why = f"llmd's kernels are written for x86-64 (AVX-512 or AVX2), not {platform.machine()}"
@@ -163,15 +205,16 @@ def lib() -> ctypes.CDLL | None:
             continue
         if so is not None:
             _lib, _variant = so, name
-            log.info("llmd's CPU kernels: the %s library", name)
+            log.info("llmd's CPU kernels: the %s library%s", name, "" if _switches.amx else ", AMX off")
             return _lib
     if failed:
         _why = "; ".join(failed)
         log.warning("llmd's CPU kernels are unavailable (%s); decoding uses torch's kernels, which are much "
                     "slower. Install a C compiler (gcc) to build them.", _why)
     elif wanted in VARIANTS:
-        _why = f"the {wanted} library (LLMD_KERNELS={wanted}) does not run on this CPU"
-        log.warning("%s; torch's kernels are used (much slower)", _why)
+        _why = f"the {wanted} library (kernels = {wanted}) does not run on this CPU"
+        log.warning("%s; torch's kernels are used (much slower): set kernels = auto (LLMD_KERNELS=auto) to load "
+                    "the library it runs", _why)
     else:
         _why = "this CPU has neither AVX-512 with VNNI nor AVX2 with FMA and F16C"
         log.warning("llmd's CPU kernels need AVX-512 with VNNI, or AVX2 with FMA and F16C; this CPU has "
@@ -180,10 +223,20 @@ def lib() -> ctypes.CDLL | None:
 
 
 def load(variant: str) -> ctypes.CDLL | None:
-    """The ``variant`` library (built if need be), bound; None where this CPU cannot run it. Raises
-    RuntimeError or OSError when it cannot be built or loaded. Tests load both where both run."""
-    so = bind(ctypes.CDLL(str(_build(variant))))
-    return so if so.llmd_cpu_ok() else None
+    """The ``variant`` library (built if need be), bound, with the amx switch in force; None where this
+    CPU cannot run it. Raises RuntimeError or OSError when it cannot be built or loaded. Tests load
+    both where both run."""
+    s = switches()
+    so = bind(ctypes.CDLL(str(_build(variant, s.kernel_cache))))
+    if not so.llmd_cpu_ok():
+        return None
+    so.llmd_set_amx(int(s.amx))
+    return so
+
+
+def cache_dir() -> Path:
+    """The directory libraries are built into with the switches in force."""
+    return _cache_dir(switches().kernel_cache)
 
 
 def variant() -> str:

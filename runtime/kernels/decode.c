@@ -63,7 +63,7 @@ static int product(const float *x, int M, int K, const llmd_product *p, float *y
     return rc;
 }
 
-/* Each layer's products, in this order (llmd_decode2's products[4 l + i]). */
+/* Each layer's products, in this order (llmd_decode's products[4 l + i]). */
 enum { P_QKV, P_O, P_GU, P_DOWN, P_PER_LAYER };
 
 /* The model's part of a step: its weights and tables. */
@@ -125,11 +125,11 @@ int llmd_draft_rows(void) { return LLMD_DRAFT_ROWS; }
 /* One step of T packed rows (dims->rows) whose attention metadata the caller built. Returns 0, -1 (a
  * kernel refused the shape: a position past the rotary tables, a slot outside the pool), or -2
  * (attention could not allocate). */
-TARGET int llmd_decode2(const llmd_dims *dims, float *x, float *out, const float *const *norms,
-                        const llmd_product *products, const float *final_norm, float eps, const float *cos_t,
-                        const float *sin_t, const int64_t *pos, void *k_pool, void *v_pool, const int64_t *slots,
-                        const int32_t *rows, const int32_t *spans, const int32_t *lengths, const int32_t *table,
-                        float *work, int nt) {
+TARGET int llmd_decode(const llmd_dims *dims, float *x, float *out, const float *const *norms,
+                       const llmd_product *products, const float *final_norm, float eps, const float *cos_t,
+                       const float *sin_t, const int64_t *pos, void *k_pool, void *v_pool, const int64_t *slots,
+                       const int32_t *rows, const int32_t *spans, const int32_t *lengths, const int32_t *table,
+                       float *work, int nt) {
     const Model m = {dims, norms, products, final_norm, cos_t, sin_t, eps, k_pool, v_pool, work, nt};
     return layers(&m, dims->rows, x, out, pos, slots, rows, spans, lengths, table);
 }
@@ -171,11 +171,11 @@ static void embed_row(const llmd_product *t, int64_t id, int E, float *xr) {
  * rotary tables, a token is outside the vocabulary, or a row's logits hold NaN (the caller's own
  * loop goes on from there); or -1 (more than LLMD_DRAFT_ROWS rows, a table kind it does not read) or -2 (no
  * memory). */
-TARGET int llmd_draft2(const llmd_dims *dims, const float *const *norms, const llmd_product *products,
-                       const float *final_norm, float eps, const float *cos_t, const float *sin_t, void *k_pool,
-                       void *v_pool, const int32_t *table, const llmd_product *head, const llmd_product *embed,
-                       const int64_t *ids, const int32_t *count, const int64_t *pos0, int steps, int64_t *out,
-                       float *x, float *hidden, float *logits, float *work, int nt) {
+TARGET int llmd_draft(const llmd_dims *dims, const float *const *norms, const llmd_product *products,
+                      const float *final_norm, float eps, const float *cos_t, const float *sin_t, void *k_pool,
+                      void *v_pool, const int32_t *table, const llmd_product *head, const llmd_product *embed,
+                      const int64_t *ids, const int32_t *count, const int64_t *pos0, int steps, int64_t *out,
+                      float *x, float *hidden, float *logits, float *work, int nt) {
     const int T = dims->rows, E = dims->hidden, V = dims->vocab, tw = dims->table_width, bs = dims->block_size;
     const int k = embed->kind;
     if (!llmd_cpu_ok() || T < 1 || T > LLMD_DRAFT_ROWS || E % 16 || head->bias || head->kind == LLMD_KIND_ROWS)

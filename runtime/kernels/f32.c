@@ -201,14 +201,14 @@ void f32_block(const float *x, const int MM, int K, const void *w, const float *
 #define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,amx-tile,amx-int8,amx-bf16")))
 
 static int bf16_amx_usable(void) {
-    static int ok = -1;
-    if (ok < 0) {
+    static int has = -1;
+    if (has < 0) {
         unsigned a, b, c, d, a1, b1, c1, d1;
         __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
         __asm__ volatile("cpuid" : "=a"(a1), "=b"(b1), "=c"(c1), "=d"(d1) : "a"(7), "c"(1));
-        ok = amx_usable() && (d >> 22 & 1) && (a1 >> 5 & 1);       /* AMX-BF16, AVX512-BF16 */
+        has = (d >> 22 & 1) && (a1 >> 5 & 1);       /* AMX-BF16, AVX512-BF16 */
     }
-    return ok;
+    return has && amx_usable();
 }
 
 /* x's rows [M, K] as bfloat16 parts xs [MP][3][KP] (hi, mid, lo), rows past M and columns past K zero */

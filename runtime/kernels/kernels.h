@@ -19,12 +19,9 @@
 
 /* llmd API begin: the entry points, declared here alone. llmd.runtime.kernels reads this block with
  * cffi's C parser and binds each function of a library by it, so it holds plain declarations only (no
- * macros, no preprocessor lines). An entry point keeps its signature for as long as it keeps its name:
- * bench/bench_kernels.py binds another revision's library by this block, so a changed signature takes
- * a new name. Pointers are the tensors' data; nt is the threads a call may use. */
+ * macros, no preprocessor lines). Pointers are the tensors' data; nt is the threads a call may use. */
 
-/* The shape of a fused step (decode.c). Its fields are ints in this order, as the int array that
- * carried them before, so an earlier revision's library takes it too. */
+/* The shape of a fused step (decode.c). */
 typedef struct {
     int layers, rows, hidden, heads, kv_heads, head_dim, intermediate;
     int rope_rows;      /* rows P of the rotary tables */
@@ -41,7 +38,6 @@ typedef struct {
     const void *w;          /* gg: llmd_gg_part [group]; f32, bf16: blocks [N/64, K, 64] (f32.c); q8, q8g, q4, q4h: packed blocks
                                (quant.c); int8, int8g rows (token tables only): int8 [N, K]; rows: float32 [N, K] */
     const float *scales;    /* int8 rows: [N]; int8g rows: [N, K/group] */
-    const float *offsets;   /* unused */
     const float *bias;
     int kind;
     int group;              /* q8g, q4, q4h, int8g rows: the columns per scale */
@@ -59,6 +55,9 @@ typedef struct {
 
 /* quant.c: AVX-512 F/BW/VL/DQ and VNNI present (the AVX2 library: AVX2, FMA and F16C) */
 int llmd_cpu_ok(void);
+/* quant.c: let the products use AMX's tile unit (on 1, the default) or never (0), as the amx setting says;
+ * returns 1 where they now may (the CPU has it and the process was granted its tiles), else 0 */
+int llmd_set_amx(int on);
 /* quant.c: int8 w [N, K] with a scale per row (G = 0, s [N]) or per group of G columns (int8g, s [N, K/G]),
  * or int4 nibbles q [N, K] (one per byte) with scales and offsets z - 8 s [N, K/G] (float32), or with
  * scales and zeros z as float16 bits (q4h), packed once into blocks of 16 outputs (out:
@@ -109,24 +108,22 @@ int llmd_silu_mul(const float *gu, int M, int I, float *out);
 int llmd_rope_qk(const float *qkv, int T, int H, int KVH, int D, const float *cos_t, const float *sin_t, int P,
                  const int64_t *pos, float *q, float *k);
 int llmd_argmax(const float *x, int M, int V, int64_t *out, int nt);
-/* decode.c: every layer of a step in one call, and a draft model's greedy proposals (the earlier
- * llmd_decode and llmd_draft took float32 or bfloat16 blocks only, marked by a narrow flag each):
- * norms [2 L] (each layer's input and post-attention norm weights), products [4 L] (qkv, o, gate_up,
- * down per layer); llmd_draft2's embed holds the token rows (kind rows, int8, int8g, or a tied
- * head's f32/bf16 blocks). */
-int llmd_decode2(const llmd_dims *dims, float *x, float *out, const float *const *norms,
+/* decode.c: every layer of a step in one call, and a draft model's greedy proposals: norms [2 L] (each
+ * layer's input and post-attention norm weights), products [4 L] (qkv, o, gate_up, down per layer);
+ * llmd_draft's embed holds the token rows (kind rows, int8, int8g, or a tied head's f32/bf16 blocks). */
+int llmd_decode(const llmd_dims *dims, float *x, float *out, const float *const *norms,
                  const llmd_product *products, const float *final_norm, float eps, const float *cos_t,
                  const float *sin_t, const int64_t *pos, void *k_pool, void *v_pool, const int64_t *slots,
                  const int32_t *rows, const int32_t *spans, const int32_t *lengths, const int32_t *table,
                  float *work, int nt);
-/* The most rows llmd_decode2 takes (LLMD_FUSED_ROWS); llmd_draft2 takes LLMD_DRAFT_ROWS. */
+/* The most rows llmd_decode takes (LLMD_FUSED_ROWS); llmd_draft takes LLMD_DRAFT_ROWS. */
 int llmd_fused_rows(void);
 int llmd_draft_rows(void);
-int llmd_draft2(const llmd_dims *dims, const float *const *norms, const llmd_product *products,
-                const float *final_norm, float eps, const float *cos_t, const float *sin_t, void *k_pool,
-                void *v_pool, const int32_t *table, const llmd_product *head, const llmd_product *embed,
-                const int64_t *ids, const int32_t *count, const int64_t *pos0, int steps, int64_t *out, float *x,
-                float *hidden, float *logits, float *work, int nt);
+int llmd_draft(const llmd_dims *dims, const float *const *norms, const llmd_product *products,
+               const float *final_norm, float eps, const float *cos_t, const float *sin_t, void *k_pool,
+               void *v_pool, const int32_t *table, const llmd_product *head, const llmd_product *embed,
+               const int64_t *ids, const int32_t *count, const int64_t *pos0, int steps, int64_t *out, float *x,
+               float *hidden, float *logits, float *work, int nt);
 /* blocks.c: rows ids [C] of a [?, K] tensor of a GGUF type as float32 [C, K]; x [M, K] times a weight
  * of P parts (N outputs in all): y [M, N] */
 int llmd_gg_rows(const void *data, int type, int K, const int64_t *ids, int C, float *out);
@@ -139,13 +136,13 @@ int llmd_gg_pack8(int type, const void *src, const int32_t *order, int rows, int
 /* Rows of one fused step (decode.c): decode batches up to 64 streams with four rows each to verify,
  * and short prompt chunks; its caller's scratch grows with the rows it passes. */
 #define LLMD_FUSED_ROWS 256
-/* Rows of one forward of llmd_draft2: every request's catch-up, then one a request (16 streams with up
+/* Rows of one forward of llmd_draft: every request's catch-up, then one a request (16 streams with up
  * to three tokens each to catch up on, say). */
 #define LLMD_DRAFT_ROWS 64
 
 /* llmd_product.kind (llmd.runtime.kernels.ops names them alike) */
-/* (INT8, INT8G: rows a token table is read from; KIND 3, int4 in an earlier layout, is no longer read) */
-enum { LLMD_KIND_F32, LLMD_KIND_BF16, LLMD_KIND_INT8, LLMD_KIND_INT4_ROWS, LLMD_KIND_INT8G, LLMD_KIND_ROWS,
+/* (INT8, INT8G: rows a token table is read from) */
+enum { LLMD_KIND_F32, LLMD_KIND_BF16, LLMD_KIND_INT8, LLMD_KIND_INT8G, LLMD_KIND_ROWS,
        LLMD_KIND_Q8, LLMD_KIND_Q8G, LLMD_KIND_Q4, LLMD_KIND_Q4H, LLMD_KIND_GG };
 /* LLMD_KIND_GG: w points to `group` llmd_gg_part (blocks.c), GGUF's blocks where they lie */
 
@@ -167,7 +164,8 @@ void *scratch_for(int which, size_t bytes);
 
 #define AMX_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,amx-tile,amx-int8")))
 
-/* 1 where the CPU has AMX's tiles and int8 products, this process may use them, and LLMD_AMX is not 0 */
+/* 1 where the CPU has AMX's tiles and int8 products, this process may use them, and llmd_set_amx left
+ * them on */
 int amx_usable(void);
 
 typedef struct {

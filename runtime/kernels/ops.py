@@ -13,7 +13,7 @@ from . import lib, struct, usable
 
 MAX_ROWS = 16             # rows of x the w8a8 kernel takes (decode batches, verification)
 MANY_MAX_ROWS = 8192      # ... the packed forms (int8, int8g, int4) up to this many (prompts too)
-F32_MAX_ROWS = 16         # f32_pick's rows (the head screen's float heads); an earlier library's float32 rows
+F32_MAX_ROWS = 16         # f32_pick's rows (the head screen's float heads); the row functions' answer without a library
 _SERIAL_BELOW = 1 << 18      # multiply-adds in a product below which one thread beats the parallel split
 
 
@@ -62,8 +62,7 @@ def f32_unblock(blocks: torch.Tensor) -> torch.Tensor:
 
 def f32_rows() -> int:
     """The most rows one call of the kernel takes over float32 blocks: every row on the vector loop,
-    summed in one order whatever the other rows (prompt chunks too: no oneDNN copy is kept for them).
-    16 in a library built before (a kernel A/B)."""
+    summed in one order whatever the other rows (prompt chunks too: no oneDNN copy is kept for them)."""
     return _ask("llmd_f32_rows", F32_MAX_ROWS)
 
 
@@ -75,13 +74,8 @@ def bf16_max_rows() -> int:
 
 def bf16_amx_rows() -> int:
     """The rows of bfloat16 blocks past which a product takes AMX's tile unit (f32.c: x split into three
-    bfloat16 parts, summed in the tile unit's order); 0 where it never does (no AMX, ``LLMD_AMX=0``)."""
-    so = lib()
-    if so is None:
-        return 0
-    if getattr(so, "llmd_f32_w16_amx_rows", None) is not None:
-        return _ask("llmd_f32_w16_amx_rows", 0)
-    return F32_MAX_ROWS if bf16_max_rows() > F32_MAX_ROWS else 0     # an earlier library: past 16 rows
+    bfloat16 parts, summed in the tile unit's order); 0 where it never does (no AMX, the amx setting off)."""
+    return _ask("llmd_f32_w16_amx_rows", 0)
 
 
 def block_rows(blocks: torch.Tensor) -> int:
@@ -90,13 +84,14 @@ def block_rows(blocks: torch.Tensor) -> int:
     return f32_rows() if blocks.dtype == torch.float32 else bf16_max_rows()
 
 
-def _ask(name: str, default: int) -> int:
+def _ask(name: str, without: int) -> int:
     """An entry point's answer that never changes for a library (asked on every product: one call per
-    library), ``default`` where it lacks the entry point."""
+    library; the amx switch is fixed before it loads), ``without`` where no library is loaded."""
     so = lib()
+    if so is None:
+        return without
     if (got := _answers.get((id(so), name))) is None:
-        fn = getattr(so, name, None) if so is not None else None
-        got = _answers[(id(so), name)] = fn() if fn is not None else default
+        got = _answers[(id(so), name)] = getattr(so, name)()
     return got
 
 
@@ -104,14 +99,12 @@ _answers: dict[tuple, int] = {}
 
 
 def draft_rows() -> int:
-    """The most rows of one forward in a fused draft loop (decode.c's ``llmd_draft2``): 16 in a library
-    built before it said."""
+    """The most rows of one forward in a fused draft loop (decode.c's ``llmd_draft``)."""
     return _ask("llmd_draft_rows", F32_MAX_ROWS)
 
 
 def fused_rows() -> int:
-    """The most rows one fused step takes (decode.c's ``llmd_decode2``): 16 in a library built before
-    it said (a kernel A/B)."""
+    """The most rows one fused step takes (decode.c's ``llmd_decode``)."""
     return _ask("llmd_fused_rows", F32_MAX_ROWS)
 
 
@@ -125,9 +118,7 @@ def f32_matvec(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None)
         return None
     x = x.contiguous()
     y = torch.empty(m, n)
-    fn = so.llmd_f32 if blocks.dtype == torch.float32 else getattr(so, "llmd_f32_w16", None)
-    if fn is None:                   # a library built before bfloat16 blocks (a kernel A/B): torch's product
-        return None
+    fn = so.llmd_f32 if blocks.dtype == torch.float32 else so.llmd_f32_w16
     if m <= most:
         rc = fn(x.data_ptr(), m, k, blocks.data_ptr(), _ptr(bias), y.data_ptr(), n, _threads(m, n, k))
         return y if rc == 0 else None
@@ -144,14 +135,14 @@ def f32_pick(x: torch.Tensor, blocks: torch.Tensor, idx: torch.Tensor):
     without a bias, computed from those outputs' lanes alone: float32 [M, len(idx)], or None where the
     kernel does not take the shape."""
     so = lib()
-    fn = getattr(so, "llmd_f32_pick", None) if so is not None else None
     m, k = x.shape
-    if (fn is None or not 1 <= m <= F32_MAX_ROWS or x.dtype != torch.float32 or idx.numel() < 1
+    if (so is None or not 1 <= m <= F32_MAX_ROWS or x.dtype != torch.float32 or idx.numel() < 1
             or blocks.shape[1] != k or blocks.dtype not in (torch.float32, torch.bfloat16)):
         return None
     x, idx = x.contiguous(), idx.to(torch.int64).contiguous()
     y = torch.empty(m, idx.numel())
-    rc = fn(x.data_ptr(), m, k, blocks.data_ptr(), int(blocks.dtype == torch.float32), blocks.shape[0] * 64,
+    rc = so.llmd_f32_pick(x.data_ptr(), m, k, blocks.data_ptr(), int(blocks.dtype == torch.float32),
+                          blocks.shape[0] * 64,
             idx.data_ptr(), idx.numel(), y.data_ptr(), _threads(m, idx.numel(), k))
     return y if rc == 0 else None
 
@@ -202,7 +193,7 @@ def int8_pack(qweight: torch.Tensor, scales: torch.Tensor) -> Packed | None:
     so = lib()
     n, k = qweight.shape
     group = 0 if scales.dim() == 1 else k // scales.shape[1]
-    if so is None or getattr(so, "llmd_q8_pack", None) is None:
+    if so is None:
         return None
     out = torch.empty(packed_bytes(n, k, group, False), dtype=torch.uint8)
     rc = so.llmd_q8_pack(qweight.contiguous().data_ptr(), scales.float().contiguous().data_ptr(), n, k, group,
@@ -219,11 +210,11 @@ def int4_pack(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_
     z - 8 s as torch forms it here: the same numbers."""
     so = lib()
     n, k = q.shape
-    if so is None or getattr(so, "llmd_q4_pack", None) is None:
+    if so is None:
         return None
     q = q.to(torch.uint8).contiguous()
     s16, z16 = (as_float16(scales), as_float16(zeros)) if half else (None, None)
-    if s16 is not None and z16 is not None and getattr(so, "llmd_q4h_pack", None) is not None:
+    if s16 is not None and z16 is not None:
         out = torch.empty(packed_bytes(n, k, group_size, True, half=True), dtype=torch.uint8)
         s16, z16 = s16.contiguous(), z16.contiguous()
         rc = so.llmd_q4h_pack(q.data_ptr(), s16.data_ptr(), z16.data_ptr(), n, k, group_size, out.data_ptr())
@@ -275,14 +266,14 @@ def q8_pick(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, idx: t
     where the kernel does not take the shape."""
     so = lib()
     m, k = x.shape
-    fn = getattr(so, "llmd_q8_pick", None) if so is not None else None
-    if fn is None or not 1 <= m <= MANY_MAX_ROWS or idx.numel() < 1 or qweight.shape[1] != k:
+    if so is None or not 1 <= m <= MANY_MAX_ROWS or idx.numel() < 1 or qweight.shape[1] != k:
         return None
     group = 0 if scales.dim() == 1 else k // scales.shape[1]
     x, idx = x.float().contiguous(), idx.to(torch.int64).contiguous()
     y = torch.empty(m, idx.numel())
-    rc = fn(x.data_ptr(), m, k, group, qweight.contiguous().data_ptr(), scales.float().contiguous().data_ptr(),
-            idx.data_ptr(), idx.numel(), y.data_ptr(), _threads(m, idx.numel(), k))
+    rc = so.llmd_q8_pick(x.data_ptr(), m, k, group, qweight.contiguous().data_ptr(),
+                         scales.float().contiguous().data_ptr(), idx.data_ptr(), idx.numel(), y.data_ptr(),
+                         _threads(m, idx.numel(), k))
     return y if rc == 0 else None
 
 
@@ -292,13 +283,13 @@ def screen_select(xp: torch.Tensor, km: int, margin: float, s: torch.Tensor, nor
     lower bound of its highest score (llmd.runtime.formats.head_screen); None where the kernel does not
     run or a score is not finite."""
     so = lib()
-    fn = getattr(so, "llmd_screen_select", None) if so is not None else None
     m, v = s.shape
-    if fn is None or not 1 <= m <= 64 or xp.shape[0] != m:
+    if so is None or not 1 <= m <= 64 or xp.shape[0] != m:
         return None
     xp, s = xp.float().contiguous(), s.float().contiguous()
     out = torch.empty(v, dtype=torch.int64)
-    count = fn(xp.data_ptr(), m, xp.shape[1], km, margin, s.data_ptr(), v, norms.data_ptr(), out.data_ptr())
+    count = so.llmd_screen_select(xp.data_ptr(), m, xp.shape[1], km, margin, s.data_ptr(), v, norms.data_ptr(),
+                                  out.data_ptr())
     return out[:count] if count >= 0 else None
 
 
@@ -317,8 +308,8 @@ def w8a8_matvec(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bi
 
 
 # kernels.h's llmd_product kinds
-(KIND_F32, KIND_BF16, KIND_INT8, KIND_INT4_ROWS, KIND_INT8G, KIND_ROWS, KIND_Q8, KIND_Q8G, KIND_Q4,
- KIND_Q4H, KIND_GG) = range(11)
+(KIND_F32, KIND_BF16, KIND_INT8, KIND_INT8G, KIND_ROWS, KIND_Q8, KIND_Q8G, KIND_Q4, KIND_Q4H,
+ KIND_GG) = range(10)
 
 
 @dataclass(frozen=True, eq=False)
@@ -329,7 +320,6 @@ class KernelProduct:
     kind: int
     weight: torch.Tensor
     scales: torch.Tensor | None = None
-    offsets: torch.Tensor | None = None
     group: int = 0
     max_rows: int = MAX_ROWS
     held: tuple = ()          # further storage the weight's pointers reach (KIND_GG: the file's blocks)
@@ -341,12 +331,12 @@ class KernelProduct:
         return cls(kinds[stored.dtype], stored, max_rows=max_rows) if stored.dtype in kinds else None
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.weight, self.scales, self.offsets, *self.held) if t is not None]
+        return [t for t in (self.weight, self.scales, *self.held) if t is not None]
 
     def struct(self, bias: torch.Tensor | None = None):
         """The llmd_product the kernels read (its pointers stay valid while these tensors live)."""
-        return struct("llmd_product")(w=self.weight.data_ptr(), scales=_ptr(self.scales), offsets=_ptr(self.offsets),
-                                      bias=_ptr(bias), kind=self.kind, group=self.group)
+        return struct("llmd_product")(w=self.weight.data_ptr(), scales=_ptr(self.scales), bias=_ptr(bias),
+                                      kind=self.kind, group=self.group)
 
 
 ATTEND_POOL_DTYPES = (torch.float32, torch.bfloat16)     # pools the attention kernel reads

@@ -641,15 +641,22 @@ static TARGET void x8_blocks(const float *x, int M, int K, int G, int8_t *xq, fl
  * arithmetic per group of columns stays as it was, so the tile unit gains less there, and nothing at 16
  * rows or on narrow inputs.
  * llmd_amx_min_rows sets the fewest rows that take it (0 keeps the vector loop; a negative value only
- * asks) and returns the setting in force, 0 where AMX is not available. */
+ * asks) and returns the setting in force, 0 where AMX is not available or llmd_set_amx turned it off. */
 #ifdef LLMD_AMX
+static int amx_on = 1;
+
+int llmd_set_amx(int on) {
+    amx_on = on != 0;
+    return amx_usable();
+}
+
 int amx_usable(void) {
     static int ok = -1;
+    if (!amx_on) return 0;            /* asked before the tiles are requested: off never requests them */
     if (ok < 0) {
         unsigned a, b, c, d;
         __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
-        const char *off = getenv("LLMD_AMX");                              /* LLMD_AMX=0: never */
-        const int has = llmd_cpu_ok() && (d >> 24 & 1) && (d >> 25 & 1) && !(off && !strcmp(off, "0"));
+        const int has = llmd_cpu_ok() && (d >> 24 & 1) && (d >> 25 & 1);
         /* Linux hands out the tile state on request: ARCH_REQ_XCOMP_PERM (0x1023), XTILEDATA (18) */
         ok = has && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
     }
@@ -796,6 +803,11 @@ static AMX_TARGET int amx_q4(const int8_t *xq, const float *sx, const float *xs,
     return failed ? -2 : 0;
 }
 #else
+int llmd_set_amx(int on) {
+    (void)on;
+    return 0;
+}
+
 int llmd_amx_min_rows(int rows) {
     (void)rows;
     return 0;

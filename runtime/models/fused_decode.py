@@ -1,5 +1,5 @@
-"""Every decoder layer of a small step in one kernel call (``llmd_decode2`` in llmd.runtime.kernels'
-decode.c), and a draft model's greedy proposals in another (``llmd_draft2``).
+"""Every decoder layer of a small step in one kernel call (``llmd_decode`` in llmd.runtime.kernels'
+decode.c), and a draft model's greedy proposals in another (``llmd_draft``).
 
 The Python forward of a decode step calls a dozen kernels per layer, and the Python between them
 (module calls, checks, allocations) cost as much as the arithmetic for a small model: 0.4 ms of a
@@ -118,9 +118,7 @@ class FusedDecode:
         if (t > self.max_rows or x.dtype != torch.float32 or x.dim() != 2 or kr is None or attn.groups
                 or kr.rows.numel() != t or positions.dtype != torch.int64):
             return None
-        fn = getattr(kernels.lib(), "llmd_decode2", None)    # None: a library built before it (kernel A/B)
-        if fn is None:
-            return None
+        fn = kernels.lib().llmd_decode           # loaded: a fused form is built only where it is
         pools = attn.k_pool
         work = self._scratch(t)                          # held by this call while the kernel writes it
         dims = self._step_dims(t, pools, kr.table.shape[1], kr.block_size)
@@ -157,12 +155,12 @@ class FusedDecode:
         this (more rows than the products take on the kernel, a head not on the kernel for this many
         rows); ``runner``'s pools must be ones it ``serves``."""
         t, rows = len(feeds), sum(len(f) for f in feeds)
-        fn = getattr(kernels.lib(), "llmd_draft2", None)
+        fn = kernels.lib().llmd_draft
         attn = runner.attn
         head = self.head.kernel_product()
         table = self._table(head)
         most = min(self.max_rows, ops.draft_rows())
-        if (fn is None or not 1 <= t <= rows <= most or not all(feeds) or steps < 1
+        if (not 1 <= t <= rows <= most or not all(feeds) or steps < 1
                 or head is None or head.max_rows < t or self.head.bias is not None or table is None):
             return None
         # a request's own blocks bound its steps (the table's zero padding is no block of its own): its
@@ -200,7 +198,7 @@ class FusedDecode:
         return out[:, :done].tolist()
 
     def _table(self, head: ops.KernelProduct | None) -> ops.KernelProduct | None:
-        """The token table as llmd_draft2 reads its rows (as the model's ``embed`` looks them up), or None
+        """The token table as llmd_draft reads its rows (as the model's ``embed`` looks them up), or None
         where it cannot: a tied float head's own blocks, float32 rows, or an int8 / int8g table's rows."""
         embed = self.embed
         if embed is None:                 # tied: the head's table, its float blocks or its int8 rows
