@@ -6,7 +6,9 @@ Peers are interleaved with llmd in the same process so machine noise hits both a
 
 llama.cpp on the same GGUF file: `--against llama-bench` runs llama.cpp's `llama-bench` between llmd's
 one-stream rounds (llmd.bench.llama_bench); `--against llamacpp-server` is a load test of its own,
-llmd's daemon against llama.cpp's server, both started and stopped here (llmd.bench.load_test).
+llmd's daemon against llama.cpp's server, both started and stopped here (llmd.bench.load_test);
+`--against llamacpp-quality` sets an engine directory's quality beside llama.cpp's quantization of
+the same model to the same width, on the export's quality-gate windows (llmd.bench.llama_quality).
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ from llmd.runtime.models.random_model import write_random_model
 from llmd.runtime.request import SamplingParams
 
 from .llama_bench import LlamaBenchError, decode_rate, llama_bench_binary
+from .llama_quality import LlamaCppError, compare_engine, table as quality_table
 from .llama_server import LlamaServerError
 from .membw import read_bandwidth, weight_bytes
 from .load_test import LoadConfig, run_load, table as load_table
@@ -51,9 +54,15 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--against", default="", help="comma-separated peers to run side by side: hf, llamacpp, "
                    "daemon (llamacpp and daemon only with --workload); llama-bench (llama.cpp's one-stream decode "
                    "on the same GGUF, alternating with llmd's); or alone, llamacpp-server (a closed-loop load test: "
-                   "llmd's daemon against llama.cpp's server, both started here, at each --sweep concurrency)")
-    p.add_argument("--llama-gguf", default=None, help="the GGUF file llama-bench or llama-server reads (default: MODEL "
-                   "when it is a GGUF file, else the file MODEL was imported from; needed for an engine directory)")
+                   "llmd's daemon against llama.cpp's server, both started here, at each --sweep concurrency); or alone, "
+                   "llamacpp-quality (MODEL an engine directory from llmd export: its perplexity change and top-1 "
+                   "agreement beside llama.cpp's quantization of --llama-gguf to the same width, Q8_0 for int8 and "
+                   "w8a8, Q4_0 and Q4_1 for int4, on the export's quality-gate windows against its float reference; "
+                   "llama.cpp's llama-quantize and llama-windows from $LLMD_LLAMA_CPP, .cache/llama-server/bin or "
+                   "PATH, built by bench/build_llama_server.sh)")
+    p.add_argument("--llama-gguf", default=None, help="the GGUF file llama-bench, llama-server or llama-quantize reads "
+                   "(default: MODEL when it is a GGUF file, else the file MODEL was imported from; for llamacpp-quality, the "
+                   "GGUF file the engine directory was exported from)")
     p.add_argument("--workload", default=None, help="run shipped workloads instead: comma-separated among "
                    "completion, voice, edit, batch, mixed, stamped, or 'all'")
     p.add_argument("--scale", choices=("short", "full"), default="full", help="workload size (short: seconds)")
@@ -86,7 +95,7 @@ def run_bench(args) -> int:
     """With --shape, the random-weight model lives in a temporary folder removed at the end."""
     try:
         return _run_bench(args)
-    except (LLMDError, BenchArgumentError, LlamaBenchError, LlamaServerError) as e:
+    except (LLMDError, BenchArgumentError, LlamaBenchError, LlamaServerError, LlamaCppError) as e:
         print(f"llmd bench: {e}", file=sys.stderr)
         return 2
 
@@ -97,8 +106,9 @@ class BenchArgumentError(ValueError):
 
 def peer_names(args) -> list[str]:
     names = [p for p in args.against.split(",") if p]
-    if "llamacpp-server" in names and (len(names) > 1 or args.workload):
-        raise BenchArgumentError("--against llamacpp-server is a load test of its own; give it alone, without --workload")
+    for alone in ("llamacpp-server", "llamacpp-quality"):
+        if alone in names and (len(names) > 1 or args.workload):
+            raise BenchArgumentError(f"--against {alone} is a comparison of its own; give it alone, without --workload")
     if "llama-bench" in names and args.workload:
         raise BenchArgumentError("--against llama-bench compares one stream; it does not run --workload")
     if getattr(args, "bandwidth", False) and "llama-bench" not in names:
@@ -153,12 +163,28 @@ def against_llama_server(args, model: str) -> int:
     return 0
 
 
+def against_llama_quality(args) -> int:
+    """`--against llamacpp-quality`: an engine directory's quality beside llama.cpp's (llmd.bench.llama_quality)."""
+    if args.model is None:
+        raise BenchArgumentError("--against llamacpp-quality compares an engine directory: give it as MODEL "
+                                 "(llmd export writes one)")
+    res = compare_engine(args.model, args.llama_gguf, args.threads or torch.get_num_threads(),
+                         log=lambda m: print(m, file=sys.stderr))
+    if args.out:
+        write_json(res, f"{args.out}.json")
+    print(json.dumps(res, indent=1) if args.json else quality_table(res))
+    return 0
+
+
 def _run_bench(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     peers = peer_names(args)                                  # refuses bad combinations before any import
     if args.model is not None:
         args.model = resolve_model(args.model)                              # a model by name: its path
+    if "llamacpp-quality" in peers:
+        return against_llama_quality(args)
+    if args.model is not None:
         native = native_gguf(args.model, args.dtype or "auto")              # served from its own blocks
         model = args.model if native else resolve_model_path(args.model, args.dtype or "float32")
         if "llamacpp-server" in peers:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llmd.export.llamacpp import BUILD_DIR
+from llmd.bench.llama_server import CACHE as BUILD_DIR
 from llmd.models_real import cached_file, models_dir as real_models_dir
 
 

@@ -11,6 +11,7 @@ or ``with LlamaServer() as server: url = server.start(...)``. The binary is the 
 """
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import tempfile
@@ -19,9 +20,10 @@ import urllib.request
 from pathlib import Path
 from typing import Optional, Sequence
 
-from llmd.export.llamacpp import BUILD_DIR as CACHE
-
 REPO = Path(__file__).resolve().parents[1]
+# where bench/build_llama_server.sh builds llama.cpp's programs: its own LLMD_LLAMA_SERVER_DIR, else the
+# source checkout's .cache
+CACHE = Path(os.environ.get("LLMD_LLAMA_SERVER_DIR") or REPO / ".cache" / "llama-server")
 
 
 

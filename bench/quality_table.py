@@ -12,7 +12,7 @@ Every other llmd row is a real ``llmd export`` into a scratch directory, measure
 gate (so what is printed is what the engine runs, the ONNX graph included); the gate is told to accept
 the loss so that every row is measured. llama.cpp rows quantize ``--gguf`` (a GGUF of the same model)
 with llama.cpp's own ``llama-quantize`` (the file is dequantized and quantized again) and run the
-same windows through its library, teacher-forced (``llmd.export.llamacpp``: the programs
+same windows through its library, teacher-forced (``llmd.bench.llama_quality``: the programs
 ``bench/build_llama_server.sh`` builds). Perplexity change and top-1 agreement are
 both against llmd's float32 model, the reference of every row.
 """
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch.nn.functional as F
 
 
-from llmd.export import llamacpp, quality
+from llmd.export import quality
 from llmd.export.cli import ExportOptions, export_engine
 from llmd.export.gguf_engine import import_engine
 from llmd.runtime.formats.engine_dir import load_engine_part
@@ -36,6 +36,8 @@ from llmd.runtime.formats.manifest import read_manifest
 from llmd.runtime.formats.quantized import QuantLinear
 from llmd.runtime.models.loader import load_model
 from llmd.runtime.tokenizer import Tokenizer
+
+from . import llama_quality as llamacpp
 
 FORMATS = {     # row name -> llmd export options
     "int8": dict(quant="int8"),

@@ -10,6 +10,7 @@ import json
 import sys
 
 from llmd.protocol import Done, Error, Token
+from llmd.sampling_fields import PARAMS
 
 from .backend import backend_of, blocking_client
 from .client import Client, ClientError, RequestError
@@ -26,20 +27,24 @@ def add_client_parsers(subparsers) -> None:
         add(subparsers)
 
 
+_KNOBS = tuple(p for p in PARAMS if p.fronts)     # temperature, the filters, the penalties: a flag each
+
+
 def _sampling_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
     a = p.add_argument
     a("--socket", help=_SOCKET_HELP)
     a("--backend", metavar="URL", help=_BACKEND_HELP)
     a("--max-tokens", type=int, default=max_tokens, help=f"most tokens per answer (default {max_tokens})")
-    a("--temperature", type=float, default=None, help="sampling temperature (default: greedy)")
-    a("--top-p", type=float, default=None, help="nucleus sampling mass")
+    for knob in _KNOBS:
+        a("--" + knob.name.replace("_", "-"), type=float if knob.kind == "float" else int, default=None,
+          help=f"{knob.help} ({knob.range_text()}; default {knob.default})")
     a("--seed", type=int, default=None, help="seed for reproducible sampling")
     a("--stop", action="append", default=None, help="stop string (repeatable)")
     a("--ignore-eos", action="store_true", help="keep generating past the end-of-text token (for load tests)")
 
 
 def sampling_from_args(args) -> dict:
-    s = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed,
+    s = {"max_tokens": args.max_tokens, **{k.name: getattr(args, k.name) for k in _KNOBS}, "seed": args.seed,
          "stop": args.stop, "ignore_eos": True if args.ignore_eos else None}
     return {k: v for k, v in s.items() if v is not None}
 
@@ -88,7 +93,8 @@ def add_lsp_parser(subparsers) -> None:
       "(prompt-only requests that put it in the daemon's cache before the completion is asked for)")
     a("--shift-reuse", action="store_true", help="let the daemon move the keys and values of the text after an "
       "edit to their new positions instead of computing them again (approximate: they were computed before the "
-      "edit, and fill-in-the-middle models read the gap from them; costly in completions, see docs/performance.md)")
+      "edit, and fill-in-the-middle models read the gap from them; costly in completions, see "
+      "docs/perf/2026-12-01-quantized-kernels.md, 'Completion quality of the prompt layouts')")
     a("--fim-split", default="line", choices=("line", "cursor"), help="where the prompt's prefix ends: at the "
       "start of the cursor's line, the line up to the cursor going after the middle token (default: a keystroke "
       "computes only the line's new tokens), or at the cursor")
@@ -98,7 +104,8 @@ def add_lsp_parser(subparsers) -> None:
       "completion fails (default 10)")
     a("--fim-layout", default="psm", choices=("psm", "spm"), help="order of the fill-in-the-middle prompt: psm "
       "(prefix, suffix, middle; default) or spm (suffix first, so a keystroke at the cursor changes only the "
-      "prompt's end and the rest stays cached; the model must know the order: see docs/performance.md)")
+      "prompt's end and the rest stays cached; the model must know the order: see "
+      "docs/perf/2026-12-01-real-models.md, 'Suffix first')")
     a("--log-file", help="write the log (each request's outcome and latency) here instead of standard error")
     a("--log-level", default="info", choices=("debug", "info", "warning", "error"),
       help="how much the language server logs to standard error (default info)")

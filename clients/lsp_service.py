@@ -31,7 +31,7 @@ values its earlier infills of the document computed (the suffix, after a keystro
 their new positions instead of computing them again. Approximate: those keys and values were computed
 before the edit (the daemon bounds how many changed tokens they may have missed, ``shift_max_stale``),
 and fill-in-the-middle models read the gap from them: on the real coder it costs most completions
-(docs/performance.md).
+(docs/perf/2026-12-01-quantized-kernels.md, "Completion quality of the prompt layouts").
 
 Suffix first (``layout="spm"``): the prompt starts with the text after the cursor, so what is cached
 serves one cursor spot (one suffix) rather than the whole document. A document is warm at a spot:

@@ -4,7 +4,7 @@ modules, compiled at export time so that a server starts warm.
 Two packages, because the quantized modules choose their kernel by row count and a compiled graph
 holds one choice: ``decode.pt2`` for 1..small_m new tokens (packed low-bit kernels) and
 ``prefill.pt2`` for more (dense or integer matmuls). Both take and return the same tensors as the
-ONNX graph, so the same StepBackend contract and paged driver (llmd.runtime.backends.paged) apply.
+ONNX graph, so the same CompiledStep contract and paged driver (llmd.runtime.backends.paged) apply.
 """
 from __future__ import annotations
 

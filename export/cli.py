@@ -24,12 +24,12 @@ from typing import Optional
 from llmd.runtime.backends.base import create_backend
 from llmd.runtime.config import KV_DTYPES
 from llmd.runtime.errors import LLMDError
-from llmd.runtime.formats.gguf_import import is_gguf, resolve_model_path
+from llmd.runtime.formats.gguf_import import resolve_model_path
 from llmd.runtime.model_names import resolve_model
 from llmd.runtime.formats.quantized import QuantizationError, QuantSpec, auto_group_size
 from llmd.runtime.models.config import ModelConfig
 
-from . import llamacpp, quality
+from . import quality
 from .aot import build_aot_package
 from .group_size import choose_group_size, dividing
 from .manifest import write_manifest
@@ -63,8 +63,6 @@ class ExportOptions:
     min_top1_agreement: float = MIN_TOP1_AGREEMENT     # percent
     accept_loss: bool = False
     force: bool = False
-    compare_gguf: Optional[str] = None    # a GGUF of the same model: llama.cpp's figures beside llmd's
-    llamacpp: str = "auto"                # auto: compare where compare_gguf and llama.cpp's tools are found
     shape_buckets: dict = field(default_factory=lambda: {"batch": [1, 2, 4, 8, 16, 32, 64],
                                                          "tokens": [1, 16, 64, 256, 512]})
 
@@ -78,8 +76,6 @@ class ExportOptions:
             raise ValueError(f"--max-ppl-increase must be a finite percentage, got {self.max_ppl_increase}")
         if not 0 <= self.min_top1_agreement <= 100:
             raise ValueError(f"--min-top1-agreement must be a percentage from 0 to 100, got {self.min_top1_agreement}")
-        if self.llamacpp not in ("auto", "off"):
-            raise ValueError(f"--llamacpp must be auto or off, got {self.llamacpp!r}")
 
 
 CALIBRATION_WINDOWS = 16   # windows of calibration text for the int4 group size and scale search
@@ -92,7 +88,9 @@ class QualityGateFailed(Exception):
 
 def add_export_parser(sub) -> None:
     p = sub.add_parser("export", help="quantize and compile a model (and draft) into an engine directory",
-                       description=__doc__.split("\n\n")[0])
+                       description=__doc__.split("\n\n")[0],
+                       epilog="llama.cpp's quality for the same format, on the quality gate's own windows and "
+                              "float reference: llmd bench OUT --against llamacpp-quality")
     a = p.add_argument
     a("--target", required=True, help="target model directory (Hugging Face layout) or GGUF file")
     a("--draft", help="draft model directory, exported with the same quantization")
@@ -127,12 +125,6 @@ def add_export_parser(sub) -> None:
            f"the float model's (default {MIN_TOP1_AGREEMENT:g})")
     a("--accept-loss", action="store_true",
       help="write the engine whatever the quality gate measures (the figures are still printed and recorded)")
-    a("--compare-gguf", metavar="FILE.gguf",
-      help="a GGUF of the same model: the summary prints llama.cpp's quality for the same format on the gate's "
-           "own windows (default: the --target file when it is a GGUF)")
-    a("--llamacpp", default="auto", choices=("auto", "off"),
-      help="auto (default): compare with llama.cpp where a GGUF is at hand and its tools are found "
-           "($LLMD_LLAMA_CPP, .cache/llama-server/bin or PATH; bench/build_llama_server.sh builds them); off: never")
     a("--force", action="store_true", help="replace an existing engine directory (one with a manifest.json); "
       "it is replaced only once the new engine is complete")
     a("--out", required=True, help="engine directory to write")
@@ -144,8 +136,6 @@ def run_export(args) -> int:
     signal.signal(signal.SIGTERM, _interrupted)     # a kill cleans up as Ctrl-C does
     try:
         args.target, args.draft = resolve_model(args.target), args.draft and resolve_model(args.draft)
-        if args.compare_gguf is None and Path(args.target).is_file() and is_gguf(args.target):
-            args.compare_gguf = args.target                        # llama.cpp reads the very file
         opts = ExportOptions(**{k: v for k, v in vars(args).items() if k in keys})
         summary = export_engine(opts, TqdmProgress())
     except QualityGateFailed as e:
@@ -275,29 +265,21 @@ def _export_into(out: Path, opts: ExportOptions, spec, sources: dict, progress) 
 
     t = time.perf_counter()
     progress.phase("validate", sum(s.config.num_layers for s in sources.values()))
-    runs, measured_on = gate_target(out, artifacts, cfg)
-    quant_pred = (quality.predict(runs, windows) if runs is not None
-                  else WrittenModel(out / "target", spec).predict(windows, progress))
+    quant_pred, measured_on = target_predictions(out, artifacts, cfg, spec, windows, progress)
     draft_pred = WrittenModel(out / "draft", spec).predict(windows, progress) if "draft" in sources else None
     measured = quality.compare(reference, quant_pred, draft_pred, source, measured_on)
     times["validate"] = time.perf_counter() - t
-    t = time.perf_counter()
-    peers = llamacpp_figures(opts, spec, reference, windows, source, progress)
-    if peers:
-        times["llama.cpp"] = time.perf_counter() - t
     progress.close()
 
     failures = quality.gate_failures(measured, opts.max_ppl_increase, opts.min_top1_agreement)
     if failures and not opts.accept_loss:
-        beside = "".join(f"; llama.cpp {r['format']}: {100 * r['ppl_increase']:+.2f} % perplexity, top-1 "
-                         f"{100 * r['top1_agreement']:.1f} %" for r in peers.get("rows", []))
-        raise QualityGateFailed(f"{'; '.join(failures)} (measured on {measured.source}, {measured.measured_on}"
-                                f"{beside}). The engine was not written ({opts.out} is as it was). Pass "
+        raise QualityGateFailed(f"{'; '.join(failures)} (measured on {measured.source}, {measured.measured_on})"
+                                f". The engine was not written ({opts.out} is as it was). Pass "
                                 "--accept-loss to write it anyway, or loosen the limit named above.")
     gate = {"max_ppl_increase": opts.max_ppl_increase, "min_top1_agreement": opts.min_top1_agreement,
-            "passed": not failures, "accepted_loss": failures}
+            "passed": not failures, "accepted_loss": failures,
+            "eval_file": opts.eval_file and str(Path(opts.eval_file).resolve()), "eval_windows": opts.eval_windows, "eval_tokens": opts.eval_tokens}
     summary = {"quality": measured.to_dict() | {"gate": gate}, "times_s": times, "quantization": spec.to_dict(),
-               **({"llamacpp": peers} if peers else {}),
                **({"int4_calibration": calibrated} if calibrated else {}),
                "sizes": {name: {"source_bytes": source_bytes(s.path),
                                 "engine_bytes": dir_bytes(out / name, "*.safetensors")} for name, s in sources.items()}}
@@ -309,29 +291,13 @@ def _export_into(out: Path, opts: ExportOptions, spec, sources: dict, progress) 
     return summary | ({"graph_quantization": artifacts["onnx_quantization"]} if "onnx_quantization" in artifacts else {})
 
 
-def llamacpp_figures(opts: ExportOptions, spec, reference, windows, source: str, progress) -> dict:
-    """llama.cpp's quantization of ``opts.compare_gguf`` to the formats of llmd's width (Q8_0 for int8,
-    Q4_0 and Q4_1 for int4), on the gate's windows against the same float reference: {} where no
-    comparison was asked for, else {"rows": [...]} or {"skipped": why}."""
-    if opts.llamacpp == "off" or not opts.compare_gguf or spec.method not in llamacpp.COMPARED:
-        return {}
-    tools = llamacpp.find_tools()
-    if tools is None:
-        return {"skipped": f"llama.cpp's tools were not found ({llamacpp.BUILD_HINT})"}
-    types = llamacpp.COMPARED[spec.method]
-    progress.phase("llama.cpp", 2 * len(types))
-    rows = []
-    try:
-        for ftype in types:
-            path = llamacpp.quantize(tools, Path(opts.compare_gguf), ftype)
-            progress.advance()
-            q = quality.compare(reference, llamacpp.predict(tools, path, windows), None, source, "llama.cpp")
-            progress.advance()
-            rows.append({"format": ftype, "ppl_quantized": q.ppl_quantized, "ppl_increase": q.ppl_increase,
-                         "top1_agreement": q.top1_agreement, "file": str(path)})
-    except (llamacpp.LlamaCppError, OSError) as e:
-        return {"skipped": str(e)}
-    return {"rows": rows, "gguf": str(opts.compare_gguf)}
+def target_predictions(out: Path, artifacts: dict, cfg: ModelConfig, spec, windows, progress=None):
+    """The target's predictions on ``windows`` through what the engine in ``out`` runs (``gate_target``),
+    and its name: what the quality gate measures, and what a comparison with another engine reads."""
+    runs, measured_on = gate_target(out, artifacts, cfg)
+    if runs is not None:
+        return quality.predict(runs, windows), measured_on
+    return WrittenModel(out / "target", spec).predict(windows, progress), measured_on
 
 
 def gate_target(out: Path, artifacts: dict, cfg: ModelConfig):
@@ -435,11 +401,6 @@ def format_summary(s: dict) -> str:
     if gate := q.get("gate"):
         rows.append(("quality gate", "passed" if gate["passed"] else
                      "FAILED, written because --accept-loss was given: " + "; ".join(gate["accepted_loss"])))
-    for r in s.get("llamacpp", {}).get("rows", []):
-        rows.append((f"llama.cpp {r['format']}", f"{100 * r['ppl_increase']:+.2f} % perplexity, top-1 "
-                     f"{100 * r['top1_agreement']:.2f} % (same windows, same float reference)"))
-    if why := s.get("llamacpp", {}).get("skipped"):
-        rows.append(("llama.cpp", f"not compared: {why}"))
     if q["draft_acceptance"] is not None:
         rows.append(("draft acceptance", f"{100 * q['draft_acceptance']:.2f} % (greedy, one token)"))
     width = max(len(k) for k, _ in rows)

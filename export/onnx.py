@@ -11,8 +11,9 @@ Quantization happens on the float graph with onnxruntime's own tool for weight b
 (MatMulNBits): int8 is 8-bit weights in blocks of INT8_BLOCK input columns with float activations,
 w8a8 the same weights with each row's activations rounded to int8 per block (integer products),
 int4 4-bit weights with the export's group size. Activations are never quantized once per tensor:
-one outlier column would then set the step of every token (docs/performance.md, "Export quality"). Graph optimizations are applied once at export
-and the optimized model is what the engine directory ships.
+one outlier column would then set the step of every token (docs/perf/2026-12-01-real-models.md,
+"Export quality on real models"). Graph optimizations are applied once at export and the optimized
+model is what the engine directory ships.
 """
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ the whole model, so a 7B model exports on a machine that could not hold it in fl
                                    rows at a time
     WrittenModel(dir, spec)        the written weights read back a layer at a time: the quality gate
                                    measures the engine through them
+    float_reference(source, w)     the gate's float reference alone, for measuring another engine
 
 Memory is bounded by a float layer (two while int4 group sizes are compared), the rounded head and
 the windows' hidden states; the rounded layers go to disk as they are made (``TensorWriter``).
@@ -357,6 +358,22 @@ def rope_for(cfg: ModelConfig, length: int):
     with torch.device("meta"):
         skeleton = LlamaForCausalLM(cfg)
     return skeleton.rope(torch.arange(length), torch.float32)
+
+
+@torch.no_grad()
+def float_reference(source, windows: torch.Tensor) -> quality.Predictions:
+    """The float model's predictions on ``windows``, a layer at a time: the quality gate's reference,
+    computed as ``quantize_part`` computes it, for measuring another engine against the same numbers."""
+    cfg = source.config
+    ref = Stream(windows, table_lookup(source.table_rows, cfg.vocab_size))
+    rope = rope_for(cfg, windows.shape[1])
+    for i in range(cfg.num_layers):
+        layer = source.layer(i)
+        source.release(i)
+        ref.advance(layer, rope)
+        del layer
+    hidden = ref.hidden(norm_module(cfg, source.norm()))
+    return float_head_predictions([(hidden, windows)], source.head_rows, cfg.vocab_size)[0]
 
 
 # ---- the pass that quantizes and writes -----------------------------------------------------------

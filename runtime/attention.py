@@ -11,8 +11,8 @@ KERNEL_PROMPT_CONTEXT positions, go to llmd's attention kernel (llmd.runtime.ker
 row's attention is the same arithmetic in a prompt chunk as in a decode step, and faster than
 torch's there. The kernel reads a request's keys once per query row, so over longer contexts
 torch's blocked attention, which reuses them across rows, computes prompt chunks faster
-(docs/performance.md). Those, and every request where the kernel does not run (int8 pools, other
-CPUs), take the torch path: padded gather indices and masks built once per step for at most two
+(docs/perf/2026-12-01-quantized-kernels.md, "Prompt chunks on the attention kernel"). Those, and
+every request where the kernel does not run (int8 pools, other CPUs), take the torch path: padded gather indices and masks built once per step for at most two
 groups (single-token rows; multi-token rows), one scaled_dot_product_attention per group and layer.
 The reference path loops over requests with explicit softmax; tests hold both fast paths to it.
 

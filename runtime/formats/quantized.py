@@ -21,8 +21,8 @@ The llmd kernels (llmd.runtime.kernels: AVX-512 VNNI, or AVX2) read int8, int8g 
 packed at ``prepare()`` into blocks of 16 outputs (quant.c; the stored tensors stay for prompts, token
 rows and saving): each weight load serves every row of a tile with one vpdpbusd per row (int8: two;
 the AVX2 library's int8 one vpmaddwd per pair of columns),
-fewer instructions per weight and row than the bfloat16 blocks' FMAs (docs/performance.md, "Blocked
-quantized products"). They stream the weights at memory speed; where
+fewer instructions per weight and row than the bfloat16 blocks' FMAs
+(docs/perf/2026-12-01-quantized-kernels.md, "Blocked quantized products"). They stream the weights at memory speed; where
 they cannot run (other CPUs, no compiler, a graph being compiled, int4 groups under 32, widths not
 a multiple of 64) torch's packed kernels take their place for M <= small_m (more rows as above):
 _weight_int8pack_mm and _weight_int4pack_mm_for_cpu with x rounded to bfloat16, which are
@@ -43,8 +43,8 @@ Embedding and head: the output head holds int8 weights unless ``head="float"``. 
 matrix of a small model (896 x 151936 in Qwen2-0.5B) and is read for one row per sampled token, and
 it is where quantization error first changes a greedy choice. ``head="auto"`` (default for every
 quantized method) is ``int8g``: int8 weights with a scale per 64 input columns, the input at 16 bits.
-Of the 8-bit heads it keeps greedy output closest to a float head (docs/performance.md, "Quantized
-greedy agreement"). ``head="int4"`` makes every matrix 4-bit,
+Of the 8-bit heads it keeps greedy output closest to a float head
+(docs/perf/2026-12-01-first-figures.md, "Quantized greedy agreement"). ``head="int4"`` makes every matrix 4-bit,
 as llama.cpp's Q4_0 files here are. In a tied model the embedding *is* the head's table, so it
 follows the head: a quantized head's rows are looked up and dequantized (``rows()``). An untied
 embedding is int8 in a quantized export (``embed="auto"``) and float only when asked
@@ -302,7 +302,8 @@ class Int8Linear(QuantLinear):
 
     def large(self, x: torch.Tensor) -> torch.Tensor:
         """Prompt rows, eager: the decode kernel's packed blocks, each weight load shared by a tile of
-        rows (faster than the two integer products below at every prompt size: docs/performance.md);
+        rows (faster than the two integer products below at every prompt size: docs/perf/2026-12-01-quantized-kernels.md,
+        "The server under load, int8 against Q8_0, after these changes");
         where it does not run, two integer products carry x at the kernel's 16-bit precision, with its
         rounding: the same numbers, so a row gets what it would get alone either way. Graphs being
         traced keep the dequantizing form."""
@@ -393,8 +394,8 @@ class Int8GroupLinear(Int8Linear):
         """Where llmd's int8g kernel does not take the group (under 64 columns, as GGUF blocks of 32 and
         16 are): the weight widened once to bfloat16 in llmd's float32 kernel's blocks, which that kernel
         streams at memory speed with x kept in float32, 16 rows a call, so a row gets the numbers it gets
-        alone (torch's bfloat16 product of one row is compute-bound here: docs/performance.md, "GGUF
-        blocks kept")."""
+        alone (torch's bfloat16 product of one row is compute-bound here:
+        docs/perf/2026-12-01-real-models.md, "GGUF blocks kept")."""
         if self.out_features % 64:
             return None
         if self._blocks is None:
@@ -489,7 +490,8 @@ class Int4Linear(QuantLinear):
 
     def large(self, x: torch.Tensor) -> torch.Tensor:
         """Prompt rows through the decode kernel up to 640 rows: the weights stay 4-bit, read once
-        per 64 rows (faster than dequantizing to bf16: docs/performance.md), and a row gets the
+        per 64 rows (faster than dequantizing to bf16: docs/perf/2026-12-01-first-figures.md, "Quantized
+        products"), and a row gets the
         numbers it gets alone."""
         if x.shape[0] <= self.KERNEL_ROWS and kernels.usable(x) and (y := self.kernel_rows(x)) is not None:
             return y
@@ -576,7 +578,7 @@ def equalize_columns(model: nn.Module, alpha: float = EQUALIZE_ALPHA) -> None:
     post_attention_layernorm), column j is divided by s_j = (max_j / mean max)^alpha and the norm's
     weight multiplied by s_j: the same function in float, finer steps in int8 (the input stays at
     16 bits, so the larger norm outputs cost nothing there). It keeps more of the demo target's greedy
-    tokens than no equalization (docs/performance.md, "Quantized greedy agreement")."""
+    tokens than no equalization (docs/perf/2026-12-01-first-figures.md, "Quantized greedy agreement")."""
     for layer in model.layers:
         equalize_layer(layer, alpha)
 
