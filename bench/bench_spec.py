@@ -92,12 +92,12 @@ class ControllerAside:
         self.llm = llm
 
     def generate(self, prompts, params):
-        engine = self.llm.engine
-        controller, engine.spec = engine.spec, None
+        scheduler = self.llm.engine.scheduler
+        controller, scheduler.spec = scheduler.spec, None
         try:
             return self.llm.generate(prompts, params)
         finally:
-            engine.spec = controller
+            scheduler.spec = controller
 
 
 def engines(target: str, draft: str, depths: list[int], kv_memory: str, control: bool = False,

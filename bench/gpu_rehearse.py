@@ -1,4 +1,4 @@
-"""Rehearse llmd's CUDA path where there is no GPU: ``--device cuda`` runs the engine's own CudaBackend
+"""Rehearse llmd's CUDA path where there is no GPU: ``--device cuda`` runs the engine's own CudaRunner
 over CPU tensors, the Triton kernels on Triton's interpreter and the graph buckets on their CPU stand-in
 (static buffers replayed as eager calls). Everything else (loading, the engine, the bench, the stats) is
 the code a GPU run uses.
@@ -26,7 +26,7 @@ from contextlib import contextmanager
 # Triton reads this when a kernel is defined: set before the CUDA backend's kernels are imported
 os.environ.setdefault("TRITON_INTERPRET", "1")
 from llmd.runtime import loading  # noqa: E402
-from llmd.runtime.execution.cuda.backend import CudaBackend  # noqa: E402
+from llmd.runtime.execution.cuda.backend import CudaRunner  # noqa: E402
 from llmd.runtime.models.random_model import SHAPES  # noqa: E402
 
 
@@ -36,7 +36,7 @@ def rehearsing(graphs: str = "standin"):
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("rehearsing needs TRITON_INTERPRET=1 from the start (the kernels are compiled for a GPU "
                            "otherwise); run it in a process without TRITON_INTERPRET set")
-    init, missing = CudaBackend.__init__, loading.cuda_missing
+    init, missing = CudaRunner.__init__, loading.cuda_missing
     sig = inspect.signature(init)
 
     def on_the_cpu(self, *args, **kw):
@@ -47,11 +47,11 @@ def rehearsing(graphs: str = "standin"):
             bound.arguments["graphs"] = graphs
         init(*bound.args, **bound.kwargs)
 
-    CudaBackend.__init__, loading.cuda_missing = on_the_cpu, lambda: None
+    CudaRunner.__init__, loading.cuda_missing = on_the_cpu, lambda: None
     try:
         yield
     finally:
-        CudaBackend.__init__, loading.cuda_missing = init, missing
+        CudaRunner.__init__, loading.cuda_missing = init, missing
 
 
 def main(argv: list[str]) -> int:

@@ -20,10 +20,11 @@ from .formats.gguf_check import is_gguf_file
 from .formats.gguf_native import load_native
 from .formats.head_screen import HeadScreen
 from .model_names import resolve_config
-from .model_runner import kv_bytes_per_block
+from .model_runner import ModelRunner, kv_bytes_per_block
 from .models.config import ModelConfig
 from .models.llama import LlamaForCausalLM
 from .models.loader import load_model
+from .runner import Runner
 from .tokenizer import Tokenizer, check_vocab
 
 log = logging.getLogger("llmd.loading")
@@ -38,9 +39,18 @@ class LoadedModel:
     draft: Optional[LlamaForCausalLM] = None
     draft_config: Optional[ModelConfig] = None
     kv_dtype: str = "auto"
-    backend: Optional[object] = None          # a StepBackend when the engine directory was compiled for one
+    backend: Optional[object] = None          # a CompiledStep when the engine directory was compiled for one
     execution: str = "cpu"                    # the execution backend the model was prepared for (llmd.runtime.execution)
-    device: str = "cpu"                       # where llmd's own model code runs: cpu, or cuda (CudaBackend)
+    device: str = "cpu"                       # where llmd's own model code runs: cpu, or cuda (CudaRunner)
+
+    def context_len(self, wanted: Optional[int]) -> int:
+        """The context window served: ``wanted`` (None: the model's), at most the model's. A model with
+        sliding windows is capped where its first window starts to slide when it runs on the CUDA runner
+        or a compiled step, whose attention computes every layer in full."""
+        n = min(wanted or self.config.max_position_embeddings, self.config.max_position_embeddings)
+        if self.config.window_cap and (self.device == "cuda" or self.backend is not None):
+            n = min(n, self.config.window_cap)
+        return n
 
 
 def native_gguf(model: str | None, dtype: str) -> bool:
@@ -245,3 +255,20 @@ def kv_blocks(cfgs: list[ModelConfig], config: EngineConfig, kv_dtype: str = "au
         raise ModelLoadError(f"kv_memory {config.kv_memory} cannot hold one block of {config.block_size} tokens "
                              f"for this model ({per_block} bytes)")
     return num_blocks
+
+
+def make_runner(loaded: LoadedModel, model, config: EngineConfig, max_model_len: int, num_spec_tokens: int,
+                draft: bool = False) -> Runner:
+    """The runner for ``model`` (the target, or with ``draft`` its draft) where it was loaded: the CUDA
+    runner on the GPU, else a ModelRunner on the execution backend the weights were prepared for."""
+    c = config
+    if loaded.device == "cuda":
+        from .execution.cuda.backend import CudaRunner     # needs triton: imported for the GPU only
+        return CudaRunner(model, loaded.num_blocks, c.block_size, float_dtype(c.dtype), loaded.kv_dtype, "cuda",
+                          c.max_num_seqs, num_spec_tokens, max_model_len, graphs=None if c.cuda_graphs else "off")
+    if draft:
+        return ModelRunner(model, loaded.num_blocks, c.block_size, float_dtype(c.dtype), kv_dtype=loaded.kv_dtype,
+                           execution=choose(c.execution))
+    return ModelRunner(model, loaded.num_blocks, c.block_size, float_dtype(c.dtype),
+                       reference_attention=c.attention == "reference", kv_dtype=loaded.kv_dtype,
+                       backend=loaded.backend, execution=loaded.execution)

@@ -18,9 +18,11 @@ import torch
 
 from .attention import SeqSpan, int_tensor
 from .execution import backend_class
-from .execution.contract import Runner
+from . import kernels
+from .kernels import ops
 from .models.config import ModelConfig
 from .models.llama import LlamaForCausalLM
+from .runner import Runner
 from .sampler import SamplingRow, sample
 from .scheduler import ScheduledRequest
 
@@ -92,14 +94,14 @@ class ModelRunner(Runner):
     is an engine directory's compiled step (llmd.runtime.backends), which runs as the compiled one.
     The members the engine reads are the runner contract's (llmd.runtime.execution.contract)."""
 
-    samples_on_device = False          # logits come back on the host: the engine samples them there
+    samples_on_device = False          # logits come back on the host: sampled there
 
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: str,
                  reference_attention: bool = False, kv_dtype: str = "auto", backend=None, execution: str = "cpu"):
         cfg = model.config
         self.model = model
         self.config = cfg
-        self.backend = backend            # a compiled StepBackend (onnxruntime, aot, tensorrt) or None
+        self.backend = backend            # a compiled CompiledStep (onnxruntime, aot, tensorrt) or None
         self.block_size = block_size
         self.num_blocks = num_blocks
         cls = backend_class("compiled" if backend is not None else execution)
@@ -193,5 +195,28 @@ class ModelRunner(Runner):
         return self.execution.run_greedy(batch)
 
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
-        """One token per row, drawn on the host (the engine's own path samples there too, with logprobs)."""
+        """One token per row, drawn on the host (``execute`` samples there too, with logprobs)."""
         return sample(logits, rows).token_ids.tolist()
+
+    def stats(self) -> dict:
+        return {**super().stats(), **self._kernel_stats(), **self._screen_stats()}
+
+    def _kernel_stats(self) -> dict:
+        """Which of llmd's CPU kernel libraries the cpu backend runs: avx512, avx2, or none (torch's ops);
+        from how many rows its int8 products take AMX's tile unit (0: never), and past how many rows
+        products over bfloat16 blocks do (0: never)."""
+        if self.execution.kernels is None:
+            return {}
+        on = self.execution.kernels
+        return {"cpu_kernels": kernels.variant() if on else "none",
+                "cpu_amx_rows": kernels.lib().llmd_amx_min_rows(-1) if on else 0,
+                "cpu_amx_bf16": ops.bf16_amx_rows() if on else 0}
+
+    def _screen_stats(self) -> dict:
+        """The head screen's counters: greedy rows it served, the head rows it scored exactly per row,
+        and rows that read the whole head instead."""
+        if not self.screens_head:
+            return {}
+        st = self.model.head_screen.stats
+        return {"head_screen_on": st.on, "head_screen_rows": st.rows, "head_screen_whole": st.whole,
+                "head_screen_candidates_mean": round(st.candidates / st.rows, 1) if st.rows else None}

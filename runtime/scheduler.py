@@ -14,7 +14,10 @@ steps are not lengthened by background prefill, which runs in the pauses between
 request (lowest priority, latest arrival) is preempted: its blocks are freed and it is recomputed later
 from its tokens, which gives the same output.
 
-The scheduler is the only writer of the queues, of ``status`` and of ``num_computed_tokens``.
+The scheduler is the only writer of the queues, of ``status`` and of ``num_computed_tokens``. Its two
+calls bracket the runner's (llmd.runtime.runner): ``schedule`` makes the step's plan, ``update``
+takes the runner's result: tokens appended and checked for a stop (runtime.output), blocks cached,
+slots of rejected proposals trimmed, the speculation controller told what the step measured.
 """
 from __future__ import annotations
 
@@ -22,9 +25,15 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
 
 from .block_manager import BlockManager
+from .output import accept
 from .request import FinishReason, Priority, Request, Status
+
+if TYPE_CHECKING:
+    from .runner import StepResult
+    from .spec.controller import SpecController
 
 
 def _decoding(r: Request) -> bool:
@@ -46,10 +55,17 @@ class ScheduledRequest:
 
 
 @dataclass
-class SchedulerOutput:
+class StepPlan:
+    """One step's decisions, for the runner to execute: the requests it runs and their token counts,
+    the block copies to make before the forward (partly cached blocks; runs shifted from other
+    positions), and the requests preempted or ended since the last plan (their proposer state goes)."""
+
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     finished_out_of_memory: list[Request] = field(default_factory=list)
+    copies: list[tuple[int, int, int]] = field(default_factory=list)          # (src block, dst block, slots)
+    shifts: list[tuple[list[int], list[int], int]] = field(default_factory=list)   # (src slots, dst slots, delta)
+    finished_ids: list[str] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -62,8 +78,12 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_batch_tokens: int, max_num_seqs: int,
-                 batch_prompt_chunk: int = 0, batch_quiet_s: float = 0.0):
+                 batch_prompt_chunk: int = 0, batch_quiet_s: float = 0.0, max_model_len: int = 1 << 62,
+                 spec: Optional["SpecController"] = None):
         self.bm = block_manager
+        self.max_model_len = max_model_len
+        self.spec = spec                                 # plans each step's speculative depths (None: never)
+        self._finished_ids: list[str] = []               # ended since the last plan
         self.max_batch_tokens = max_batch_tokens
         self.batch_prompt_chunk = batch_prompt_chunk     # most prompt tokens of a batch request per step (0: any)
         self.batch_quiet_s = batch_quiet_s               # batch prompts wait this long after more important work
@@ -97,6 +117,7 @@ class Scheduler:
         request.finish_reason = reason
         request.metrics.finished_s = time.monotonic()
         del self.requests[request.request_id]
+        self._finished_ids.append(request.request_id)
 
     @property
     def num_waiting(self) -> int:
@@ -106,8 +127,29 @@ class Scheduler:
         return bool(self.requests)
 
     # ---- the decision --------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+    def schedule(self) -> StepPlan:
+        if self.spec is not None:
+            self._plan_speculation()
+        out = self._schedule()
+        out.copies = self.bm.take_copies()
+        out.shifts = self.bm.take_shifts()
+        out.finished_ids, self._finished_ids = self._finished_ids, []
+        return out
+
+    def _plan_speculation(self) -> None:
+        """Each decoding request's proposal depth for this step (``spec_k``), from the controller."""
+        decoding, other = [], 0
+        for r in self.running:
+            if r.params.grammar is not None:
+                continue           # constrained rows never speculate: each token needs the mask after the last
+            if _decoding(r):
+                decoding.append(r)
+            else:
+                other += r.num_tokens - r.num_computed_tokens
+        self.spec.plan(decoding, min(other, self.max_batch_tokens))
+
+    def _schedule(self) -> StepPlan:
+        out = StepPlan()
         budget = self.max_batch_tokens
         self._now = time.monotonic()
         if any(r.priority < Priority.BATCH for r in self.running) or \
@@ -180,7 +222,7 @@ class Scheduler:
             return min(n, self.batch_prompt_chunk)
         return n
 
-    def _prompt_ahead(self, out: SchedulerOutput, priority: Priority) -> bool:
+    def _prompt_ahead(self, out: StepPlan, priority: Priority) -> bool:
         """Would a prompt chunk of ``priority`` lengthen a more important request's step? A batch
         prompt waits while any more important request runs (or is admitted this step); another
         prompt waits while a more important one computes part of its prompt in this step."""
@@ -190,7 +232,7 @@ class Scheduler:
                 any(s.request.priority < priority for s in out.scheduled)
         return any(s.request.priority < priority and not _decoding(s.request) for s in out.scheduled)
 
-    def _admit(self, out: SchedulerOutput, budget: int, more_important_than: Priority | None = None) -> int:
+    def _admit(self, out: StepPlan, budget: int, more_important_than: Priority | None = None) -> int:
         for priority in Priority:
             if more_important_than is not None and priority >= more_important_than:
                 return budget
@@ -239,13 +281,13 @@ class Scheduler:
                 budget -= n
         return budget
 
-    def _lowest_running_below(self, priority: Priority, out: SchedulerOutput) -> Request | None:
+    def _lowest_running_below(self, priority: Priority, out: StepPlan) -> Request | None:
         """A running request less important than `priority` and not scheduled this step."""
         scheduled = {id(s.request) for s in out.scheduled}
         pool = [r for r in self.running if r.priority > priority and id(r) not in scheduled]
         return max(pool, key=lambda r: (r.priority, r.arrival_seq), default=None)
 
-    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+    def _preempt(self, req: Request, out: StepPlan) -> None:
         self.running.remove(req)
         self.bm.free_request(req)
         req.num_computed_tokens = 0
@@ -258,7 +300,40 @@ class Scheduler:
         out.preempted.append(req)
 
     # ---- after the model ran -------------------------------------------------------------
-    def advance(self, sched: ScheduledRequest, num_rejected: int = 0) -> None:
+    def update(self, plan: StepPlan, result: "StepResult") -> list[Request]:
+        """Take the runner's result of ``plan``: each scheduled request's tokens counted as computed
+        (less rejected proposals) and appended up to its first stop, its full blocks cached, its
+        unused proposal slots trimmed. Returns the requests with news for their callers (tokens, or
+        their end)."""
+        self.bm.release_held()             # the shifted runs are copied: their source blocks may go
+        if result.error is not None:
+            for s in plan.scheduled:
+                s.request.error = result.error
+                self.finish(s.request, FinishReason.ERROR)
+            return [s.request for s in plan.scheduled]
+        touched = []
+        for s, tokens, verified in zip(plan.scheduled, result.tokens, result.verified):
+            req = s.request
+            self._advance(s, s.num_spec_tokens - verified.accepted if verified is not None else 0)
+            if verified is not None:
+                self._observe_verified(req, verified)
+            if req.params.prompt_only:
+                if tokens:        # the whole prompt is in the cache: nothing is generated
+                    self.finish(req, FinishReason.LENGTH)
+                    touched.append(req)
+            elif tokens:
+                reason = accept(req, tokens, self.max_model_len)
+                if reason is not None:
+                    self.finish(req, reason)
+                touched.append(req)
+            if not req.is_finished:
+                # slots reserved for proposals that were rejected or never made go back to the pool
+                self.bm.trim(req, req.num_tokens)
+        if self.spec is not None and plan.scheduled:
+            self._observe(plan, result)
+        return touched
+
+    def _advance(self, sched: ScheduledRequest, num_rejected: int) -> None:
         """Count the step's tokens as computed, less the rejected speculative ones, and key the
         full blocks of verified tokens for the prefix cache."""
         req = sched.request
@@ -266,3 +341,21 @@ class Scheduler:
         if req.hole is not None and req.num_computed_tokens == req.hole[0]:
             req.num_computed_tokens, req.hole = req.hole[1], None     # the copied run counts as computed
         self.bm.cache_full_blocks(req, min(req.num_computed_tokens, req.num_tokens))
+
+    def _observe_verified(self, req: Request, verified) -> None:
+        req.spec_token_ids = []
+        m = req.metrics
+        m.spec_proposed += verified.proposed
+        m.spec_accepted += verified.accepted
+        m.spec_steps += 1
+        if self.spec is not None and not verified.guess:
+            self.spec.observe_acceptance(req.request_id, verified.proposed, verified.accepted)
+
+    def _observe(self, plan: StepPlan, result: "StepResult") -> None:
+        """What the step measured, for the controller's next plans."""
+        spec = self.spec
+        if result.proposals_asked:
+            spec.observe_proposals(result.proposals_asked, result.proposals_made)
+            if result.draft_forward_s is not None and not spec.proposer_is_free:
+                spec.observe_draft(result.proposals_asked, result.draft_forward_s)
+        spec.observe_target(plan.num_tokens, result.verify_s)

@@ -1,4 +1,4 @@
-"""AOTInductor packages of the step graph (llmd.export.aot) as a StepBackend: the decode package
+"""AOTInductor packages of the step graph (llmd.export.aot) as a CompiledStep: the decode package
 for up to ``small_m`` new tokens, the prefill package beyond."""
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from pathlib import Path
 import torch
 
 from ..errors import EngineDirError
-from .base import StepBackend
+from .base import CompiledStep
 
 
-class AotBackend(StepBackend):
+class AotBackend(CompiledStep):
     name = "aot"
 
     def __init__(self, decode_file: Path, prefill_file: Path, small_m: int):

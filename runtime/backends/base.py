@@ -16,7 +16,7 @@ import torch
 from ..errors import EngineDirError
 
 
-class StepBackend(ABC):
+class CompiledStep(ABC):
     """forward(input_ids [T], positions [T], past_k/past_v [L, P, kvh, D]) ->
     (logits [T, vocab] f32, new_k/new_v [L, T, kvh, D] f32). Past positions are 0..P-1."""
 
@@ -40,7 +40,7 @@ def available_backends() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
-def create_backend(name: str, engine_dir: Path, manifest: dict, device: str = "auto") -> StepBackend:
+def create_backend(name: str, engine_dir: Path, manifest: dict, device: str = "auto") -> CompiledStep:
     """Import the backend's module only now; a missing library is an EngineDirError naming the extra."""
     if name not in _REGISTRY:
         raise EngineDirError(f"unknown backend {name!r}; known: {sorted(_REGISTRY)}")

@@ -13,7 +13,7 @@ import onnxruntime as ort
 import torch
 
 from ..errors import EngineDirError
-from .base import StepBackend
+from .base import CompiledStep
 
 
 def providers(device: str = "auto") -> list[str]:
@@ -29,7 +29,7 @@ def providers(device: str = "auto") -> list[str]:
     return [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in have]
 
 
-class OnnxRuntimeBackend(StepBackend):
+class OnnxRuntimeBackend(CompiledStep):
     name = "onnxruntime"
 
     def __init__(self, model_file: Path, threads: int | None = None, device: str = "auto"):

@@ -1,4 +1,4 @@
-"""Run a StepBackend over llmd's paged KV pool for one packed step (the ModelRunner's StepBatch).
+"""Run a CompiledStep over llmd's paged KV pool for one packed step (the ModelRunner's StepBatch).
 
     k_pool, v_pool: [L, num_blocks * block_size, kv_heads, head_dim], owned by the ModelRunner
 
@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from .base import StepBackend
+from .base import CompiledStep
 
 
 @torch.inference_mode()
-def run_step(backend: StepBackend, k_pool: torch.Tensor, v_pool: torch.Tensor, batch,
+def run_step(backend: CompiledStep, k_pool: torch.Tensor, v_pool: torch.Tensor, batch,
              block_size: int) -> torch.Tensor:
     logits = {}
     for span in batch.spans:

@@ -1,4 +1,4 @@
-"""A TensorRT plan of the step graph (llmd.export.tensorrt) as a StepBackend. CUDA only.
+"""A TensorRT plan of the step graph (llmd.export.tensorrt) as a CompiledStep. CUDA only.
 
 Untested on the machines llmd is built on: TensorRT cannot be installed there. Inputs and outputs
 are torch CUDA tensors whose addresses are handed to the execution context; the profile is the
@@ -11,10 +11,10 @@ from pathlib import Path
 import torch
 
 from ..errors import EngineDirError
-from .base import StepBackend
+from .base import CompiledStep
 
 
-class TensorRTBackend(StepBackend):
+class TensorRTBackend(CompiledStep):
     name = "tensorrt"
 
     def __init__(self, plan_file: Path, token_ranges: list[tuple[int, int]], num_layers: int):

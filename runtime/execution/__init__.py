@@ -17,7 +17,7 @@ _BACKENDS = {
 
 
 def backend_class(name: str):
-    """The ExecutionBackend subclass registered as ``name``."""
+    """The Execution subclass registered as ``name``."""
     module, _, attr = _BACKENDS[name].partition(":")
     return getattr(importlib.import_module(module), attr)
 

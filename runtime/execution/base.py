@@ -31,7 +31,7 @@ from ..attention import PagedAttention
 from ..models.layers import TORCH_OPS, TorchOps
 
 
-class ExecutionBackend(ABC):
+class Execution(ABC):
     """One model's steps on one device. Built by the ModelRunner with the model and its attention
     over the pools (``attention``); the model calls it back as its ``step``."""
 

@@ -6,16 +6,16 @@ from __future__ import annotations
 import torch
 
 from ..attention import PagedAttention
-from ..backends.base import StepBackend
+from ..backends.base import CompiledStep
 from ..backends.paged import run_step
 from ..kernels import ops
-from .base import ExecutionBackend
+from .base import Execution
 
 
-class CompiledBackend(ExecutionBackend):
+class CompiledBackend(Execution):
     name = "compiled"
 
-    def __init__(self, model, attn: PagedAttention, step: StepBackend):
+    def __init__(self, model, attn: PagedAttention, step: CompiledStep):
         super().__init__(model, attn)
         self.step = step
 

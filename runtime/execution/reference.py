@@ -11,10 +11,10 @@ from typing import Optional
 import torch
 
 from ..attention import PagedAttention
-from .base import ExecutionBackend
+from .base import Execution
 
 
-class ReferenceBackend(ExecutionBackend):
+class ReferenceBackend(Execution):
     name = "reference"
 
     @staticmethod

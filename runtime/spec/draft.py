@@ -27,7 +27,6 @@ class DraftProposer(Proposer):
     def __init__(self, runner: ModelRunner):
         self.runner = runner
         self.computed: dict[str, int] = {}
-        self.forward_s: float | None = None    # last measured single-token draft forward
 
     def propose(self, items: list[tuple[Request, int]], rows_for) -> list[Proposal]:
         t0 = time.perf_counter()

@@ -24,6 +24,7 @@ class Proposer:
 
     name = "none"
     has_distribution = False
+    forward_s: Optional[float] = None     # one single-token forward of a proposer that runs a model
 
     def propose(self, items: list[tuple[Request, int]], rows_for) -> list[Proposal]:
         """Up to k proposals for each (request, k). ``rows_for(request, proposals_so_far)`` gives the

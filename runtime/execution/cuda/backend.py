@@ -1,4 +1,4 @@
-"""CudaBackend: the model runner for ``--device cuda``, held to the runner contract
+"""CudaRunner: the model runner for ``--device cuda``, held to the runner contract
 (llmd.runtime.execution.contract) like the CPU's ModelRunner, with ``sample`` drawing on the device.
 It has no head screen and cannot move keys to other positions (``screens_head``, ``can_shift``: False);
 its ``execution`` is CudaExecution: the argmax on the device, and a draft's rounds one step at a time.
@@ -16,8 +16,8 @@ from typing import Optional
 
 import torch
 
-from llmd.runtime.execution.contract import Runner
 from llmd.runtime.model_runner import Feed, feeds_for, pool_dtype
+from llmd.runtime.runner import Runner
 from llmd.runtime.sampler import SamplingRow
 from llmd.runtime.scheduler import ScheduledRequest
 
@@ -25,7 +25,7 @@ from .attention import TritonAttention
 from .graphs import StepGraphs, bucket_shapes
 from .metadata import StepMetadata, build_metadata
 from .ops import BLOCK_SIZE, decode_splits
-from .sampling import SamplingBatch, sample_tokens
+from .sampling import draw
 
 GRAPH_MODES = ("capture", "standin", "off")
 log = logging.getLogger("llmd.cuda")
@@ -38,7 +38,7 @@ class CudaBatch:
 
 
 class CudaExecution:
-    """The contract's ``execution`` of a CudaBackend: what the engine and a draft ask of a backend."""
+    """The contract's ``execution`` of a CudaRunner: what the engine and a draft ask of a backend."""
 
     name = "cuda"
     kernels = None                     # llmd's CPU kernels never run here (no cpu_* stats)
@@ -54,7 +54,7 @@ class CudaExecution:
         return None
 
 
-class CudaBackend(Runner):
+class CudaRunner(Runner):
     samples_on_device = True
     screens_head = False               # no head screen: greedy steps read the whole head's logits
     can_shift = False                  # shifted prefix reuse stays off
@@ -158,7 +158,10 @@ class CudaBackend(Runner):
         self.attn.prepare(meta, splits)
         return self.model.compute_logits(self.model(meta.input_ids, meta.positions, self.attn)).float()
 
+    def stats(self) -> dict:
+        return {**super().stats(), "cuda_graphs": self.step_graphs}
+
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
-        """One token id per row, drawn on the logits' device; the ids come back in one copy."""
-        return sample_tokens(logits, SamplingBatch.build(rows, logits.device)).tolist()
+        """One token id per row, drawn on the logits' device (see ``draw``); the ids come back in one copy."""
+        return draw(logits, rows)

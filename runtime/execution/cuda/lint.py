@@ -23,7 +23,7 @@ from llmd.runtime.models.config import ModelConfig
 from llmd.runtime.models.llama import LlamaForCausalLM
 from llmd.runtime.sampler import SamplingRow
 
-from .backend import CudaBackend
+from .backend import CudaRunner
 from .sampling import SamplingBatch, host_values, sample_tokens
 
 DEVICE = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("meta")
@@ -36,7 +36,7 @@ class StepLintError(RuntimeError):
 def lint_steps(cfg: ModelConfig, steps: list[tuple[list[Feed], list[SamplingRow]]], dtype: str = "bfloat16",
                num_blocks: int = 64, max_num_seqs: int = 8, num_spec_tokens: int = 0,
                graphs: str = "standin", runner_hook=None) -> list[torch.Tensor]:
-    """Run ``steps`` (each: the feeds and the sampled rows' parameters) through a CudaBackend on fake
+    """Run ``steps`` (each: the feeds and the sampled rows' parameters) through a CudaRunner on fake
     device tensors, sampling on the device. Returns each step's fake token ids; raises StepLintError.
     ``runner_hook(runner)`` may change the runner before the steps (tests plant faults with it)."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -44,7 +44,7 @@ def lint_steps(cfg: ModelConfig, steps: list[tuple[list[Feed], list[SamplingRow]
     try:
         with mode:
             model = fake_cuda_model(cfg, getattr(torch, dtype), mode)
-            runner = CudaBackend(model, num_blocks, 16, dtype, device=DEVICE, max_num_seqs=max_num_seqs,
+            runner = CudaRunner(model, num_blocks, 16, dtype, device=DEVICE, max_num_seqs=max_num_seqs,
                                      num_spec_tokens=num_spec_tokens, graphs=graphs, pin=False)
             if runner_hook is not None:
                 runner_hook(runner)
