@@ -32,7 +32,7 @@ from llmd.runtime.models.random_model import SHAPES  # noqa: E402
 
 @contextmanager
 def rehearsing(graphs: str = "standin"):
-    """While open, ``--device cuda`` builds CudaBackends on the CPU (interpreted kernels, graph stand-in)."""
+    """While open, ``--device cuda`` builds CudaRunners on the CPU (interpreted kernels, graph stand-in)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("rehearsing needs TRITON_INTERPRET=1 from the start (the kernels are compiled for a GPU "
                            "otherwise); run it in a process without TRITON_INTERPRET set")

@@ -170,11 +170,11 @@ class EngineThread(threading.Thread):
             self.engine.step()
 
     def _info(self) -> dict:
-        mc, tok = getattr(self.engine, "model_config", None), self.engine.tokenizer
+        mc, tok = self.engine.model_config, self.engine.tokenizer
         return {
-            "context_length": int(getattr(mc, "max_position_embeddings", 0) or 0),
-            "vocab_size": int(getattr(mc, "vocab_size", 0) or 0),
-            "chat": bool(getattr(tok, "has_chat_template", False)),
+            "context_length": mc.max_position_embeddings,
+            "vocab_size": mc.vocab_size,
+            "chat": tok.has_chat_template,
             "infill": tok.can_infill,
         }
 
