@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test models models-real models-shapes bench clean gpu-bundle
+.PHONY: demo test test-fast models models-real models-shapes bench clean gpu-bundle
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -18,8 +18,17 @@ demo: $(STAMP)
 	$(BIN)/python -m llmd.models_real --fetch-only smollm2-135m-instruct qwen2.5-coder-0.5b-instruct
 	$(BIN)/python -m llmd.demo
 
+# Two workers (pytest-xdist), each test file on one of them so that its module fixtures are built once;
+# bytecode is cached (PYTHONDONTWRITEBYTECODE emptied), since every worker and daemon subprocess imports llmd.
+PYTEST := PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n 2 --dist loadfile
+
+# the whole suite but the slow benchmarks; what CI runs (.ci/run)
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(PYTEST)
+
+# the quick tier while developing: no daemons, subprocesses, compiles, exports, training or long reference runs
+test-fast: $(STAMP)
+	$(PYTEST) -m "not slow and not heavy"
 
 models: $(STAMP)
 	$(BIN)/python -m llmd.training.train_demo --out models

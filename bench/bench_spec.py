@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import json
 import random
 import statistics
@@ -35,6 +36,14 @@ from llmd.training.corpus import list_sources, read_source, split
 
 def heldout_functions(n: int, seed: int = 0, min_lines: int = 6) -> list[str]:
     """Source of function definitions from held-out stdlib files (parsable, not too long)."""
+    out = list(_heldout_definitions(min_lines))
+    random.Random(seed).shuffle(out)
+    return out[:n]
+
+
+@functools.lru_cache(maxsize=None)
+def _heldout_definitions(min_lines: int) -> tuple[str, ...]:
+    """Every such definition, in file order: parsed once a process (each call read and parsed them all)."""
     _, held = split(list_sources())
     out = []
     for f in held:
@@ -48,8 +57,7 @@ def heldout_functions(n: int, seed: int = 0, min_lines: int = 6) -> list[str]:
                 src = ast.get_source_segment(text, node)
                 if src and len(src) < 1500:
                     out.append(src)
-    random.Random(seed).shuffle(out)
-    return out[:n]
+    return tuple(out)
 
 
 def completion_prompts(n: int) -> list[str]:

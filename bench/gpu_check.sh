@@ -2,7 +2,7 @@
 # The CUDA backend's check on an NVIDIA machine, in at most 8 minutes:
 #
 #   bench/gpu_check.sh RESULTS_DIR               on the GPU machine (make gpu-bundle builds what to copy there)
-#   bench/gpu_check.sh --rehearse RESULTS_DIR    the same stages on a CPU (tests/test_gpu_check.py, in make test)
+#   bench/gpu_check.sh --rehearse RESULTS_DIR    the same stages on a CPU (tests/cuda/test_gpu_check.py, in make bench)
 #
 # For a machine whose Python (3.12; PYTHON=... to choose another) has torch with CUDA, triton, numpy and
 # transformers but no network. Stages, each under `timeout -s INT` (pytest still prints its summary) and
@@ -119,12 +119,12 @@ stage bench 150 bench.json "${RUN[@]}" llmd.cli bench --device cuda --against hf
 export LLMD_GPU_RESULTS="$RESULTS"
 export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1          # the plugins named here only, wherever the tests run
 stage pytest_gpu 170 pytest.log "${RUN[@]}" pytest -q -m gpu -p no:cacheprovider -p pytest_timeout \
-    --timeout 120 --junitxml "$RESULTS/pytest.xml" tests/test_cuda_gpu.py
+    --timeout 120 --junitxml "$RESULTS/pytest.xml" tests/cuda/test_cuda_gpu.py
 say "pytest -m gpu: $(tail -1 "$RESULTS/pytest.log")"
 
 # -- 4. the step lint on fake cuda tensors -------------------------------------------------------------------
 LINT=(); [ $REHEARSE -eq 1 ] && LINT=(--collect-only)          # (make test runs it on the CPU anyway)
-stage lint 40 lint.log "$VPY" -m pytest -q -p no:cacheprovider -p pytest_timeout "${LINT[@]}" tests/test_cuda_lint.py
+stage lint 40 lint.log "$VPY" -m pytest -q -p no:cacheprovider -p pytest_timeout "${LINT[@]}" tests/cuda/test_cuda_lint.py
 
 say "done: exit $status (results in $RESULTS)"
 exit $status

@@ -6,7 +6,7 @@ the code a GPU run uses.
     python -m llmd.bench.gpu_rehearse MODULE [ARGS...]     run MODULE as __main__ (e.g. llmd.cli bench ...)
 
 With LLMD_REHEARSE_IMPORTS=FILE, the top-level modules the run imported are added to FILE, one a line
-(tests/test_gpu_check.py holds them to bench/gpu_wheels.txt and what a GPU machine has).
+(tests/cuda/test_gpu_check.py holds them to bench/gpu_wheels.txt and what a GPU machine has).
 
 Run so, the ``tiny`` random-weight shape (``llmd bench --shape tiny``) has one layer and one kv head: the
 interpreter runs a kernel's programs one after another, tens of milliseconds each.
