@@ -64,16 +64,35 @@ def _looks_like_control(content: str) -> bool:
     return bool(_CONTROL_SPELLING.fullmatch(content))
 
 
-def _controls_marked_special(tokenizer_json: str) -> str:
+def _controls_marked_special(tokenizer_json: str, loaded: HFTokenizer) -> str:
     """tokenizer.json with every control-looking added token flagged special, for the text encoder, whose
     ``encode_special_tokens`` then splits their spellings like any other text. Other unflagged added
-    tokens (runs of spaces in some code tokenizers) keep matching as the model was trained."""
+    tokens (runs of spaces in some code tokenizers) keep matching as the model was trained. ``loaded``
+    is the same file, loaded: where it flags every such token already, the text is returned unparsed."""
+    if not any(not t.special and _looks_like_control(t.content) for t in loaded.get_added_tokens_decoder().values()):
+        return tokenizer_json
+    # only the top-level "added_tokens" array is read and rewritten (a quoted key cannot occur inside a
+    # JSON string unescaped), not the whole vocabulary; the whole file where that array is not found
+    key = tokenizer_json.find('"added_tokens":')
+    if key >= 0:
+        start = key + len('"added_tokens":')
+        while tokenizer_json[start:start + 1].isspace():
+            start += 1
+        entries, end = json.JSONDecoder().raw_decode(tokenizer_json, start)
+        if isinstance(entries, list) and _flag_controls(entries):
+            return tokenizer_json[:start] + json.dumps(entries) + tokenizer_json[end:]
+        return tokenizer_json
     data = json.loads(tokenizer_json)
+    return json.dumps(data) if _flag_controls(data.get("added_tokens") or []) else tokenizer_json
+
+
+def _flag_controls(entries: list) -> bool:
+    """Flag the control-looking unflagged entries of an added_tokens list special; whether any was."""
     changed = False
-    for entry in data.get("added_tokens") or []:
+    for entry in entries:
         if isinstance(entry, dict) and not entry.get("special") and _looks_like_control(str(entry.get("content", ""))):
             entry["special"] = changed = True
-    return json.dumps(data) if changed else tokenizer_json
+    return changed
 
 
 def _as_id_list(value: Any, path: Path, key: str) -> list[int]:
@@ -148,7 +167,9 @@ class Tokenizer:
     @classmethod
     def _build(cls, text: str, config: dict, gen_config: dict, root: Path, where: Path) -> "Tokenizer":
         try:
-            toks = HFTokenizer.from_str(_controls_marked_special(text)), HFTokenizer.from_str(text)
+            special = HFTokenizer.from_str(text)
+            marked = _controls_marked_special(text, special)
+            toks = HFTokenizer.from_str(marked), special
         except Exception as e:  # the tokenizers library raises a bare Exception for bad files
             raise ModelLoadError(f"{where}: not a valid tokenizer: {e}") from None
         return cls(toks[0], toks[1], config, gen_config, root)
@@ -420,6 +441,9 @@ class Tokenizer:
 def _without_space_prefix(tok: HFTokenizer) -> Optional[HFTokenizer]:
     """A copy of a SentencePiece-style tokenizer that puts no "▁" before the text (for text that continues
     what is before it), or None where the tokenizer puts none."""
+    parts = [part.__getstate__() for part in (tok.normalizer, tok.pre_tokenizer) if part is not None]
+    if not any(b'"Prepend"' in state or b'"Metaspace"' in state for state in parts):
+        return None                 # neither puts a prefix: the whole file need not be read again
     data = json.loads(tok.to_str())
     changed = False
 
