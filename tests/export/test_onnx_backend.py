@@ -13,36 +13,8 @@ from llmd.runtime.formats.manifest import read_manifest  # noqa: E402
 from llmd.runtime.backends.base import create_backend  # noqa: E402
 from llmd.runtime.errors import EngineDirError  # noqa: E402
 from llmd.runtime.models.config import ModelConfig  # noqa: E402
+from onnx_exports import backend_of, exported, source  # noqa: E402,F401 (fixtures)
 from step_greedy import PROMPTS, same_greedy_count  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def source(model_factory):
-    return model_factory("onnx-src", hidden=64, intermediate=128, layers=2)
-
-
-def export(source, out, quant, group_size=128, head="auto"):
-    export_engine(ExportOptions(str(source), str(out), quant=quant, group_size=group_size, head=head,
-                                backend="onnxruntime", eval_windows=1, eval_tokens=32, accept_loss=True))   # random
-
-
-@pytest.fixture(scope="module")
-def exported(source, tmp_path_factory):
-    """``exported(quant, group_size, head)``: the engine directory of that export, made once for the module
-    (tests only read it)."""
-    made = {}
-
-    def get(quant, group_size=128, head="auto"):
-        key = (quant, group_size, head)
-        if key not in made:
-            made[key] = tmp_path_factory.mktemp(f"onnx-{quant}-{group_size}-{head}")
-            export(source, made[key], quant, group_size, head)
-        return made[key]
-    return get
-
-
-def backend_of(out):
-    return create_backend("onnxruntime", out, read_manifest(out))
 
 
 def test_quant_none_onnx_gives_the_torch_greedy_tokens(source, exported):
@@ -67,36 +39,6 @@ def test_onnx_step_logits_match_torch_forward_dense(source, exported):
     assert torch.allclose(logits2, ref[4:], atol=1e-4, rtol=1e-4)
 
 
-# int8: 8-bit weight blocks; activations are never quantized once per tensor (DynamicQuantizeLinear)
-@pytest.mark.parametrize("quant,ops,group", [("int8", {"MatMulNBits"}, 128),
-                                             ("int4", {"MatMulNBits"}, 32)])
-def test_quantized_onnx_uses_integer_kernels_and_stays_close(source, exported, quant, ops, group):
-    """Teacher-forced on one prompt: onnxruntime's quantized graph agrees with the float model about
-    as well as llmd's own torch modules of the same method do."""
-    import onnx
-
-    from llmd.runtime.formats.quantized import QuantSpec, prepare_quantized, quantize_model
-    from llmd.runtime.models.loader import load_model
-    out = exported(quant, group)
-    backend = backend_of(out)
-    graph = onnx.load(str(out / "onnx" / "target.onnx"))
-    assert any(n.op_type in ops for n in graph.graph.node)
-    assert not any(n.op_type in ("DynamicQuantizeLinear", "DynamicQuantizeMatMul") for n in graph.graph.node)
-    ids = torch.tensor([(7 * i * i + 3 * i) % 400 + 1 for i in range(48)])
-    ref = load_model(source)
-    mine = quantize_model(load_model(source), QuantSpec(quant, group_size=group, head="float"))
-    prepare_quantized(mine)
-    with torch.no_grad():
-        want, torch_q = ref.forward_dense(ids[None])[0], mine.forward_dense(ids[None])[0]
-    c = ref.config
-    empty = torch.zeros(c.num_layers, 0, c.num_kv_heads, c.head_dim)
-    got, _, _ = backend.forward(ids, torch.arange(len(ids)), empty, empty)
-    err_ort = ((got - want).norm() / want.norm()).item()
-    err_torch = ((torch_q - want).norm() / want.norm()).item()
-    assert err_ort < 2 * err_torch + 0.01
-    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= (0.9 if quant == "int8" else 0.6)
-
-
 def test_llm_serves_an_onnx_engine_directory_with_the_same_greedy_tokens(source, exported):
     engine = exported("none")
     prompts = [[30, 31, 32, 33], list(range(40, 75))]
@@ -111,22 +53,6 @@ def test_llm_serves_an_onnx_engine_directory_with_the_same_greedy_tokens(source,
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         with pytest.raises(EngineDirError, match="no CUDA provider"):
             LLM(str(engine), kv_memory="4MiB", device="cuda")
-
-
-@pytest.mark.parametrize("quant", ["int8", "int4"])
-def test_a_float_head_stays_float_in_the_graph(exported, quant):
-    """--head float is what the manifest records, so the shipped graph's head must be a float product
-    (it used to be quantized with the rest); the default head is quantized."""
-    import onnx
-
-    def head_op(head):
-        out = exported(quant, 32, head)
-        graph = onnx.load(str(out / read_manifest(out)["artifacts"]["onnx"]))
-        made_by = {o: n for n in graph.graph.node for o in n.output}
-        return made_by[graph.graph.output[0].name].op_type
-
-    assert head_op("float") == "MatMul"
-    assert head_op("auto") in ("DynamicQuantizeMatMul", "MatMulNBits", "MatMulInteger")
 
 
 def test_the_quality_gate_measures_the_onnx_graph_that_ships(source, tmp_path):

@@ -1,0 +1,37 @@
+"""The ONNX tests' shared fixtures: a small random source model and its onnxruntime exports, each made
+once per test module that asks for it (tests/export/test_onnx_backend.py, test_onnx_quantized.py: two
+modules, so that their exports run on two workers)."""
+import pytest
+
+from llmd.export.cli import ExportOptions, export_engine
+from llmd.runtime.backends.base import create_backend
+from llmd.runtime.formats.manifest import read_manifest
+
+
+@pytest.fixture(scope="module")
+def source(model_factory):
+    return model_factory("onnx-src", hidden=64, intermediate=128, layers=2)
+
+
+def export(source, out, quant, group_size=128, head="auto"):
+    export_engine(ExportOptions(str(source), str(out), quant=quant, group_size=group_size, head=head,
+                                backend="onnxruntime", eval_windows=1, eval_tokens=32, accept_loss=True))   # random
+
+
+@pytest.fixture(scope="module")
+def exported(source, tmp_path_factory):
+    """``exported(quant, group_size, head)``: the engine directory of that export, made once for the module
+    (tests only read it)."""
+    made = {}
+
+    def get(quant, group_size=128, head="auto"):
+        key = (quant, group_size, head)
+        if key not in made:
+            made[key] = tmp_path_factory.mktemp(f"onnx-{quant}-{group_size}-{head}")
+            export(source, made[key], quant, group_size, head)
+        return made[key]
+    return get
+
+
+def backend_of(out):
+    return create_backend("onnxruntime", out, read_manifest(out))
