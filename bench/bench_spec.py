@@ -24,6 +24,7 @@ import ast
 import functools
 import json
 import random
+import re
 import statistics
 import time
 
@@ -52,12 +53,28 @@ def _heldout_definitions(min_lines: int) -> tuple[str, ...]:
             tree = ast.parse(text)
         except SyntaxError:
             continue
+        lines = _LINE.findall(text)
         for node in ast.walk(tree):
             if isinstance(node, ast.FunctionDef) and node.end_lineno - node.lineno + 1 >= min_lines:
-                src = ast.get_source_segment(text, node)
+                src = _segment(lines, node)
                 if src and len(src) < 1500:
                     out.append(src)
     return tuple(out)
+
+
+# a line and its end, split where the parser splits (not at form feeds, as str.splitlines does)
+_LINE = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+\Z")
+
+
+def _segment(lines: list[str], node: ast.AST) -> str:
+    """``ast.get_source_segment`` from lines split once a file (it splits the whole text each call):
+    offsets are UTF-8 bytes."""
+    first, last = node.lineno - 1, node.end_lineno - 1
+    if first == last:
+        return lines[first].encode()[node.col_offset:node.end_col_offset].decode()
+    head = lines[first].encode()[node.col_offset:].decode()
+    tail = lines[last].encode()[:node.end_col_offset].decode()
+    return head + "".join(lines[first + 1:last]) + tail
 
 
 def completion_prompts(n: int) -> list[str]:

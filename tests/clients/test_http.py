@@ -18,8 +18,9 @@ from systemd_units import SYSTEMD_ANALYZE, check_units
 from llmd.clients.client import Client
 from llmd.protocol import Done
 from llmd.clients.http_front import FrontConfig
+from optional import need
 
-openai = pytest.importorskip("openai")
+openai = need("openai")
 
 PROMPT = "def fibonacci(n):"
 

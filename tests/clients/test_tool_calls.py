@@ -8,15 +8,17 @@ import json
 from pathlib import Path
 
 import ollama
-import openai
 import pytest
 
 from http_fixtures import call
+from optional import need
 from tool_output_fixtures import MODEL, oai, served  # noqa: F401 (fixtures)
 from llmd.bench.structured_schemas import valid
 from llmd.clients.http_tools import ToolError, ToolStream, call_grammar, parse_calls, wire_tools
 from llmd.runtime.chat_template import ChatTemplate
 from llmd.runtime.errors import InvalidRequest
+
+openai = need("openai")
 
 LIGHT = {"type": "object", "properties": {"room": {"enum": ["kitchen", "hall", "bedroom"]},
                                           "brightness": {"type": "integer", "minimum": 0, "maximum": 100}},

@@ -149,7 +149,7 @@ def test_a_new_transcript_from_the_same_satellite_stops_the_answer_at_once(daemo
         before = c.stats()["finished"]
 
     async def session():
-        async with bridge(daemon, tmp_path, max_tokens=3000, ignore_eos=True) as client:
+        async with bridge(daemon, tmp_path, max_tokens=600, ignore_eos=True) as client:   # seconds to run
             await client.write_event(Transcript(text="Tell me a long story.").event())
             assert (await client.read_event()).type == "handled-start"
             assert await asyncio.to_thread(wait_until, lambda: in_flight(daemon) == 1, 10)  # under way

@@ -3,8 +3,10 @@ path for --quant none, close logits, int8 through MatMulInteger and int4 through
 import pytest
 import torch
 
-ort = pytest.importorskip("onnxruntime")
-pytest.importorskip("onnxscript")
+from optional import need  # noqa: E402
+
+ort = need("onnxruntime")
+need("onnxscript")
 pytestmark = pytest.mark.heavy          # every test exports an ONNX graph
 
 from llmd import LLM, SamplingParams  # noqa: E402

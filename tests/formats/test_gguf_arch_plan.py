@@ -9,7 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-transformers = pytest.importorskip("transformers")
+from optional import need  # noqa: E402
+
+transformers = need("transformers")
 
 from plan_parity import LONG, PROMPTS, hf_checkpoint, hf_greedy, llmd_greedy  # noqa: E402
 

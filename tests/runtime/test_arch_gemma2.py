@@ -5,7 +5,9 @@ import logging
 
 import pytest
 
-transformers = pytest.importorskip("transformers")
+from optional import need  # noqa: E402
+
+transformers = need("transformers")
 
 from plan_parity import assert_logprobs_match, hf_checkpoint, hf_greedy, llmd_greedy  # noqa: E402
 

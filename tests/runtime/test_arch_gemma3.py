@@ -3,7 +3,9 @@ for sliding layers, scaled embeddings, a scale of its own: identical greedy toke
 random weights in float32."""
 import pytest
 
-transformers = pytest.importorskip("transformers")
+from optional import need  # noqa: E402
+
+transformers = need("transformers")
 
 from plan_parity import assert_logprobs_match, hf_checkpoint, hf_greedy, llmd_greedy  # noqa: E402
 

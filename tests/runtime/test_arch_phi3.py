@@ -3,7 +3,9 @@ transformers' Phi3ForCausalLM on random weights in float32, and a clear refusal 
 llmd does not compute."""
 import pytest
 
-transformers = pytest.importorskip("transformers")
+from optional import need  # noqa: E402
+
+transformers = need("transformers")
 
 from plan_parity import assert_logprobs_match, hf_checkpoint, hf_greedy, llmd_greedy  # noqa: E402
 

@@ -6,7 +6,9 @@ Tolerance: float32 logits through llmd's paged serving path agree with transform
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+from optional import need  # noqa: E402
+
+transformers = need("transformers")
 
 from llmd import LLM, SamplingParams  # noqa: E402
 

@@ -13,7 +13,9 @@ from llmd.runtime import attention as A
 from llmd.runtime.models.config import ModelConfig
 from llmd.runtime.models.random_model import hf_config
 
-transformers = pytest.importorskip("transformers")
+from optional import need  # noqa: E402
+
+transformers = need("transformers")
 
 from plan_parity import LONG, PROMPTS, hf_checkpoint, hf_greedy, llmd_greedy  # noqa: E402
 

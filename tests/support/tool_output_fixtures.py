@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import openai
 import pytest
 
 from http_fixtures import daemon_and_front
+from optional import need
+
+openai = need("openai")
 
 MODEL = Path(__file__).resolve().parents[2] / "models" / "code-target"
 
