@@ -22,6 +22,9 @@ import sys
 import time
 from pathlib import Path
 
+from llmd.runtime.formats.gguf_native import BLOCKS, TYPES, GGUFLinear
+from llmd.runtime.kernels import ops
+
 WEIGHT_SUFFIXES = (".gguf", ".safetensors", ".bin", ".pt")
 # where each block type keeps its float16 scales (byte offsets in a block), held small in random blocks
 HALF_AT = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "IQ4_NL": (0,),
@@ -46,7 +49,6 @@ def read_bandwidth(threads: int, size_mib: int = 1024, rounds: int = 8) -> float
 def random_blocks(name: str, rows: int, k: int, seed: int = 0):
     """uint8 rows [rows, row bytes] of random ``name`` blocks whose float16 scales are 2^-7 (finite sums)."""
     import torch
-    from llmd.runtime.formats.gguf_native import BLOCKS, TYPES
     per, size = BLOCKS[TYPES[name]]
     g = torch.Generator().manual_seed(seed)
     blocks = torch.randint(0, 256, (rows, k // per, size), dtype=torch.uint8, generator=g)
@@ -59,8 +61,6 @@ def product_bandwidth(name: str, threads: int, size_mib: int = 1024, rounds: int
     """Bytes of ``name`` blocks per second that llmd's one-row product reads, best of ``rounds``; 0 where
     the kernels do not run here."""
     import torch
-    from llmd.runtime.formats.gguf_native import TYPES, GGUFLinear
-    from llmd.runtime.kernels import ops
     torch.set_num_threads(threads)
     probe = random_blocks(name, 8, PRODUCT_K)
     rows = max(8, size_mib * (1 << 20) // probe.shape[1] // 8 * 8)

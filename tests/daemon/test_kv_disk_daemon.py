@@ -91,5 +91,7 @@ def test_a_stopping_daemon_writes_every_cached_block(tmp_path):
         assert done and wait_until(lambda: engine(c)["kv_disk_blocks_written"] and not engine(c)["kv_disk_queued"], 10)
         e = engine(c)
         cached = e["kv_blocks_cached"]
-        assert cached > e["kv_disk_blocks_written"] + 4   # the idle moment queued about a queueful: the rest wait
+        # idle moments queue a queueful each (how many pass while this polls depends on the load): some
+        # blocks are still unwritten, and the stop writes them
+        assert cached > e["kv_disk_blocks_written"]
     assert len(list((tmp_path / "kv").glob("*.kv"))) == cached
