@@ -37,11 +37,14 @@ def test_types_time_each_product_against_the_bandwidth(capsys):
 def test_random_blocks_hold_finite_scales_and_give_the_products_values():
     """The timed weight is well formed: every value finite, and the product is its dequantized form's
     up to the rounding of x to 8 bits a value (within 3 % of |w_n| |x| a row: that rounding is under 1 %)."""
+    import numpy as np
     import torch
-    from llmd.bench.membw import HALF_AT, PRODUCT_K, random_blocks
+    from llmd.bench.membw import PRODUCT_K
+    from llmd.bench.random_blocks import BLOCK_TYPES, random_blocks
     from llmd.runtime.formats.gguf_native import TYPES, GGUFLinear
-    for name in HALF_AT:
-        w = GGUFLinear(PRODUCT_K, [(TYPES[name], random_blocks(name, 16, PRODUCT_K))])
+    for name in BLOCK_TYPES:
+        blocks = random_blocks(name, 16, PRODUCT_K, np.random.default_rng(0))
+        w = GGUFLinear(PRODUCT_K, [(TYPES[name], torch.from_numpy(blocks))])
         dense = w.dense_weight()
         assert torch.isfinite(dense).all(), name
         x = torch.randn(1, PRODUCT_K)
