@@ -8,7 +8,11 @@ schema quietly ignored). The mask is computed for one row at a time on the host 
 sampler as a boolean row; the sampler puts ``-inf`` where it is false (runtime.sampler).
 
 Whitespace between JSON tokens is fixed (``", "`` and ``": "``), so a model cannot spend its
-tokens on blank space inside a structure.
+tokens on blank space inside a structure. Numbers are bounded the same way: a JSON number's integer
+part, fraction and exponent may each grow only to ``NUMBER_DIGITS``; past that, tokens that begin with
+a digit are masked wherever the grammar allows anything else, so a model that would write
+``100.000...`` until its budget runs out has to end the number. The output still matches the grammar,
+which is the whole contract: the bound only narrows which of its strings the model may pick.
 """
 from __future__ import annotations
 
@@ -24,6 +28,10 @@ from .errors import InvalidRequest
 from .request import Grammar
 
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# the most digits a generated number's integer part, fraction and exponent may each take: 20 holds any
+# 64-bit integer, 16 more than a float64 resolves, 3 any float64 exponent
+NUMBER_DIGITS = {"int": 20, "frac": 16, "exp": 3}
+_DIGITS = frozenset(b"0123456789")
 
 
 def _llguidance():
@@ -45,6 +53,7 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self._eos = list(eos_token_ids)
         self._tokenizer = None
+        self._digit_start: Optional[torch.Tensor] = None
 
     def _lltokenizer(self):
         if self._tokenizer is None:
@@ -58,7 +67,18 @@ class GrammarCompiler:
         matcher = _llguidance().LLMatcher(self._lltokenizer(), text, log_level=0)
         if matcher.is_error():
             raise GrammarError(f"the {grammar.kind} cannot be used: {_short(matcher.get_error())}")
-        return Matcher(matcher, self.vocab_size, tuple(self._eos))
+        return Matcher(matcher, self.vocab_size, tuple(self._eos), self._lltokenizer(), self._digit_starts())
+
+    def _digit_starts(self) -> torch.Tensor:
+        """A bool row ``[vocab_size]``: true for the tokens whose text begins with an ASCII digit."""
+        if self._digit_start is None:
+            tok = self._lltokenizer()
+            n = min(self.vocab_size, tok.vocab_size)
+            starts = torch.zeros(self.vocab_size, dtype=torch.bool)
+            starts[:n] = torch.tensor([bool(b) and b[0] in _DIGITS
+                                       for b in (tok.decode_bytes([i]) for i in range(n))], dtype=torch.bool)
+            self._digit_start = starts
+        return self._digit_start
 
 
 def grammar_text(grammar: Grammar) -> str:
@@ -82,11 +102,15 @@ class Matcher:
     """One request's position in its grammar. ``allowed`` gives the mask for the next token;
     ``advance`` moves past a chosen one."""
 
-    def __init__(self, matcher, vocab_size: int, eos_token_ids: tuple[int, ...]):
+    def __init__(self, matcher, vocab_size: int, eos_token_ids: tuple[int, ...], tokenizer,
+                 digit_starts: torch.Tensor):
         self._m = matcher
         self._vocab_size = vocab_size
         self._eos = eos_token_ids
         self._words = np.zeros((vocab_size + 31) // 32, dtype=np.int32)
+        self._tokenizer = tokenizer
+        self._digit_starts = digit_starts
+        self.numbers = NumberRun()
 
     def allowed(self) -> torch.Tensor:
         """A bool row ``[vocab_size]``: true where the token keeps the output in the grammar. A
@@ -96,11 +120,18 @@ class Matcher:
         mask = torch.from_numpy(bits.astype(np.bool_))
         if not self._words.any():
             mask[list(self._eos)] = True
+        elif self.numbers.full():
+            bounded = mask & ~self._digit_starts
+            if bounded.any():
+                mask = bounded
         return mask
 
     def advance(self, token_id: int) -> bool:
         """Move past ``token_id``; False when the grammar does not allow it."""
-        return bool(self._m.consume_token(token_id)) and not self._m.is_error()
+        if not self._m.consume_token(token_id) or self._m.is_error():
+            return False
+        self.numbers.feed(self._tokenizer.decode_bytes([token_id]))
+        return True
 
     @property
     def stopped(self) -> bool:
@@ -110,6 +141,45 @@ class Matcher:
     @property
     def error(self) -> Optional[str]:
         return _short(self._m.get_error()) if self._m.is_error() else None
+
+
+class NumberRun:
+    """Where the JSON text written so far stands in a number: which part (``int``, ``frac``, ``exp``)
+    and how many digits that part has, or ``part`` None outside a number (strings included)."""
+
+    def __init__(self):
+        self.part: Optional[str] = None
+        self.digits = 0
+        self._string = False
+        self._escape = False
+
+    def full(self) -> bool:
+        return self.part is not None and self.digits >= NUMBER_DIGITS[self.part]
+
+    def feed(self, data: bytes) -> None:
+        for b in data:
+            if self._string:
+                if self._escape:
+                    self._escape = False
+                elif b == 0x5C:                               # backslash
+                    self._escape = True
+                elif b == 0x22:                               # closing quote
+                    self._string = False
+            elif b in _DIGITS:
+                if self.part is None:
+                    self.part, self.digits = "int", 0
+                self.digits += 1
+            elif b == 0x2E and self.part == "int":            # "."
+                self.part, self.digits = "frac", 0
+            elif b in b"eE" and self.part is not None:
+                self.part, self.digits = "exp", 0
+            elif b in b"+-" and self.part == "exp" and self.digits == 0:
+                pass
+            elif b == 0x2D:                                   # "-" opens a number
+                self.part, self.digits = "int", 0
+            else:
+                self.part = None
+                self._string = b == 0x22
 
 
 def _short(text: str, limit: int = 300) -> str:

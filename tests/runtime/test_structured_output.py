@@ -13,7 +13,7 @@ from http_fixtures import call
 from tool_output_fixtures import MODEL, oai, served  # noqa: F401 (fixtures)
 from llmd.bench.structured_schemas import schemas, valid
 from llmd.runtime.errors import InvalidRequest
-from llmd.runtime.grammar import GrammarCompiler, GrammarError
+from llmd.runtime.grammar import NUMBER_DIGITS, GrammarCompiler, GrammarError, NumberRun
 from llmd.runtime.llm import LLM
 from llmd.runtime.request import Grammar, SamplingParams
 from llmd.runtime.sampler import SamplingRow, make_generator, sample
@@ -98,6 +98,49 @@ def test_a_matcher_allows_exactly_the_text_of_its_schema(compiler):
         assert m.allowed()[t]
         assert m.advance(t)
     assert m.stopped and m.allowed().nonzero().flatten().tolist() == list(tok.eos_token_ids)
+
+
+def _walk(m, tok, text: str, token_id: int, limit: int = 80) -> int:
+    """Advance ``m`` over ``text``, then over ``token_id`` while the mask allows it; how many times."""
+    for t in tok.encode(text, add_special_tokens=False):
+        assert m.advance(t)
+    n = 0
+    while m.allowed()[token_id] and n < limit:
+        assert m.advance(token_id)
+        n += 1
+    return n
+
+
+def test_a_number_ends_where_its_digits_reach_the_bound(compiler):
+    c, tok = compiler
+    zero = tok.encode("0", add_special_tokens=False)[0]
+    at_most_100 = {"type": "object", "properties": {"x": {"type": "number", "maximum": 100}}, "required": ["x"]}
+    m = c.compile(Grammar("json_schema", json.dumps(at_most_100)))
+    assert _walk(m, tok, '{"x": 100.', zero) == NUMBER_DIGITS["frac"]     # 100.000... was the grammar's only way on
+    allowed = {tok.decode([t]) for t in m.allowed().nonzero().flatten().tolist()}
+    assert allowed and not any(a[:1].isdigit() for a in allowed)
+    for t in tok.encode("}", add_special_tokens=False):
+        assert m.advance(t)
+    assert m.stopped
+    m = c.compile(Grammar("json_schema", json.dumps({"type": "array", "items": {"type": "integer"}})))
+    assert _walk(m, tok, "[7", zero) == NUMBER_DIGITS["int"] - 1
+
+
+def test_the_digit_bound_yields_where_the_grammar_needs_more_digits(compiler):
+    c, tok = compiler
+    zero = tok.encode("0", add_special_tokens=False)[0]
+    tiny = {"type": "object", "properties": {"x": {"type": "number", "exclusiveMinimum": 0, "maximum": 1e-18}}}
+    m = c.compile(Grammar("json_schema", json.dumps(tiny)))
+    assert _walk(m, tok, '{"x": 0.', zero, limit=30) == 30            # only digits can go on: none is masked
+
+
+@pytest.mark.parametrize("text, part, digits", [("12", "int", 2), ("-0.125", "frac", 3), ("1.5e+07", "exp", 2),
+                                                ('{"a": 12, "b": "', None, 0), (r'"x\\" 1', "int", 1), (r'"x\" 1', None, 0),
+                                                (r'"9\"9" ', None, 0), ("[1, 22", "int", 2), ("3E", "exp", 0)])
+def test_the_number_run_reads_json_text(text, part, digits):
+    run = NumberRun()
+    run.feed(text.encode())
+    assert (run.part, run.digits if run.part else 0) == (part, digits)
 
 
 @pytest.mark.parametrize("text, why", [('{"type": "strin"}', "strin"), ("[1, 2]", "JSON object"),
