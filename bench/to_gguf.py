@@ -1,12 +1,13 @@
 """Write a model directory (safetensors) of any architecture llmd reads from GGUF (llama, mistral,
 qwen2, qwen3, phi3, gemma2, gemma3) as a GGUF file for llama.cpp.
 
-Tensor names map one to one, by the reader's own map (llmd.runtime.formats.gguf_families), and the
-metadata says what the layer plan says: window and sliding layers, soft-caps, the scores' scale, the
-local rotary base. llama.cpp's `llama` and `mistral` architectures rotate query/key pairs that are
-adjacent (dimension 2i with 2i+1) where the Hugging Face layout rotates halves (i with i + d/2), so
-q and k rows are reordered for them; the others use the halves layout. Gemma norms are written as
-1 + w, as llama.cpp's converter writes them.
+Tensor names map one to one, by the GGUF family each architecture's file declares (the reader's
+own map, llmd.runtime.models.gguf_family), and the family writes what the layer plan says: window
+and sliding layers, soft-caps, the scores' scale, the local rotary base. Families whose files rotate
+query/key pairs that are adjacent (llama.cpp's `llama` and `mistral`: dimension 2i with 2i+1, where
+the Hugging Face layout rotates halves, i with i + d/2) get q and k rows reordered; the others use
+the halves layout. Norms a family stores as 1 + w (Gemma) are written so, as llama.cpp's converter
+writes them.
 The vocabulary is written in full (padded with unused entries up to the embedding rows): llama.cpp
 receives token ids from the benchmark, never text, but checks that sizes agree.
 
@@ -21,12 +22,11 @@ from pathlib import Path
 
 import numpy as np
 
-from llmd.runtime.formats.gguf_families import (ARCHITECTURES, GEMMA, ROTARY_ADJACENT, TOP as FILE_TOP, layer_names,
-                                               norm_shift)
+from llmd.runtime.models import registry
 from llmd.runtime.models.config import ModelConfig
+from llmd.runtime.models.gguf_family import TOP as FILE_TOP
 
 TOP = {v: k for k, v in FILE_TOP.items()}
-ARCH = {v: k for k, v in ARCHITECTURES.items()}
 QUANT_TYPES = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1", "q5_0": "Q5_0"}
 
 
@@ -42,23 +42,24 @@ def convert(model_dir: str | Path, out: str | Path, quant: str | dict = "auto") 
     if (model_dir / "manifest.json").exists():
         raise ValueError(f"{model_dir} is an llmd engine directory; convert its float source model instead")
     cfg = json.loads((model_dir / "config.json").read_text())
-    arch = ARCH.get((cfg.get("architectures") or [""])[0])
-    if arch is None:
+    declared = registry.by_gguf()
+    fam = next((a.gguf for a in declared.values() if a.name == (cfg.get("architectures") or [""])[0]), None)
+    if fam is None:
         raise ValueError(f"no GGUF mapping for architecture {cfg.get('architectures')}")
-    w = gguf.GGUFWriter(str(out), arch)
-    _hparams(w, cfg)
+    w = gguf.GGUFWriter(str(out), fam.name)
+    _hparams(w, cfg, fam)
     _vocab(w, model_dir, cfg)
     n_head, n_kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
-    names = {v: k for k, v in layer_names(arch).items()}
+    names = {v: k for k, v in fam.layer.items()}
     files = sorted(model_dir.glob("*.safetensors"))
     for f in files:
         with safe_open(str(f), "pt") as st:
             for name in st.keys():
                 t = st.get_tensor(name).float().numpy()
                 gname = _gguf_name(name, names)
-                if arch in ROTARY_ADJACENT and gname.endswith(("attn_q.weight", "attn_k.weight")):
+                if fam.rotary_adjacent and gname.endswith(("attn_q.weight", "attn_k.weight")):
                     t = _pairs_adjacent(t, n_head if "attn_q" in gname else n_kv)
-                if shift := norm_shift(arch, name):
+                if shift := fam.norm_shift(name):
                     t = t + np.float32(shift)
                 _add(w, gguf, gname, t, quant, cfg.get("torch_dtype"))
     w.write_header_to_file()
@@ -97,7 +98,7 @@ def _add(w, gguf, name: str, t: np.ndarray, quant: str | dict, dtype) -> None:
         w.add_tensor(name, t.astype(np.float16))
 
 
-def _hparams(w, cfg: dict) -> None:
+def _hparams(w, cfg: dict, fam) -> None:
     import gguf
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     model = ModelConfig.from_dict(cfg)
@@ -118,26 +119,7 @@ def _hparams(w, cfg: dict) -> None:
         w.add_rope_scaling_factor(scaling.factor)
     elif scaling.rope_type != "default":
         raise ValueError(f"no GGUF form here for {scaling.rope_type} rotary scaling")
-    _plan_keys(w, model)
-
-
-def _plan_keys(w, model: ModelConfig) -> None:
-    """The layer plan's options, under the keys llama.cpp reads (gguf_families lists them)."""
-    plan, arch = model.plan, w.arch
-    if arch in ("mistral", "phi3") and plan.sliding_window is not None:
-        w.add_sliding_window(plan.sliding_window)
-    if arch not in GEMMA:
-        return
-    if plan.attention_scale is not None:
-        w.add_attention_scale(plan.attention_scale)
-    w.add_sliding_window(plan.sliding_window or 0)
-    w.add_sliding_window_pattern([plan.slides(i) for i in range(model.num_layers)])
-    if plan.attn_softcap is not None:
-        w.add_attn_logit_softcapping(plan.attn_softcap)
-    if plan.final_softcap is not None:
-        w.add_final_logit_softcapping(plan.final_softcap)
-    if plan.rope_local_theta is not None:
-        w.add_rope_freq_base_swa(plan.rope_local_theta)
+    fam.write(w, model)            # the layer plan's options, under the keys llama.cpp reads
 
 
 def _vocab(w, model_dir: Path, cfg: dict) -> None:

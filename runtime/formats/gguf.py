@@ -1,8 +1,8 @@
 """Read a GGUF file (llama.cpp's format) with the `gguf` package: its metadata as checked Python
 values, a Hugging Face style config.json, and its tensors dequantized under Hugging Face names.
 
-Supported: the llama, mistral, qwen2, qwen3, phi3, gemma2 and gemma3 architectures (gguf_families
-says what each adds to the Llama layout). Every tensor type the `gguf` package
+Supported: the architectures whose file declares a GGUF family (llama, mistral, qwen2, qwen3, phi3,
+gemma2, gemma3; runtime.models.gguf_family says what each may add to the Llama layout). Every tensor type the `gguf` package
 can dequantize is read, and becomes float32 (exact) or bfloat16. Q8_0, Q5_0, Q6_K, Q4_0, Q4_1 and
 Q4_K blocks can instead be kept as llmd's int8 and int4 layouts, unrounded (gguf_blocks.py, and
 `llmd import --keep-blocks`, which writes an engine directory).
@@ -22,7 +22,8 @@ from typing import Any, Iterator
 import numpy as np
 
 from .gguf_check import GGUFError, TensorSpan, read_header
-from .gguf_families import ARCHITECTURES, MODEL_TYPES, ROTARY_ADJACENT, TOP, family_config, layer_names, norm_shift
+from ..models import registry
+from ..models.gguf_family import TOP, GGUFFamily
 
 @dataclass
 class GGUFFile:
@@ -83,14 +84,21 @@ def open_gguf(path: str | Path, reader: bool = True) -> GGUFFile:
 
 def architecture(f: GGUFFile) -> str:
     arch = f.get("general.architecture", str)
-    if arch not in ARCHITECTURES:
-        f.fail("general.architecture", f"{arch!r} is not supported (llmd imports {', '.join(ARCHITECTURES)})")
+    known = registry.by_gguf()
+    if arch not in known:
+        f.fail("general.architecture", f"{arch!r} is not supported (llmd imports {', '.join(sorted(known))})")
     return arch
+
+
+def family(f: GGUFFile) -> GGUFFamily:
+    """How ``f``'s architecture is stored, as its architecture file declares it."""
+    return registry.by_gguf()[architecture(f)].gguf
 
 
 def hf_config(f: GGUFFile, dtype: str = "float32") -> dict:
     """config.json for the model in ``f``, from its metadata and tensor shapes."""
     arch = architecture(f)
+    declared = registry.by_gguf()[arch]
     a = f"{arch}."
     names = set(f.tensor_names())
     if "rope_freqs.weight" in names:
@@ -110,7 +118,7 @@ def hf_config(f: GGUFFile, dtype: str = "float32") -> dict:
     if embd is None or len(embd.dims) != 2 or embd.dims[0] != hidden:
         f.fail("token_embd.weight", f"missing or not a [{hidden}, vocabulary] matrix")
     cfg = {
-        "architectures": [ARCHITECTURES[arch]], "model_type": MODEL_TYPES.get(arch, arch), "hidden_act": "silu",
+        "architectures": [declared.name], "model_type": declared.model_type, "hidden_act": "silu",
         "vocab_size": int(embd.dims[1]), "hidden_size": hidden,
         "intermediate_size": f.get(a + "feed_forward_length", int),
         "num_hidden_layers": layers,
@@ -126,7 +134,7 @@ def hf_config(f: GGUFFile, dtype: str = "float32") -> dict:
         cfg["rope_scaling"] = {"rope_type": "linear", "factor": f.get(a + "rope.scaling.factor", float)}
     elif scaling != "none":
         f.fail(a + "rope.scaling.type", f"{scaling!r} is not supported (none or linear)")
-    family_config(f, arch, cfg)
+    declared.gguf.config(f, cfg)
     for key, name in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
         value = f.get(f"tokenizer.ggml.{name}", int, None)
         if value is not None:
@@ -138,7 +146,7 @@ def hf_name(f: GGUFFile, name: str) -> str:
     if name in TOP:
         return TOP[name]
     parts = name.split(".", 2)
-    layer = layer_names(architecture(f))
+    layer = family(f).layer
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer:
         return f"model.layers.{int(parts[1])}.{layer[parts[2]]}"
     f.fail(name, "a tensor llmd does not know; the file may be of an architecture variant it does not run")
@@ -161,7 +169,7 @@ def tensor_values(f: GGUFFile, cfg: dict, progress: bool = True, desc: str = "de
     which is what llmd's own modules hold."""
     import gguf
     from tqdm import tqdm
-    arch = architecture(f)
+    fam = family(f)
     heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
     bar = tqdm(f.reader.tensors, desc=f"{desc} {f.path.name}", unit="tensor", disable=not progress, leave=False)
     with contextlib.closing(bar):
@@ -174,10 +182,10 @@ def tensor_values(f: GGUFFile, cfg: dict, progress: bool = True, desc: str = "de
             values = np.array(values, dtype=np.float32).reshape(tuple(reversed([int(d) for d in t.shape])))
             kind = t.name.split(".")[-2] if t.name.startswith("blk.") else ""
             order = None
-            if arch in ROTARY_ADJACENT and kind in heads:
+            if fam.rotary_adjacent and kind in heads:
                 order = _rotary_order(f, t.name, values.shape[0], heads[kind])
                 values = values[order]
-            if as_checkpoint and (shift := norm_shift(arch, name)):
+            if as_checkpoint and (shift := fam.norm_shift(name)):
                 values = values - np.float32(shift)
             yield t, name, np.ascontiguousarray(values), order
 

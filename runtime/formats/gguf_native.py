@@ -32,8 +32,7 @@ from ..models import registry
 from ..models.config import ModelConfig
 from ..models.plan import rows_of
 from ..tokenizer import Tokenizer, check_vocab
-from .gguf import GGUFFile, architecture, hf_config, hf_name, open_gguf
-from .gguf_families import ROTARY_ADJACENT, layer_names
+from .gguf import GGUFFile, family, hf_config, hf_name, open_gguf
 from .gguf_check import GGUFError
 from .gguf_tokenizer import tokenizer_files
 from .quantized import QuantEmbedding
@@ -267,9 +266,10 @@ def load_native(path: str | Path, progress: bool = True):
         hf_name(f, name)                          # every tensor is one llmd knows
     with torch.device("meta"):
         model = registry.get(cfg.architecture).model_class(cfg)
-    adjacent = raw["model_type"] in ROTARY_ADJACENT
+    fam = family(f)
+    adjacent = fam.rotary_adjacent
     to_file = {hf.removesuffix(".weight"): g.removesuffix(".weight")      # checkpoint module -> GGUF name
-               for g, hf in layer_names(architecture(f)).items() if g.endswith(".weight")}
+               for g, hf in fam.layer.items() if g.endswith(".weight")}
     h = cfg.hidden_size
     sizes = {"h": h, "q": cfg.q_size, "kv": cfg.kv_size, "i": cfg.intermediate_size}
     for i, layer in enumerate(tqdm(model.layers, desc=f"mapping {path.name}", unit="layer", disable=not progress,

@@ -3,7 +3,8 @@
 An architecture is one file in ``architectures/`` that calls ``register``: its ``architectures``
 name (``Qwen2ForCausalLM``), its ``model_type`` (``qwen2``), the module that computes it, and its
 layer plan (llmd.runtime.models.plan) from config.json: products and checkpoint map, norms,
-activation, rotary and attention options. The Llama family may give ``Traits`` instead, the
+activation, rotary and attention options; and, where GGUF files hold it, its GGUF family
+(llmd.runtime.models.gguf_family): names, metadata keys and stored forms. The Llama family may give ``Traits`` instead, the
 shorthand for a Llama plan. The files are imported on the first lookup, so adding an architecture
 is a file and its tests.
 """
@@ -16,6 +17,7 @@ from typing import Callable, Optional, Union
 
 from torch import nn
 
+from .gguf_family import GGUFFamily
 from .plan import LayerPlan, split_products
 
 
@@ -38,6 +40,7 @@ class Architecture:
     model_type: str                                 # config.json "model_type"
     model_class: type[nn.Module]                    # built from a ModelConfig; has ``empty(cfg, dtype)``
     plan: Callable[[dict, bool], Union[LayerPlan, Traits]]   # (config.json, its attention_bias) -> plan
+    gguf: Optional[GGUFFamily] = None               # how GGUF files store it; None: not read from GGUF
 
     @property
     def traits(self):
@@ -89,6 +92,12 @@ def get(name: str) -> Architecture:
     """A registered architecture by its ``architectures`` name (ModelConfig.architecture)."""
     _discover()
     return _BY_NAME[name]
+
+
+def by_gguf() -> dict[str, Architecture]:
+    """The architectures GGUF files may hold, by their ``general.architecture`` name."""
+    _discover()
+    return {a.gguf.name: a for a in _BY_NAME.values() if a.gguf is not None}
 
 
 def supported() -> list[str]:

@@ -74,7 +74,10 @@ def test_streamed_weights_and_figures_equal_the_whole_models(sources, tmp_path, 
     loaded, _ = load_model_dir(tmp_path, spec)
     whole_read, layered = predict(loaded, evals), WrittenModel(tmp_path, spec).predict(evals)
     assert torch.equal(layered.top1, whole_read.top1)
-    assert torch.allclose(layered.nll, whole_read.nll, atol=1e-3)
+    # the layered pass runs attention and norms through torch, the whole model through its own ops; an
+    # int4 product rounds its input rows to int8, so a last-bit difference there can move a rounding step
+    # (seen on an AVX-512 host): int4 is given a wider bound
+    assert torch.allclose(layered.nll, whole_read.nll, atol=3e-3 if method == "int4" else 1e-3)
 
 
 def test_every_candidate_group_is_written_and_measured_and_one_kept(sources, tmp_path):

@@ -19,6 +19,7 @@ from llmd.bench.to_gguf import convert  # noqa: E402
 from llmd.runtime import kernels  # noqa: E402
 from llmd.runtime.formats.gguf import hf_config, open_gguf  # noqa: E402
 from llmd.runtime.models.config import ModelConfig  # noqa: E402
+from llmd.runtime.models import registry  # noqa: E402
 
 pytestmark = pytest.mark.heavy          # transformers checkpoints written, converted and served against transformers
 
@@ -103,10 +104,10 @@ class Metadata:
 
 
 def gemma_keys(arch: str, meta: dict, layers: int = 4) -> dict:
-    from llmd.runtime.formats.gguf_families import family_config
     cfg = {"num_hidden_layers": layers, "hidden_size": 64, "num_attention_heads": 2, "head_dim": 16,
            "rope_theta": 10000.0}
-    return family_config(Metadata("m.gguf", meta), arch, cfg)
+    registry.by_gguf()[arch].gguf.config(Metadata("m.gguf", meta), cfg)
+    return cfg
 
 
 def test_gemma_files_without_llmds_keys_read_as_llama_cpp_reads_them():

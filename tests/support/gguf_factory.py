@@ -9,6 +9,7 @@ import numpy as np
 from llmd.bench.random_blocks import BLOCK_TYPES, random_blocks  # noqa: F401 (the tests import them here)
 from llmd.bench.to_gguf import _hparams, _vocab
 from llmd.runtime.formats.gguf_native import BLOCKS, TYPES
+from llmd.runtime.models import registry
 
 from modelfactory import make_model_dir
 
@@ -26,7 +27,7 @@ def write_model(path: Path, types: dict[str, str], *, arch: str = "llama", hidde
                          architecture={"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[arch])
     cfg = json.loads((src / "config.json").read_text())
     w = gguf.GGUFWriter(str(path), arch)
-    _hparams(w, cfg)
+    _hparams(w, cfg, registry.by_gguf()[arch].gguf)
     _vocab(w, src, cfg)
     rng = np.random.default_rng(seed)
     d = hidden // heads

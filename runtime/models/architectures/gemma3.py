@@ -1,6 +1,8 @@
 """Gemma 3, text only (Gemma3ForCausalLM): Gemma 2's norms, activation and embedding scale, per-head
 q/k norms instead of soft-capping, and five sliding layers to each full one, the sliding layers
 rotating with a local base (10000) and the full ones with rope_theta and its scaling."""
+from ..gguf_family import (GELU_TANH, SANDWICH, GGUFFamily, read_pre_attn_scalar, read_sliding_layers,
+                           write_sandwich)
 from ..plan import LayerPlan, layer_kinds, number, split_products
 from ..planned import PlannedForCausalLM
 from ..registry import Architecture, register
@@ -27,4 +29,17 @@ def plan(raw: dict, bias: bool) -> LayerPlan:
                                                 every=raw.get("sliding_window_pattern", 6)))
 
 
-register(Architecture("Gemma3ForCausalLM", "gemma3_text", PlannedForCausalLM, plan))
+def read(fam: GGUFFamily, f, cfg: dict) -> None:
+    """The sliding layers' own rotary base (``rope.freq_base_swa``, 10000 where absent); no score cap; a
+    logit cap where the file gives one; five sliding layers to each full one, or none without a
+    window; the 62-layer size scales by hidden / heads."""
+    cfg.update(GELU_TANH)
+    read_pre_attn_scalar(fam, f, cfg, hidden_scaled_layers=62)
+    cfg["rope_local_base_freq"] = f.get(fam.key("rope.freq_base_swa"), float, 10000.0)
+    cfg["attn_logit_softcapping"] = None
+    cfg["final_logit_softcapping"] = f.get(fam.key("final_logit_softcapping"), float, 0.0) or None
+    read_sliding_layers(fam, f, cfg, f.get(fam.key("attention.sliding_window"), int, 0), period=6)
+
+
+register(Architecture("Gemma3ForCausalLM", "gemma3_text", PlannedForCausalLM, plan,
+                      GGUFFamily("gemma3", layer=SANDWICH, norms_plus_one=True, read=read, write=write_sandwich)))

@@ -2,6 +2,7 @@
 (the checkpoint map takes them whole); a window when config.json gives one. Rotary scaling llmd lacks
 (longrope, the 128k variants') is refused by the config's rope check."""
 from ..llama import LlamaForCausalLM
+from ..gguf_family import FUSED, GGUFFamily, read_window, write_window
 from ..plan import LayerPlan, fused_products
 from ..registry import Architecture, register
 
@@ -12,4 +13,5 @@ def plan(raw: dict, bias: bool) -> LayerPlan:
     return LayerPlan(products=fused_products(), sliding_window=raw.get("sliding_window"))
 
 
-register(Architecture("Phi3ForCausalLM", "phi3", LlamaForCausalLM, plan))
+register(Architecture("Phi3ForCausalLM", "phi3", LlamaForCausalLM, plan,
+                      GGUFFamily("phi3", layer=FUSED, read=read_window, write=write_window)))

@@ -1,6 +1,7 @@
 """Qwen2: q, k, v always biased (o never); with ``use_sliding_window``, layers from
 ``max_window_layers`` on slide over the window (or as config.json's ``layer_types`` say)."""
 from ..llama import LlamaForCausalLM
+from ..gguf_family import GGUFFamily
 from ..plan import LayerPlan, layer_kinds, split_products
 from ..registry import Architecture, register
 
@@ -26,4 +27,4 @@ def plan(raw: dict, bias: bool) -> LayerPlan:
                      sliding_layers=qwen_layers(raw))
 
 
-register(Architecture("Qwen2ForCausalLM", "qwen2", LlamaForCausalLM, plan))
+register(Architecture("Qwen2ForCausalLM", "qwen2", LlamaForCausalLM, plan, GGUFFamily("qwen2")))
