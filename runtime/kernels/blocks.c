@@ -10,8 +10,9 @@
  * integer sums of a (sub-)block are exact; each block adds one float product to the row's sum, in
  * column order, whatever M is, so a row's result does not depend on the other rows of its call.
  *
- * Written with AVX2, FMA and F16C operations alone, so both libraries (AVX-512 and AVX2) build the same
- * code and give the same numbers. */
+ * Written with AVX2, FMA and F16C operations, which both libraries (AVX-512 and AVX2) build; the AVX-512
+ * library also has VNNI forms of the 8-row interleaved products (Q4_K, Q5_K, Q8_0), whose exact integer
+ * sums and float steps are the same, so both libraries give the same numbers. */
 #include "kernels.h"
 
 #define GT __attribute__((target("avx2,fma,f16c")))
@@ -521,8 +522,9 @@ GI void q6k_rows(int K, const uint8_t *w, const xrow *x, float *out, const int R
 
 /* A kernel taking R rows as copies for 4, 2 and 1 rows, so that each copy's row loops unroll with
  * their accumulators in registers; ``width`` outputs a row (1, or 8 for the 8-row layouts). */
-#define BY_ROWS(name, call, width)                                                        \
-    static GT void name(int K, const uint8_t *w, const xrow *x, int R, float *out) {      \
+#define BY_ROWS(name, call, width) BY_ROWS_AT(GT, name, call, width)
+#define BY_ROWS_AT(attr, name, call, width)                                               \
+    static attr void name(int K, const uint8_t *w, const xrow *x, int R, float *out) {    \
         if (R == 4) call(K, w, x, out, 4);                                                \
         else if (R == 2) call(K, w, x, out, 2);                                           \
         else for (int r = 0; r < R; r++) call(K, w, x + r, out + (width) * r, 1);         \
@@ -781,42 +783,60 @@ GI __m256i pairs_of(__m128i bytes8) { return _mm256_cvtepu8_epi16(_mm_unpacklo_e
 /* 8 bytes each of sub-blocks a and b (one per row) -> 8 lanes of (a, b) as int16 */
 GI __m256i pairs_ab(__m128i a8, __m128i b8) { return _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(a8, b8)); }
 
+/* A Q4_K / Q5_K x8 super-block's scales: bytes 0-7 (8-15) of sc[k] the 8 rows' scales of sub-block 2k
+ * (2k + 1); for each of R rows of x (block b), sum[r] zeroed and mins[r] its minimums' exact sums. */
+GI void k8_scales(const uint8_t *blk, const xrow *x, int b, const int R, __m128i sc[4], __m256i *sum, __m256i *mins) {
+    const __m128i m63 = _mm_set1_epi8(63), m15 = _mm_set1_epi8(0xF);
+    const __m128i A = _mm_loadu_si128((const __m128i *)(blk + 32)), B = _mm_loadu_si128((const __m128i *)(blk + 48));
+    const __m128i C = _mm_loadu_si128((const __m128i *)(blk + 64)), D = _mm_loadu_si128((const __m128i *)(blk + 80));
+    const __m128i E = _mm_loadu_si128((const __m128i *)(blk + 96)), F = _mm_loadu_si128((const __m128i *)(blk + 112));
+    __m128i mn[4];
+    sc[0] = _mm_and_si128(A, m63);
+    sc[1] = _mm_and_si128(B, m63);
+    sc[2] = _mm_or_si128(_mm_and_si128(E, m15), high2(A));
+    sc[3] = _mm_or_si128(_mm_and_si128(F, m15), high2(B));
+    mn[0] = _mm_and_si128(C, m63);
+    mn[1] = _mm_and_si128(D, m63);
+    mn[2] = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(E, 4), m15), high2(C));
+    mn[3] = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(F, 4), m15), high2(D));
+    __m256i mp[4];
+    for (int k = 0; k < 4; k++) mp[k] = pairs_ab(mn[k], _mm_srli_si128(mn[k], 8));
+    for (int r = 0; r < R; r++) {
+        sum[r] = mins[r] = _mm256_setzero_si256();
+        const int16_t *b32 = x[r].b32 + 8 * b;
+        for (int k = 0; k < 4; k++) {
+            const int pair = (int)((uint32_t)(uint16_t)b32[2 * k] | (uint32_t)(uint16_t)b32[2 * k + 1] << 16);
+            mins[r] = _mm256_add_epi32(mins[r], _mm256_madd_epi16(mp[k], _mm256_set1_epi32(pair)));
+        }
+    }
+}
+
+/* A Q4_K / Q5_K x8 super-block's sums into the rows' float sums: acc[r] += d x_d sum[r], accm[r] +=
+ * dmin x_d mins[r], per row of the group (d and dmin its float16 scales). */
+GI void k8_add(const uint8_t *blk, const xrow *x, int b, const int R, const __m256i *sum, const __m256i *mins,
+               __m256 *acc, __m256 *accm) {
+    const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+    const __m256 m8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
+    for (int r = 0; r < R; r++) {
+        const __m256 xd = _mm256_set1_ps(x[r].d[b]);
+        acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d8, xd), _mm256_cvtepi32_ps(sum[r]), acc[r]);
+        accm[r] = _mm256_fmadd_ps(_mm256_mul_ps(m8, xd), _mm256_cvtepi32_ps(mins[r]), accm[r]);
+    }
+}
+
 /* out [R][8]: rows 0-7 of a group times R rows of x. */
 GI void q45k8_rows(const int five, const int wide, int K, const uint8_t *w, const xrow *x, float *out, const int R) {
     __m256 acc[MAXR], accm[MAXR];
     for (int r = 0; r < R; r++) acc[r] = accm[r] = _mm256_setzero_ps();
     const __m256i low = _mm256_set1_epi8(0xF);
-    const __m128i m63 = _mm_set1_epi8(63), m15 = _mm_set1_epi8(0xF);
     const int bytes = wide ? E8_K45 : five ? 1408 : 1152, at = five ? 384 : 128;
     const __m256i one = _mm256_set1_epi8(1);
     for (int b = 0; b < K / 256; b++) {
         const uint8_t *blk = w + (size_t)b * bytes;
         for (int l = 0; l < bytes; l += 64) _mm_prefetch((const char *)blk + PREFETCH + l, _MM_HINT_T0);
-        const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
-        const __m256 m8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
-        const __m128i A = _mm_loadu_si128((const __m128i *)(blk + 32)), B = _mm_loadu_si128((const __m128i *)(blk + 48));
-        const __m128i C = _mm_loadu_si128((const __m128i *)(blk + 64)), D = _mm_loadu_si128((const __m128i *)(blk + 80));
-        const __m128i E = _mm_loadu_si128((const __m128i *)(blk + 96)), F = _mm_loadu_si128((const __m128i *)(blk + 112));
-        /* sub-blocks 2k and 2k + 1: the 8 rows' scales (minimums) in bytes 0-7 and 8-15 of sc[k] (mn[k]) */
-        __m128i sc[4], mn[4];
-        sc[0] = _mm_and_si128(A, m63);
-        sc[1] = _mm_and_si128(B, m63);
-        sc[2] = _mm_or_si128(_mm_and_si128(E, m15), high2(A));
-        sc[3] = _mm_or_si128(_mm_and_si128(F, m15), high2(B));
-        mn[0] = _mm_and_si128(C, m63);
-        mn[1] = _mm_and_si128(D, m63);
-        mn[2] = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(E, 4), m15), high2(C));
-        mn[3] = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(F, 4), m15), high2(D));
-        __m256i mp[4], sum[MAXR], mins[MAXR];
-        for (int k = 0; k < 4; k++) mp[k] = pairs_ab(mn[k], _mm_srli_si128(mn[k], 8));
-        for (int r = 0; r < R; r++) {
-            sum[r] = mins[r] = _mm256_setzero_si256();
-            const int16_t *b32 = x[r].b32 + 8 * b;
-            for (int k = 0; k < 4; k++) {
-                const int pair = (int)((uint32_t)(uint16_t)b32[2 * k] | (uint32_t)(uint16_t)b32[2 * k + 1] << 16);
-                mins[r] = _mm256_add_epi32(mins[r], _mm256_madd_epi16(mp[k], _mm256_set1_epi32(pair)));
-            }
-        }
+        __m128i sc[4];
+        __m256i sum[MAXR], mins[MAXR];
+        k8_scales(blk, x, b, R, sc, sum, mins);
         for (int j = 0; j < 4; j++) {
             const __m256i sp_lo = pairs_of(sc[j]), sp_hi = pairs_of(_mm_srli_si128(sc[j], 8));
             __m256i s16lo[MAXR], s16hi[MAXR];
@@ -856,11 +876,7 @@ GI void q45k8_rows(const int five, const int wide, int K, const uint8_t *w, cons
                 sum[r] = _mm256_add_epi32(sum[r], _mm256_add_epi32(_mm256_madd_epi16(s16lo[r], sp_lo),
                                                                    _mm256_madd_epi16(s16hi[r], sp_hi)));
         }
-        for (int r = 0; r < R; r++) {
-            const __m256 xd = _mm256_set1_ps(x[r].d[b]);
-            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d8, xd), _mm256_cvtepi32_ps(sum[r]), acc[r]);
-            accm[r] = _mm256_fmadd_ps(_mm256_mul_ps(m8, xd), _mm256_cvtepi32_ps(mins[r]), accm[r]);
-        }
+        k8_add(blk, x, b, R, sum, mins, acc, accm);
     }
     for (int r = 0; r < R; r++) _mm256_storeu_ps(out + 8 * r, _mm256_sub_ps(acc[r], accm[r]));
 }
@@ -900,6 +916,94 @@ BY_ROWS(dot8_q4k, Q4K8, 8)
 BY_ROWS(dot8_q5k, Q5K8, 8)
 BY_ROWS(dotw_q5k, Q5KW, 8)
 BY_ROWS(dot8_q80, q808_rows, 8)
+
+#ifndef LLMD_AVX2
+/* ---- the 8-row forms with AVX-512 VNNI (the AVX-512 library only) ----------------------------
+ * One 512-bit vector holds two steps t and t + 1 of a group (lanes 0-7: the 8 rows at t, lanes 8-15:
+ * at t + 1, as the layout lies); vpdpbusd sums each lane's four byte products into 32 bits, and x's
+ * four bytes of each step reach their lanes by one permute of one load. The integer sums of a
+ * sub-block are the same exact numbers the 16-bit forms above reach, and the float operations on them
+ * are the same, so both libraries still give the same bits. */
+#define VT __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
+#define VI static inline __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c"), \
+                                                always_inline))
+
+VI __m256i halves(__m512i v) { return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1)); }
+
+VI void q45k8_vnni(const int five, int K, const uint8_t *w, const xrow *x, float *out, const int R) {
+    __m256 acc[MAXR], accm[MAXR];
+    for (int r = 0; r < R; r++) acc[r] = accm[r] = _mm256_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(0xF), one = _mm512_set1_epi8(1);
+    const __m512i at_t = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m512i at_t32 = _mm512_setr_epi32(8, 8, 8, 8, 8, 8, 8, 8, 9, 9, 9, 9, 9, 9, 9, 9);
+    const int bytes = five ? 1408 : 1152, at = five ? 384 : 128;
+    for (int b = 0; b < K / 256; b++) {
+        const uint8_t *blk = w + (size_t)b * bytes;
+        for (int l = 0; l < bytes; l += 64) _mm_prefetch((const char *)blk + PREFETCH + l, _MM_HINT_T0);
+        __m128i sc[4];
+        __m256i sum[MAXR], mins[MAXR];
+        k8_scales(blk, x, b, R, sc, sum, mins);
+        for (int j = 0; j < 4; j++) {
+            __m512i slo[MAXR], shi[MAXR];
+            for (int r = 0; r < R; r++) slo[r] = shi[r] = _mm512_setzero_si512();
+            for (int t = 0; t < 8; t += 2) {
+                const __m512i v = _mm512_loadu_si512((const void *)(blk + at + (8 * j + t) * 32));
+                __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                if (five) {
+                    const __m512i h = _mm512_loadu_si512((const void *)(blk + 128 + 32 * t));
+                    lo = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 2 * j), one), 4));
+                    hi = _mm512_or_si512(hi, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 2 * j + 1), one), 4));
+                }
+                for (int r = 0; r < R; r++) {
+                    const __m512i xv = _mm512_loadu_si512((const void *)(x[r].q + 256 * b + 64 * j + 4 * t));
+                    slo[r] = _mm512_dpbusd_epi32(slo[r], lo, _mm512_permutexvar_epi32(at_t, xv));
+                    shi[r] = _mm512_dpbusd_epi32(shi[r], hi, _mm512_permutexvar_epi32(at_t32, xv));
+                }
+            }
+            const __m256i s_lo = _mm256_cvtepu8_epi32(sc[j]), s_hi = _mm256_cvtepu8_epi32(_mm_srli_si128(sc[j], 8));
+            for (int r = 0; r < R; r++)
+                sum[r] = _mm256_add_epi32(sum[r], _mm256_add_epi32(_mm256_mullo_epi32(halves(slo[r]), s_lo),
+                                                                   _mm256_mullo_epi32(halves(shi[r]), s_hi)));
+        }
+        k8_add(blk, x, b, R, sum, mins, acc, accm);
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(out + 8 * r, _mm256_sub_ps(acc[r], accm[r]));
+}
+
+/* Q8_0 x8: signed weights as their magnitudes (unsigned), x's bytes negated where the weight is negative. */
+VI void q808_vnni(int K, const uint8_t *w, const xrow *x, float *out, const int R) {
+    __m256 acc[MAXR];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    const __m512i at_t = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    for (int b = 0; b < K / 32; b++) {
+        const uint8_t *blk = w + (size_t)b * 272;
+        for (int l = 0; l < 272; l += 64) _mm_prefetch((const char *)blk + PREFETCH + l, _MM_HINT_T0);
+        const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        __m512i sum[MAXR];
+        for (int r = 0; r < R; r++) sum[r] = _mm512_setzero_si512();
+        for (int t = 0; t < 8; t += 2) {
+            const __m512i v = _mm512_loadu_si512((const void *)(blk + 16 + 32 * t));
+            const __m512i a = _mm512_abs_epi8(v);
+            const __mmask64 neg = _mm512_movepi8_mask(v);
+            for (int r = 0; r < R; r++) {
+                const __m512i xv = _mm512_permutexvar_epi32(at_t, _mm512_castsi128_si512(
+                    _mm_loadl_epi64((const __m128i *)(x[r].q + 32 * b + 4 * t))));
+                sum[r] = _mm512_dpbusd_epi32(sum[r], a, _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv));
+            }
+        }
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(x[r].d[b])), _mm256_cvtepi32_ps(halves(sum[r])),
+                                     acc[r]);
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(out + 8 * r, acc[r]);
+}
+
+#define Q4K8V(K, w, x, out, R) q45k8_vnni(0, K, w, x, out, R)
+#define Q5K8V(K, w, x, out, R) q45k8_vnni(1, K, w, x, out, R)
+BY_ROWS_AT(VT, dot8_q4k_vnni, Q4K8V, 8)
+BY_ROWS_AT(VT, dot8_q5k_vnni, Q5K8V, 8)
+BY_ROWS_AT(VT, dot8_q80_vnni, q808_vnni, 8)
+#endif
 
 /* ---- Q6_K widened to bytes, eight rows interleaved (products of many rows) --------------------
  * Made per call from the file's rows, for calls of E8_MIN rows or more, into a thread's scratch: the
@@ -1060,6 +1164,13 @@ static void dot_widened(int type, int K, const uint8_t *w, const xrow *x, int R,
 }
 
 static void dot8(int type, int K, const uint8_t *w, const xrow *x, int R, float *out) {
+#ifndef LLMD_AVX2
+    switch (type) {
+    case T_Q4_K_X8: dot8_q4k_vnni(K, w, x, R, out); return;
+    case T_Q5_K_X8: dot8_q5k_vnni(K, w, x, R, out); return;
+    default: dot8_q80_vnni(K, w, x, R, out); return;
+    }
+#endif
     switch (type) {
     case T_Q4_K_X8: dot8_q4k(K, w, x, R, out); return;
     case T_Q5_K_X8: dot8_q5k(K, w, x, R, out); return;

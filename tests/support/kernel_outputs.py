@@ -13,7 +13,11 @@ import torch
 
 
 def outputs() -> dict[str, torch.Tensor]:
+    import numpy as np
+
+    from llmd.bench.random_blocks import BLOCK_TYPES, random_blocks
     from llmd.runtime.attention import PagedAttention, SeqSpan
+    from llmd.runtime.formats.gguf_native import TYPES, GGUFLinear
     from llmd.runtime.formats.quantized import quantize_int4, quantize_int8
     from llmd.runtime.kernels import ops
 
@@ -41,6 +45,11 @@ def outputs() -> dict[str, torch.Tensor]:
         for m in rows:
             out[f"{name}_{m}"] = ops.f32_matvec(x[:m], blocks, None)
         out[f"{name}_pick"] = ops.f32_pick(x[:4], blocks, torch.tensor([7, 0, 127, 64, 7]))
+    rng = np.random.default_rng(5)
+    for name in BLOCK_TYPES:                              # GGUF blocks: rows one at a time, and 8 interleaved
+        layer = GGUFLinear(512, [(TYPES[name], torch.from_numpy(random_blocks(name, 64, 512, rng)))])
+        for m in (1, 2, 3, 4, 9):
+            out[f"gguf_{name}_{m}"] = layer(x[:m, :512])
     h, norm = torch.randn(9, 576, generator=g), torch.rand(576, generator=g) + 0.5
     out["rmsnorm"] = ops.rmsnorm(x, norm, 1e-5)
     out["add_rmsnorm"] = torch.cat(ops.add_rmsnorm(x, h, norm, 1e-5))
