@@ -533,7 +533,9 @@ GI void q6k_rows(int K, const uint8_t *w, const xrow *x, float *out, const int R
 #define Q5K(K, w, x, out, R) q45k_rows(1, K, w, x, out, R)
 BY_ROWS(dot_q4k, Q4K, 1)
 BY_ROWS(dot_q5k, Q5K, 1)
-BY_ROWS(dot_q6k, q6k_rows, 1)
+#ifdef LLMD_AVX2
+BY_ROWS(dot_q6k, q6k_rows, 1)         /* the AVX-512 library takes q6k_vnni */
+#endif
 
 /* Unsigned values q (8 x 32 columns) times x's integers xq, each 16 columns times its scale s: 8 sums. */
 GI __m256i scaled_sums(const __m256i *q, const __m256i *s, const int8_t *xq) {
@@ -681,6 +683,10 @@ DOT32(dot_q5_0, T_Q5_0)
 DOT32(dot_q5_1, T_Q5_1)
 DOT32(dot_iq4nl, T_IQ4_NL)
 
+#ifndef LLMD_AVX2
+static void dot_q6k_vnni(int K, const uint8_t *w, const xrow *x, int R, float *out);     /* below */
+#endif
+
 static void dot_row(int type, int K, const uint8_t *w, const xrow *x, int R, float *out) {
     switch (type) {
     case T_F32: dot_f32(K, w, x, R, out); return;
@@ -688,7 +694,11 @@ static void dot_row(int type, int K, const uint8_t *w, const xrow *x, int R, flo
     case T_BF16: dot_bf16(K, w, x, R, out); return;
     case T_Q4_K: dot_q4k(K, w, x, R, out); return;
     case T_Q5_K: dot_q5k(K, w, x, R, out); return;
+#ifndef LLMD_AVX2
+    case T_Q6_K: dot_q6k_vnni(K, w, x, R, out); return;
+#else
     case T_Q6_K: dot_q6k(K, w, x, R, out); return;
+#endif
     case T_Q3_K: dot_q3k(K, w, x, R, out); return;
     case T_Q2_K: dot_q2k(K, w, x, R, out); return;
     case T_IQ4_XS: dot_iq4xs(K, w, x, R, out); return;
@@ -998,11 +1008,63 @@ VI void q808_vnni(int K, const uint8_t *w, const xrow *x, float *out, const int 
     for (int r = 0; r < R; r++) _mm256_storeu_ps(out + 8 * r, acc[r]);
 }
 
+/* Q6_K, one weight row: q6k_rows with two of its 32-column steps a 512-bit vector (the 2-bit high parts
+ * of both shifted at once by srlv), and each 16-bit pair of products multiplied by its scale and added
+ * by vpdpwssd: the same exact sums. */
+VI void q6k_vnni(int K, const uint8_t *w, const xrow *x, float *out, const int R) {
+    __m128 acc = _mm_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(0xF), three = _mm512_set1_epi8(3);
+    const __m512i shift01 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+    const __m512i shift23 = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
+    for (int b = 0; b < K / 256; b++) {
+        const uint8_t *blk = w + (size_t)b * 210;
+        for (int l = 0; l < 210; l += 64) _mm_prefetch((const char *)blk + PREFETCH + l, _MM_HINT_T0);
+        const float d = halfv(blk + 208);
+        const __m128i sc8 = _mm_loadu_si128((const __m128i *)(blk + 192));
+        const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
+        __m512i sum[MAXR];
+        for (int r = 0; r < R; r++) sum[r] = _mm512_setzero_si512();
+        for (int c = 0; c < 2; c++) {
+            const __m512i l01 = _mm512_loadu_si512((const void *)(blk + 64 * c));
+            const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * c)));
+            const __m512i q01 = _mm512_or_si512(_mm512_and_si512(l01, low),
+                                                _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, shift01), three), 4));
+            const __m512i q23 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l01, 4), low),
+                                                _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, shift23), three), 4));
+            const __m256i sch = c ? _mm256_permute2x128_si256(sc16, sc16, 0x11) : _mm256_permute2x128_si256(sc16, sc16, 0x00);
+            __m512i s[2];
+            for (int k = 0; k < 2; k++)
+                s[k] = _mm512_inserti64x4(
+                    _mm512_castsi256_si512(_mm256_shuffle_epi8(sch, _mm256_loadu_si256((const __m256i *)SHUF_Q6[2 * k]))),
+                    _mm256_shuffle_epi8(sch, _mm256_loadu_si256((const __m256i *)SHUF_Q6[2 * k + 1])), 1);
+            for (int r = 0; r < R; r++) {
+                const int8_t *xq = x[r].q + 256 * b + 128 * c;
+                sum[r] = _mm512_dpwssd_epi32(sum[r], _mm512_maddubs_epi16(q01, _mm512_loadu_si512((const void *)xq)), s[0]);
+                sum[r] = _mm512_dpwssd_epi32(sum[r], _mm512_maddubs_epi16(q23, _mm512_loadu_si512((const void *)(xq + 64))),
+                                             s[1]);
+            }
+        }
+        __m256i total[MAXR];
+        for (int r = 0; r < R; r++) {
+            const __m256i bs = _mm256_loadu_si256((const __m256i *)(x[r].bs + 16 * b));
+            total[r] = _mm256_sub_epi32(halves(sum[r]), _mm256_slli_epi32(_mm256_madd_epi16(bs, sc16), 5));
+        }
+        const __m128 xd = R == 1 ? _mm_set_ss(x[0].d[b])
+                                 : _mm_setr_ps(x[0].d[b], x[1].d[b], R > 2 ? x[2].d[b] : 0.f, R > 3 ? x[3].d[b] : 0.f);
+        const __m128 dx = _mm_mul_ps(_mm_set1_ps(d), xd);
+        acc = _mm_fmadd_ps(dx, _mm_cvtepi32_ps(totals4(total, R)), acc);
+    }
+    float o[4];
+    _mm_storeu_ps(o, acc);
+    for (int r = 0; r < R; r++) out[r] = o[r];
+}
+
 #define Q4K8V(K, w, x, out, R) q45k8_vnni(0, K, w, x, out, R)
 #define Q5K8V(K, w, x, out, R) q45k8_vnni(1, K, w, x, out, R)
 BY_ROWS_AT(VT, dot8_q4k_vnni, Q4K8V, 8)
 BY_ROWS_AT(VT, dot8_q5k_vnni, Q5K8V, 8)
 BY_ROWS_AT(VT, dot8_q80_vnni, q808_vnni, 8)
+BY_ROWS_AT(VT, dot_q6k_vnni, q6k_vnni, 1)
 #endif
 
 /* ---- Q6_K widened to bytes, eight rows interleaved (products of many rows) --------------------
