@@ -1131,6 +1131,23 @@ static GT void q6k_widen8(const uint8_t *const rows[8], int nb, uint8_t *dst) {
 
 /* out [R][8]: the 8 widened rows times R rows of x. Two products of 4 columns add in 16 bits
  * (2 x 2 x 63 x 127 < 32768) before one vpmaddwd by the rows' scales. */
+/* A widened Q6_K group's super-block b into the rows' float sums: each row's integer sum less 32 times
+ * its scaled x sums (the values' offset), times d x_d. */
+GI void q6ke8_add(const uint8_t *blk, const xrow *x, int b, const int R, __m256i *sum, __m256 *acc) {
+    const __m256 d8 = _mm256_loadu_ps((const float *)blk);
+    for (int r = 0; r < R; r++) {
+        const int16_t *bs = x[r].bs + 16 * b;
+        __m256i bias = _mm256_setzero_si256();
+        for (int k = 0; k < 8; k++) {
+            const int pair = (int)((uint32_t)(uint16_t)bs[2 * k] | (uint32_t)(uint16_t)bs[2 * k + 1] << 16);
+            bias = _mm256_add_epi32(bias, _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(blk + 544 + 32 * k)),
+                                                            _mm256_set1_epi32(pair)));
+        }
+        sum[r] = _mm256_sub_epi32(sum[r], _mm256_slli_epi32(bias, 5));
+        acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(x[r].d[b])), _mm256_cvtepi32_ps(sum[r]), acc[r]);
+    }
+}
+
 GI void q6ke8_rows(int K, const uint8_t *w, const xrow *x, float *out, const int R) {
     __m256 acc[MAXR];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
@@ -1153,23 +1170,43 @@ GI void q6ke8_rows(int K, const uint8_t *w, const xrow *x, float *out, const int
                 }
             }
         }
-        const __m256 d8 = _mm256_loadu_ps((const float *)blk);
-        for (int r = 0; r < R; r++) {
-            const int16_t *bs = x[r].bs + 16 * b;
-            __m256i bias = _mm256_setzero_si256();
-            for (int k = 0; k < 8; k++) {
-                const int pair = (int)((uint32_t)(uint16_t)bs[2 * k] | (uint32_t)(uint16_t)bs[2 * k + 1] << 16);
-                bias = _mm256_add_epi32(bias, _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(blk + 544 + 32 * k)),
-                                                                _mm256_set1_epi32(pair)));
-            }
-            sum[r] = _mm256_sub_epi32(sum[r], _mm256_slli_epi32(bias, 5));
-            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(x[r].d[b])), _mm256_cvtepi32_ps(sum[r]), acc[r]);
-        }
+        q6ke8_add(blk, x, b, R, sum, acc);
     }
     for (int r = 0; r < R; r++) _mm256_storeu_ps(out + 8 * r, acc[r]);
 }
 
 BY_ROWS(dot_q6ke8, q6ke8_rows, 8)
+
+#ifndef LLMD_AVX2
+/* q6ke8_rows on the AVX-512 library: steps t and t + 1 a 512-bit vector, their byte products in 16-bit
+ * pairs by one vpmaddubsw, times the group's scales and added into 32 bits by vpdpwssd. */
+VI void q6ke8_vnni(int K, const uint8_t *w, const xrow *x, float *out, const int R) {
+    __m256 acc[MAXR];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    const __m512i at_t = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    for (int b = 0; b < K / 256; b++) {
+        const uint8_t *blk = w + (size_t)b * E8_Q6K, *vals = blk + 800;
+        __m512i sum[MAXR];
+        for (int r = 0; r < R; r++) sum[r] = _mm512_setzero_si512();
+        for (int g = 0; g < 16; g++) {
+            const __m512i sp = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 32 + 32 * g)));
+            for (int t = 4 * g; t < 4 * g + 4; t += 2) {
+                const __m512i v = _mm512_loadu_si512((const void *)(vals + 32 * t));
+                for (int r = 0; r < R; r++) {
+                    const __m512i xv = _mm512_permutexvar_epi32(at_t, _mm512_castsi128_si512(
+                        _mm_loadl_epi64((const __m128i *)(x[r].q + 256 * b + 4 * t))));
+                    sum[r] = _mm512_dpwssd_epi32(sum[r], _mm512_maddubs_epi16(v, xv), sp);
+                }
+            }
+        }
+        __m256i total[MAXR];
+        for (int r = 0; r < R; r++) total[r] = halves(sum[r]);
+        q6ke8_add(blk, x, b, R, total, acc);
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(out + 8 * r, acc[r]);
+}
+BY_ROWS_AT(VT, dot_q6ke8_vnni, q6ke8_vnni, 8)
+#endif
 
 /* Q5_K (or Q4_K) 8-row groups (llmd_gg_pack8's layout) widened: the group's 128 bytes of d, dmin and
  * scales as they are, then for each j (0-3) and t (0-7) the low-nibble values (columns 64 j + 4 t ..)
@@ -1199,7 +1236,11 @@ static GT void k45_widen8(const int five, const uint8_t *w, int nb, uint8_t *dst
 /* Whether a part's 8-row groups are widened for a call of M rows. */
 static int widened(const llmd_gg_part *part, int M) {
     if (M < E8_MIN) return 0;
+#ifndef LLMD_AVX2
+    return part->type == T_Q6_K && part->rows % 8 == 0;      /* Q4_K, Q5_K: their VNNI forms are faster */
+#else
     return part->type == T_Q5_K_X8 || (part->type == T_Q6_K && part->rows % 8 == 0);     /* Q4_K: no faster */
+#endif
 }
 
 /* Group ``g`` of a widened part into this thread's buffer: NULL when out of memory. */
@@ -1219,6 +1260,12 @@ static const uint8_t *widen_group(const llmd_gg_part *part, int g, size_t rowbyt
 }
 
 static void dot_widened(int type, int K, const uint8_t *w, const xrow *x, int R, float *out) {
+#ifndef LLMD_AVX2
+    if (type == T_Q6_K) {
+        dot_q6ke8_vnni(K, w, x, R, out);
+        return;
+    }
+#endif
     switch (type) {
     case T_Q5_K_X8: dotw_q5k(K, w, x, R, out); return;
     default: dot_q6ke8(K, w, x, R, out);

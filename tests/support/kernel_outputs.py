@@ -46,10 +46,11 @@ def outputs() -> dict[str, torch.Tensor]:
             out[f"{name}_{m}"] = ops.f32_matvec(x[:m], blocks, None)
         out[f"{name}_pick"] = ops.f32_pick(x[:4], blocks, torch.tensor([7, 0, 127, 64, 7]))
     rng = np.random.default_rng(5)
-    for name in BLOCK_TYPES:                              # GGUF blocks: rows one at a time, and 8 interleaved
+    xg = torch.cat([x[:, :512], torch.randn(31, 512, generator=g)])
+    for name in BLOCK_TYPES:          # GGUF blocks: rows one at a time, 8 interleaved, widened for 32 rows and more
         layer = GGUFLinear(512, [(TYPES[name], torch.from_numpy(random_blocks(name, 64, 512, rng)))])
-        for m in (1, 2, 3, 4, 9):
-            out[f"gguf_{name}_{m}"] = layer(x[:m, :512])
+        for m in (1, 2, 3, 4, 9, 40):
+            out[f"gguf_{name}_{m}"] = layer(xg[:m])
     h, norm = torch.randn(9, 576, generator=g), torch.rand(576, generator=g) + 0.5
     out["rmsnorm"] = ops.rmsnorm(x, norm, 1e-5)
     out["add_rmsnorm"] = torch.cat(ops.add_rmsnorm(x, h, norm, 1e-5))
