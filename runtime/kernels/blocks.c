@@ -474,6 +474,18 @@ static const uint8_t SHUF_Q6[4][32] = {
 #undef P
 };
 
+/* A Q6_K super-block b's integer sums (sum[r], 8 lanes each, for R <= 4 rows of x) into acc (lane r:
+ * row r's float sum): less 32 times x's sums by the scales sc16 (the values' offset), times d x_d. */
+GI __m128 q6k_add(const xrow *x, int b, const int R, __m256i sc16, float d, __m256i *sum, __m128 acc) {
+    for (int r = 0; r < R; r++) {
+        const __m256i bs = _mm256_loadu_si256((const __m256i *)(x[r].bs + 16 * b));
+        sum[r] = _mm256_sub_epi32(sum[r], _mm256_slli_epi32(_mm256_madd_epi16(bs, sc16), 5));
+    }
+    const __m128 xd = R == 1 ? _mm_set_ss(x[0].d[b])
+                             : _mm_setr_ps(x[0].d[b], x[1].d[b], R > 2 ? x[2].d[b] : 0.f, R > 3 ? x[3].d[b] : 0.f);
+    return _mm_fmadd_ps(_mm_mul_ps(_mm_set1_ps(d), xd), _mm_cvtepi32_ps(totals4(sum, R)), acc);
+}
+
 GI void q6k_rows(int K, const uint8_t *w, const xrow *x, float *out, const int R) {
     __m128 acc = _mm_setzero_ps();        /* lane r: row r's sum, one product per super-block */
     const __m256i low = _mm256_set1_epi8(0xF), three = _mm256_set1_epi8(3);
@@ -506,14 +518,7 @@ GI void q6k_rows(int K, const uint8_t *w, const xrow *x, float *out, const int R
                 }
             }
         }
-        for (int r = 0; r < R; r++) {
-            const __m256i bs = _mm256_loadu_si256((const __m256i *)(x[r].bs + 16 * b));
-            sum[r] = _mm256_sub_epi32(sum[r], _mm256_slli_epi32(_mm256_madd_epi16(bs, sc16), 5));
-        }
-        const __m128 xd = R == 1 ? _mm_set_ss(x[0].d[b])
-                                 : _mm_setr_ps(x[0].d[b], x[1].d[b], R > 2 ? x[2].d[b] : 0.f, R > 3 ? x[3].d[b] : 0.f);
-        const __m128 dx = _mm_mul_ps(_mm_set1_ps(d), xd);
-        acc = _mm_fmadd_ps(dx, _mm_cvtepi32_ps(totals4(sum, R)), acc);
+        acc = q6k_add(x, b, R, sc16, d, sum, acc);
     }
     float o[4];
     _mm_storeu_ps(o, acc);
@@ -1045,14 +1050,8 @@ VI void q6k_vnni(int K, const uint8_t *w, const xrow *x, float *out, const int R
             }
         }
         __m256i total[MAXR];
-        for (int r = 0; r < R; r++) {
-            const __m256i bs = _mm256_loadu_si256((const __m256i *)(x[r].bs + 16 * b));
-            total[r] = _mm256_sub_epi32(halves(sum[r]), _mm256_slli_epi32(_mm256_madd_epi16(bs, sc16), 5));
-        }
-        const __m128 xd = R == 1 ? _mm_set_ss(x[0].d[b])
-                                 : _mm_setr_ps(x[0].d[b], x[1].d[b], R > 2 ? x[2].d[b] : 0.f, R > 3 ? x[3].d[b] : 0.f);
-        const __m128 dx = _mm_mul_ps(_mm_set1_ps(d), xd);
-        acc = _mm_fmadd_ps(dx, _mm_cvtepi32_ps(totals4(total, R)), acc);
+        for (int r = 0; r < R; r++) total[r] = halves(sum[r]);
+        acc = q6k_add(x, b, R, sc16, d, total, acc);
     }
     float o[4];
     _mm_storeu_ps(o, acc);
