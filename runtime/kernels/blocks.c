@@ -259,7 +259,7 @@ typedef struct {
     const float *d;         /* scales: K/32 or K/256 */
     const float *ds;        /* A_32: d times the block's sum of q */
     const int16_t *bs;      /* A_256: sums of q per 16 columns */
-    const int16_t *b32;     /* A_256: sums of q per 32 columns */
+    const int16_t *b32;     /* A_256, A_32: sums of q per 32 columns */
 } xrow;
 
 static GT float hsum8(__m256 v) {
@@ -985,6 +985,71 @@ VI void q45k8_vnni(const int five, int K, const uint8_t *w, const xrow *x, float
     for (int r = 0; r < R; r++) _mm256_storeu_ps(out + 8 * r, _mm256_sub_ps(acc[r], accm[r]));
 }
 
+/* Q4_K / Q5_K, two neighbouring 8-row groups (16 rows; the second ``gbytes`` after the first): x's
+ * permuted bytes of a step serve both groups, which halves the permutes a product takes, and each
+ * sub-block's scales multiply the 512-bit sums, halved to the 8 rows once a super-block. A lane of
+ * slo / shi holds 16 columns' products; a super-block's integer sums are the same exact numbers as
+ * q45k8_vnni's and k8_add takes them in the same order, so the bits are the same. */
+VI void q45k16_vnni(const int five, int K, const uint8_t *w, size_t gbytes, const xrow *x, float *out, const int R) {
+    __m256 acc[2][MAXR], accm[2][MAXR];
+    for (int g = 0; g < 2; g++)
+        for (int r = 0; r < R; r++) acc[g][r] = accm[g][r] = _mm256_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(0xF), one = _mm512_set1_epi8(1);
+    const __m512i at_t = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m512i at_t32 = _mm512_setr_epi32(8, 8, 8, 8, 8, 8, 8, 8, 9, 9, 9, 9, 9, 9, 9, 9);
+    const int bytes = five ? 1408 : 1152, at = five ? 384 : 128;
+    for (int b = 0; b < K / 256; b++) {
+        const uint8_t *blk[2] = {w + (size_t)b * bytes, w + gbytes + (size_t)b * bytes};
+        for (int g = 0; g < 2; g++)
+            for (int l = 0; l < bytes; l += 64) _mm_prefetch((const char *)blk[g] + PREFETCH + l, _MM_HINT_T0);
+        __m128i sc[2][4];
+        __m256i sum[2][MAXR], mins[2][MAXR];
+        __m512i tot[2][MAXR];
+        for (int g = 0; g < 2; g++) {
+            k8_scales(blk[g], x, b, R, sc[g], sum[g], mins[g]);
+            for (int r = 0; r < R; r++) tot[g][r] = _mm512_setzero_si512();
+        }
+        for (int j = 0; j < 4; j++) {
+            __m512i slo[2][MAXR], shi[2][MAXR];
+            for (int g = 0; g < 2; g++)
+                for (int r = 0; r < R; r++) slo[g][r] = shi[g][r] = _mm512_setzero_si512();
+            for (int t = 0; t < 8; t += 2) {
+                __m512i lo[2], hi[2];
+                for (int g = 0; g < 2; g++) {
+                    const __m512i v = _mm512_loadu_si512((const void *)(blk[g] + at + (8 * j + t) * 32));
+                    lo[g] = _mm512_and_si512(v, low), hi[g] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                    if (five) {
+                        const __m512i h = _mm512_loadu_si512((const void *)(blk[g] + 128 + 32 * t));
+                        lo[g] = _mm512_or_si512(lo[g], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 2 * j), one), 4));
+                        hi[g] = _mm512_or_si512(hi[g], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 2 * j + 1), one), 4));
+                    }
+                }
+                for (int r = 0; r < R; r++) {
+                    const __m512i xv = _mm512_loadu_si512((const void *)(x[r].q + 256 * b + 64 * j + 4 * t));
+                    const __m512i xl = _mm512_permutexvar_epi32(at_t, xv), xh = _mm512_permutexvar_epi32(at_t32, xv);
+                    for (int g = 0; g < 2; g++) {
+                        slo[g][r] = _mm512_dpbusd_epi32(slo[g][r], lo[g], xl);
+                        shi[g][r] = _mm512_dpbusd_epi32(shi[g][r], hi[g], xh);
+                    }
+                }
+            }
+            for (int g = 0; g < 2; g++) {
+                const __m512i s_lo = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(sc[g][j], sc[g][j]));
+                const __m512i s_hi = _mm512_cvtepu8_epi32(_mm_unpackhi_epi64(sc[g][j], sc[g][j]));
+                for (int r = 0; r < R; r++)
+                    tot[g][r] = _mm512_add_epi32(tot[g][r], _mm512_add_epi32(_mm512_mullo_epi32(slo[g][r], s_lo),
+                                                                             _mm512_mullo_epi32(shi[g][r], s_hi)));
+            }
+        }
+        for (int g = 0; g < 2; g++) {
+            for (int r = 0; r < R; r++) sum[g][r] = halves(tot[g][r]);
+            k8_add(blk[g], x, b, R, sum[g], mins[g], acc[g], accm[g]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int g = 0; g < 2; g++) _mm256_storeu_ps(out + 16 * r + 8 * g, _mm256_sub_ps(acc[g][r], accm[g][r]));
+}
+
 /* Q8_0 x8: signed weights as their magnitudes (unsigned), x's bytes negated where the weight is negative. */
 VI void q808_vnni(int K, const uint8_t *w, const xrow *x, float *out, const int R) {
     __m256 acc[MAXR];
@@ -1011,6 +1076,47 @@ VI void q808_vnni(int K, const uint8_t *w, const xrow *x, float *out, const int 
                                      acc[r]);
     }
     for (int r = 0; r < R; r++) _mm256_storeu_ps(out + 8 * r, acc[r]);
+}
+
+/* Q8_0, two neighbouring 8-row groups (16 rows; the second ``gbytes`` after the first): the weights
+ * offset to unsigned (w + 128, one xor a vector) so that x's permuted bytes serve both groups as they
+ * are, and 128 times x's block sum taken off each block's sums: the same exact integers as
+ * q808_vnni's, the same float operations, the same bits. */
+VI void q8016_vnni(int K, const uint8_t *w, size_t gbytes, const xrow *x, float *out, const int R) {
+    __m256 acc[2][MAXR];
+    for (int g = 0; g < 2; g++)
+        for (int r = 0; r < R; r++) acc[g][r] = _mm256_setzero_ps();
+    const __m512i at_t = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    for (int b = 0; b < K / 32; b++) {
+        const uint8_t *blk[2] = {w + (size_t)b * 272, w + gbytes + (size_t)b * 272};
+        for (int g = 0; g < 2; g++)
+            for (int l = 0; l < 272; l += 64) _mm_prefetch((const char *)blk[g] + PREFETCH + l, _MM_HINT_T0);
+        __m512i sum[2][MAXR];
+        for (int g = 0; g < 2; g++)
+            for (int r = 0; r < R; r++) sum[g][r] = _mm512_setzero_si512();
+        for (int t = 0; t < 8; t += 2) {
+            __m512i u[2];
+            for (int g = 0; g < 2; g++)
+                u[g] = _mm512_xor_si512(_mm512_loadu_si512((const void *)(blk[g] + 16 + 32 * t)), flip);
+            for (int r = 0; r < R; r++) {
+                const __m512i xv = _mm512_permutexvar_epi32(at_t, _mm512_castsi128_si512(
+                    _mm_loadl_epi64((const __m128i *)(x[r].q + 32 * b + 4 * t))));
+                for (int g = 0; g < 2; g++) sum[g][r] = _mm512_dpbusd_epi32(sum[g][r], u[g], xv);
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const __m256i off = _mm256_set1_epi32(128 * (int)x[r].b32[b]);
+            const __m256 xd = _mm256_set1_ps(x[r].d[b]);
+            for (int g = 0; g < 2; g++) {
+                const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk[g]));
+                acc[g][r] = _mm256_fmadd_ps(_mm256_mul_ps(d8, xd), _mm256_cvtepi32_ps(_mm256_sub_epi32(halves(sum[g][r]), off)),
+                                            acc[g][r]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int g = 0; g < 2; g++) _mm256_storeu_ps(out + 16 * r + 8 * g, acc[g][r]);
 }
 
 /* Q6_K, one weight row: q6k_rows with two of its 32-column steps a 512-bit vector (the 2-bit high parts
@@ -1064,6 +1170,18 @@ BY_ROWS_AT(VT, dot8_q4k_vnni, Q4K8V, 8)
 BY_ROWS_AT(VT, dot8_q5k_vnni, Q5K8V, 8)
 BY_ROWS_AT(VT, dot8_q80_vnni, q808_vnni, 8)
 BY_ROWS_AT(VT, dot_q6k_vnni, q6k_vnni, 1)
+/* BY_ROWS for the two-group forms: 16 outputs a row */
+#define BY_ROWS16(name, call)                                                                        \
+    static VT void name(int K, const uint8_t *w, size_t gbytes, const xrow *x, int R, float *out) {  \
+        if (R == 4) call(K, w, gbytes, x, out, 4);                                                  \
+        else if (R == 2) call(K, w, gbytes, x, out, 2);                                             \
+        else for (int r = 0; r < R; r++) call(K, w, gbytes, x + r, out + 16 * r, 1);               \
+    }
+#define Q4K16(K, w, gbytes, x, out, R) q45k16_vnni(0, K, w, gbytes, x, out, R)
+#define Q5K16(K, w, gbytes, x, out, R) q45k16_vnni(1, K, w, gbytes, x, out, R)
+BY_ROWS16(dot16_q4k_vnni, Q4K16)
+BY_ROWS16(dot16_q5k_vnni, Q5K16)
+BY_ROWS16(dot16_q80_vnni, q8016_vnni)
 #endif
 
 /* ---- Q6_K widened to bytes, eight rows interleaved (products of many rows) --------------------
@@ -1205,6 +1323,45 @@ VI void q6ke8_vnni(int K, const uint8_t *w, const xrow *x, float *out, const int
     for (int r = 0; r < R; r++) _mm256_storeu_ps(out + 8 * r, acc[r]);
 }
 BY_ROWS_AT(VT, dot_q6ke8_vnni, q6ke8_vnni, 8)
+
+/* q6ke8_vnni for two widened groups (16 rows; the second ``gbytes`` after the first): a step's
+ * permuted x serves both. The same integer sums and float operations: the same bits. */
+VI void q6ke16_vnni(int K, const uint8_t *w, size_t gbytes, const xrow *x, float *out, const int R) {
+    __m256 acc[2][MAXR];
+    for (int g = 0; g < 2; g++)
+        for (int r = 0; r < R; r++) acc[g][r] = _mm256_setzero_ps();
+    const __m512i at_t = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    for (int b = 0; b < K / 256; b++) {
+        const uint8_t *blk[2] = {w + (size_t)b * E8_Q6K, w + gbytes + (size_t)b * E8_Q6K};
+        __m512i sum[2][MAXR];
+        for (int g = 0; g < 2; g++)
+            for (int r = 0; r < R; r++) sum[g][r] = _mm512_setzero_si512();
+        for (int c = 0; c < 16; c++) {
+            __m512i sp[2];
+            for (int g = 0; g < 2; g++)
+                sp[g] = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk[g] + 32 + 32 * c)));
+            for (int t = 4 * c; t < 4 * c + 4; t += 2) {
+                __m512i v[2];
+                for (int g = 0; g < 2; g++) v[g] = _mm512_loadu_si512((const void *)(blk[g] + 800 + 32 * t));
+                for (int r = 0; r < R; r++) {
+                    const __m512i xv = _mm512_permutexvar_epi32(at_t, _mm512_castsi128_si512(
+                        _mm_loadl_epi64((const __m128i *)(x[r].q + 256 * b + 4 * t))));
+                    for (int g = 0; g < 2; g++)
+                        sum[g][r] = _mm512_dpwssd_epi32(sum[g][r], _mm512_maddubs_epi16(v[g], xv), sp[g]);
+                }
+            }
+        }
+        for (int g = 0; g < 2; g++) {
+            __m256i total[MAXR];
+            for (int r = 0; r < R; r++) total[r] = halves(sum[g][r]);
+            q6ke8_add(blk[g], x, b, R, total, acc[g]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int g = 0; g < 2; g++) _mm256_storeu_ps(out + 16 * r + 8 * g, acc[g][r]);
+}
+#define Q6KE16(K, w, gbytes, x, out, R) q6ke16_vnni(K, w, gbytes, x, out, R)
+BY_ROWS16(dot16_q6ke_vnni, Q6KE16)
 #endif
 
 /* Q5_K (or Q4_K) 8-row groups (llmd_gg_pack8's layout) widened: the group's 128 bytes of d, dmin and
@@ -1242,19 +1399,37 @@ static int widened(const llmd_gg_part *part, int M) {
 #endif
 }
 
-/* Group ``g`` of a widened part into this thread's buffer: NULL when out of memory. */
-static const uint8_t *widen_group(const llmd_gg_part *part, int g, size_t rowbytes, int K) {
+/* Whether a part's 8-row groups are taken two at a time (the AVX-512 library's Q4_K, Q5_K and Q8_0 forms,
+ * and its widened Q6_K), given whether they are widened. */
+static int paired(const llmd_gg_part *part, int wide) {
+#ifndef LLMD_AVX2
+    if (part->rows % 16) return 0;
+    return wide ? part->type == T_Q6_K : part->type == T_Q4_K_X8 || part->type == T_Q5_K_X8 || part->type == T_Q8_0_X8;
+#else
+    (void)part, (void)wide;
+    return 0;
+#endif
+}
+
+/* Groups g .. g + n - 1 of a widened part into this thread's buffer, one after another (widened_bytes
+ * apart): NULL when out of memory. */
+static size_t widened_bytes(int type, int K) { return (size_t)(K / 256) * (type == T_Q6_K ? E8_Q6K : E8_K45); }
+
+static const uint8_t *widen_groups(const llmd_gg_part *part, int g, int n, size_t rowbytes, int K) {
     const int nb = K / 256;
-    uint8_t *buf = wide_buffer((size_t)nb * (part->type == T_Q6_K ? E8_Q6K : E8_K45));
+    const size_t each = widened_bytes(part->type, K);
+    uint8_t *buf = wide_buffer(n * each);
     if (!buf) return NULL;
     const uint8_t *data = part->data;
-    if (part->type != T_Q6_K) {
-        k45_widen8(part->type == T_Q5_K_X8, data + (size_t)g * 8 * rowbytes, nb, buf);
-        return buf;
+    for (int k = 0; k < n; k++, g++) {
+        if (part->type != T_Q6_K) {
+            k45_widen8(part->type == T_Q5_K_X8, data + (size_t)g * 8 * rowbytes, nb, buf + k * each);
+            continue;
+        }
+        const uint8_t *rows8[8];
+        for (int i = 0; i < 8; i++) rows8[i] = data + (size_t)(part->order ? part->order[8 * g + i] : 8 * g + i) * rowbytes;
+        q6k_widen8(rows8, nb, buf + k * each);
     }
-    const uint8_t *rows8[8];
-    for (int i = 0; i < 8; i++) rows8[i] = data + (size_t)(part->order ? part->order[8 * g + i] : 8 * g + i) * rowbytes;
-    q6k_widen8(rows8, nb, buf);
     return buf;
 }
 
@@ -1284,6 +1459,23 @@ static void dot8(int type, int K, const uint8_t *w, const xrow *x, int R, float 
     case T_Q5_K_X8: dot8_q5k(K, w, x, R, out); return;
     default: dot8_q80(K, w, x, R, out);
     }
+}
+
+/* G (1, or 2 where paired) 8-row groups, gbytes apart, in the part's layout or widened: 8 G outputs a row */
+static void groups_dot(int type, int wide, int G, int K, const uint8_t *w, size_t gbytes, const xrow *x, int R,
+                       float *out) {
+#ifndef LLMD_AVX2
+    if (G == 2) {
+        if (wide) dot16_q6ke_vnni(K, w, gbytes, x, R, out);
+        else if (type == T_Q4_K_X8) dot16_q4k_vnni(K, w, gbytes, x, R, out);
+        else if (type == T_Q5_K_X8) dot16_q5k_vnni(K, w, gbytes, x, R, out);
+        else dot16_q80_vnni(K, w, gbytes, x, R, out);
+        return;
+    }
+#endif
+    (void)G, (void)gbytes;
+    if (wide) dot_widened(type, K, w, x, R, out);
+    else dot8(type, K, w, x, R, out);
 }
 
 /* ---- entry points ----------------------------------------------------------------------------- */
@@ -1325,7 +1517,7 @@ int llmd_gg_x(const float *x, int M, int K, const llmd_gg_part *parts, int P, fl
     /* x's forms: xrow [3][M], then q32, d32, ds32, q256, d256, bs256 */
     const size_t n32 = need[A_32] ? (size_t)M * K : 0, n256 = need[A_256] ? (size_t)M * K : 0;
     const size_t sz_rows = sizeof(xrow) * 3 * (size_t)M;
-    const size_t sz = sz_rows + n32 + n32 / 32 * 8 + n256 + n256 / 256 * 4 + n256 / 16 * 2 + n256 / 32 * 2 + 256;
+    const size_t sz = sz_rows + n32 + n32 / 32 * 10 + n256 + n256 / 256 * 4 + n256 / 16 * 2 + n256 / 32 * 2 + 256;
     char *buf = act_buffer(sz);
     if (!buf) return -2;
     xrow *xr = (xrow *)buf;
@@ -1333,7 +1525,7 @@ int llmd_gg_x(const float *x, int M, int K, const llmd_gg_part *parts, int P, fl
     float *d32 = (float *)(q32 + n32), *ds32 = d32 + n32 / 32;
     int8_t *q256 = (int8_t *)(ds32 + n32 / 32);
     float *d256 = (float *)(q256 + n256);
-    int16_t *bs256 = (int16_t *)(d256 + n256 / 256), *b32 = bs256 + n256 / 16;
+    int16_t *bs256 = (int16_t *)(d256 + n256 / 256), *b32 = bs256 + n256 / 16, *s32q = b32 + n256 / 32;
     #pragma omp parallel for num_threads(nt) schedule(static) if ((size_t)M * K > (1u << 16))
     for (int m = 0; m < M; m++) {
         const float *xm = x + (size_t)m * K;
@@ -1342,11 +1534,13 @@ int llmd_gg_x(const float *x, int M, int K, const llmd_gg_part *parts, int P, fl
             xrow *a = xr + M + m;
             int8_t *q = q32 + (size_t)m * K;
             float *d = d32 + (size_t)m * (K / 32), *ds = ds32 + (size_t)m * (K / 32);
+            int16_t *s = s32q + (size_t)m * (K / 32);
             for (int b = 0; b < K / 32; b++) {
                 d[b] = quantize_span(xm + 32 * b, 32, q + 32 * b);
-                ds[b] = d[b] * (float)row_sum(q + 32 * b, 32);
+                s[b] = (int16_t)row_sum(q + 32 * b, 32);
+                ds[b] = d[b] * (float)s[b];
             }
-            a->q = q, a->d = d, a->ds = ds;
+            a->q = q, a->d = d, a->ds = ds, a->b32 = s;
         }
         if (need[A_256]) {
             xrow *a = xr + 2 * M + m;
@@ -1360,12 +1554,15 @@ int llmd_gg_x(const float *x, int M, int K, const llmd_gg_part *parts, int P, fl
             a->q = q, a->d = d, a->bs = bs, a->b32 = s32;
         }
     }
-    /* units of work: one output row, or a group of 8 for a part in 8-row layout or widened */
-    int ustart[65], wide[64];
+    /* units of work: one output row, a group of 8 for a part in 8-row layout or widened, or two
+     * neighbouring groups (16 rows) where a two-group form serves the part */
+    int ustart[65], wide[64], pair[64];
     ustart[0] = 0;
     for (int p = 0; p < P; p++) {
         wide[p] = widened(parts + p, M);
-        ustart[p + 1] = ustart[p] + (parts[p].type >= PACKED8 || wide[p] ? parts[p].rows / 8 : parts[p].rows);
+        pair[p] = paired(parts + p, wide[p]);
+        ustart[p + 1] = ustart[p] + (pair[p] ? parts[p].rows / 16
+                                     : parts[p].type >= PACKED8 || wide[p] ? parts[p].rows / 8 : parts[p].rows);
     }
     const int U = ustart[P];
     int failed = 0;
@@ -1378,20 +1575,25 @@ int llmd_gg_x(const float *x, int M, int K, const llmd_gg_part *parts, int P, fl
             while (u >= ustart[p + 1]) p++;
             const int local = u - ustart[p], type = parts[p].type;
             const xrow *xs = xr + (size_t)type_act(type) * M;
-            float out[8 * MAXR];
+            float out[16 * MAXR];
             if (type >= PACKED8 || wide[p]) {
-                const uint8_t *w = (const uint8_t *)parts[p].data + (size_t)local * 8 * rowbytes[p];
-                const int n0 = start[p] + 8 * local;
-                if (wide[p] && !(w = widen_group(parts + p, local, rowbytes[p], K))) {
-                    #pragma omp atomic write
-                    failed = 1;
-                    continue;
+                const int G = pair[p] ? 2 : 1;           /* 8-row groups a unit takes */
+                const uint8_t *w = (const uint8_t *)parts[p].data + (size_t)local * 8 * G * rowbytes[p];
+                size_t gbytes = 8 * rowbytes[p];
+                const int n0 = start[p] + 8 * G * local;
+                if (wide[p]) {
+                    gbytes = widened_bytes(type, K);
+                    if (!(w = widen_groups(parts + p, G * local, G, rowbytes[p], K))) {
+                        #pragma omp atomic write
+                        failed = 1;
+                        continue;
+                    }
                 }
                 for (int m = mt; m < me; m += MAXR) {
                     const int R = me - m < MAXR ? me - m : MAXR;
-                    if (wide[p]) dot_widened(type, K, w, xs + m, R, out);
-                    else dot8(type, K, w, xs + m, R, out);
-                    for (int r = 0; r < R; r++) memcpy(y + (size_t)(m + r) * N + n0, out + 8 * r, sizeof(float) * 8);
+                    groups_dot(type, wide[p], G, K, w, gbytes, xs + m, R, out);
+                    for (int r = 0; r < R; r++)
+                        memcpy(y + (size_t)(m + r) * N + n0, out + 8 * G * r, sizeof(float) * 8 * G);
                 }
                 continue;
             }
