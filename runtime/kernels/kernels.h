@@ -133,9 +133,10 @@ int llmd_gg_x(const float *x, int M, int K, const llmd_gg_part *parts, int P, fl
 int llmd_gg_pack8(int type, const void *src, const int32_t *order, int rows, int K, void *dst);
 /* llmd API end */
 
-/* Rows of one fused step (decode.c): decode batches up to 64 streams with four rows each to verify,
- * and short prompt chunks; its caller's scratch grows with the rows it passes. */
-#define LLMD_FUSED_ROWS 256
+/* Rows of one fused step (decode.c): a whole step of the engine's default token budget (max_batch_tokens,
+ * prompt chunks and decodes together), so that no step of it takes the Python forward and its fresh
+ * buffers; its caller's scratch grows with the rows it passes. */
+#define LLMD_FUSED_ROWS 512
 /* Rows of one forward of llmd_draft: every request's catch-up, then one a request (16 streams with up
  * to three tokens each to catch up on, say). */
 #define LLMD_DRAFT_ROWS 64

@@ -1,12 +1,14 @@
 """The fused decode step (every layer in one kernel call) gives bit-identical hidden states, logits and
 KV pools to the Python forward, and steps aside wherever some part has no kernel form."""
 import copy
+import dataclasses
 import random
 
 import pytest
 import torch
 
 from llmd import LLM, SamplingParams
+from llmd.runtime.config import EngineConfig
 from llmd.runtime import kernels
 from llmd.runtime.formats.quantized import Int4Linear, QuantLinear, QuantSpec, prepare_quantized, quantize_model
 from llmd.runtime.kernels import ops
@@ -166,7 +168,7 @@ def test_rows_up_to_the_fused_limit_are_fused_and_more_take_the_python_forward(m
         fast, fast_pools, ran = one_step(runner, feeds, fused=True)
         slow, slow_pools, _ = one_step(runner, feeds, fused=False)
         assert ran == 1 and torch.equal(fast, slow) and torch.equal(fast_pools[0], slow_pools[0]), n
-    chunk = list(range(1, most + 2))
+    chunk = [1 + i % (vocab - 1) for i in range(most + 1)]      # token ids within the vocabulary
     width = -(-len(chunk) // BS)
     feeds = [Feed(chunk[:most], 0, list(range(20, 20 + width)), most)]
     fast, fast_pools, ran = one_step(runner, feeds, fused=True)
@@ -174,6 +176,13 @@ def test_rows_up_to_the_fused_limit_are_fused_and_more_take_the_python_forward(m
     assert ran == 1 and torch.equal(fast, slow) and torch.equal(fast_pools[1], slow_pools[1])
     _, _, ran = one_step(runner, [Feed(chunk, 0, list(range(20, 20 + width)), 1)], fused=True)   # one row too many
     assert ran == 0
+
+
+def test_a_whole_step_of_the_default_token_budget_is_fused():
+    """A default step (prompt chunks and decodes up to max_batch_tokens rows) fits the fused call, so a
+    busy server's steps never take the Python forward's fresh buffers."""
+    budget = next(f.default for f in dataclasses.fields(EngineConfig) if f.name == "max_batch_tokens")
+    assert ops.fused_rows() >= budget
 
 
 def test_parts_without_a_kernel_form_keep_the_python_forward(model_factory):
