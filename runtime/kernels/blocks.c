@@ -1399,14 +1399,19 @@ static int widened(const llmd_gg_part *part, int M) {
 #endif
 }
 
-/* Whether a part's 8-row groups are taken two at a time (the AVX-512 library's Q4_K, Q5_K and Q8_0 forms,
- * and its widened Q6_K), given whether they are widened. */
-static int paired(const llmd_gg_part *part, int wide) {
+/* Calls of PAIR_MIN rows of x or more take two 8-row groups at a time. Fewer rows read the weights at
+ * the memory's pace, and there one stream a thread reads faster than two: at 1 to 8 rows the one-group
+ * forms finish first (python -m llmd.bench.membw, and products of weights larger than the caches). */
+#define PAIR_MIN 16
+
+/* Whether a part's 8-row groups are taken two at a time for a call of M rows (the AVX-512 library's
+ * Q4_K, Q5_K and Q8_0 forms, and its widened Q6_K), given whether they are widened. */
+static int paired(const llmd_gg_part *part, int wide, int M) {
 #ifndef LLMD_AVX2
-    if (part->rows % 16) return 0;
+    if (part->rows % 16 || M < PAIR_MIN) return 0;
     return wide ? part->type == T_Q6_K : part->type == T_Q4_K_X8 || part->type == T_Q5_K_X8 || part->type == T_Q8_0_X8;
 #else
-    (void)part, (void)wide;
+    (void)part, (void)wide, (void)M;
     return 0;
 #endif
 }
@@ -1560,7 +1565,7 @@ int llmd_gg_x(const float *x, int M, int K, const llmd_gg_part *parts, int P, fl
     ustart[0] = 0;
     for (int p = 0; p < P; p++) {
         wide[p] = widened(parts + p, M);
-        pair[p] = paired(parts + p, wide[p]);
+        pair[p] = paired(parts + p, wide[p], M);
         ustart[p + 1] = ustart[p] + (pair[p] ? parts[p].rows / 16
                                      : parts[p].type >= PACKED8 || wide[p] ? parts[p].rows / 8 : parts[p].rows);
     }

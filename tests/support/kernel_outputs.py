@@ -47,12 +47,12 @@ def outputs() -> dict[str, torch.Tensor]:
         out[f"{name}_pick"] = ops.f32_pick(x[:4], blocks, torch.tensor([7, 0, 127, 64, 7]))
     rng = np.random.default_rng(5)
     xg = torch.cat([x[:, :512], torch.randn(31, 512, generator=g)])
-    # GGUF blocks: rows one at a time, 8 interleaved, widened for 32 rows and more; 64 outputs take the
-    # AVX-512 library's two-group forms, 40 its one-group forms
+    # GGUF blocks: rows one at a time, 8 interleaved, widened for 32 rows and more; from 16 rows, 64
+    # outputs take the AVX-512 library's two-group forms (4, 2 and 1 rows a call), 40 its one-group forms
     for name in BLOCK_TYPES:
         for n in (64, 40):
             layer = GGUFLinear(512, [(TYPES[name], torch.from_numpy(random_blocks(name, n, 512, rng)))])
-            for m in (1, 2, 3, 4, 9, 40):
+            for m in (1, 2, 3, 4, 9, 18, 19, 40):
                 out[f"gguf_{name}_{n}_{m}"] = layer(xg[:m])
     h, norm = torch.randn(9, 576, generator=g), torch.rand(576, generator=g) + 0.5
     out["rmsnorm"] = ops.rmsnorm(x, norm, 1e-5)
