@@ -1586,7 +1586,12 @@ int llmd_gg_x(const float *x, int M, int K, const llmd_gg_part *parts, int P, fl
                 const uint8_t *w = (const uint8_t *)parts[p].data + (size_t)local * 8 * G * rowbytes[p];
                 size_t gbytes = 8 * rowbytes[p];
                 const int n0 = start[p] + 8 * G * local;
+                /* a widened unit is made once and then takes every row of x, in the first tile's pass:
+                 * widening it again for each tile cost more than reading x's rows from further away */
+                int m0 = mt, m1 = me;
                 if (wide[p]) {
+                    if (mt) continue;
+                    m0 = 0, m1 = M;
                     gbytes = widened_bytes(type, K);
                     if (!(w = widen_groups(parts + p, G * local, G, rowbytes[p], K))) {
                         #pragma omp atomic write
@@ -1594,8 +1599,8 @@ int llmd_gg_x(const float *x, int M, int K, const llmd_gg_part *parts, int P, fl
                         continue;
                     }
                 }
-                for (int m = mt; m < me; m += MAXR) {
-                    const int R = me - m < MAXR ? me - m : MAXR;
+                for (int m = m0; m < m1; m += MAXR) {
+                    const int R = m1 - m < MAXR ? m1 - m : MAXR;
                     groups_dot(type, wide[p], G, K, w, gbytes, xs + m, R, out);
                     for (int r = 0; r < R; r++)
                         memcpy(y + (size_t)(m + r) * N + n0, out + 8 * G * r, sizeof(float) * 8 * G);

@@ -80,7 +80,8 @@ def test_products_equal_a_float64_product_and_each_row_stands_alone(name):
     n, k = 48, 768
     raw = np.ascontiguousarray(random_blocks(name, n, k, rng))
     w = gguf_dequantize(name, raw, n, k).astype(np.float64)
-    x = rng.standard_normal((37, k)).astype(np.float32)   # 37 rows: Q5_K and Q6_K widen their rows (blocks.c, E8_MIN)
+    # 70 rows: Q5_K and Q6_K widen their rows (blocks.c, E8_MIN), across two tiles of x (M_TILE)
+    x = rng.standard_normal((70, k)).astype(np.float32)
     x[3] = 0.0                                       # a row of zeros: scale 0, no NaN
     x[5, :32] *= 1000                                # one span far larger than the rest
     y = product(name, raw, x, n)
@@ -92,7 +93,7 @@ def test_products_equal_a_float64_product_and_each_row_stands_alone(name):
     bound = np.abs(x_as_quantized(name, x)) @ np.abs(w).T
     assert np.all(np.abs(y - want) <= 1e-5 * bound + 1e-30), np.abs(y - want).max()
     assert np.all(y[3] == 0)
-    for rows in ([0], [36], [4, 5, 6], list(range(1, 9)), list(range(30, 37))):
+    for rows in ([0], [36], [4, 5, 6], list(range(1, 9)), list(range(30, 37)), list(range(50, 70))):
         alone = product(name, raw, np.ascontiguousarray(x[rows]), n)
         assert np.array_equal(alone.view(np.uint32), y[rows].view(np.uint32)), rows
     # against the float weight the error is x's 8-bit rounding alone (the float types: none)
