@@ -9,16 +9,22 @@ the library is chosen once per process), the libraries alternating for ``--round
 cell keeps its best. The table gives milliseconds and the ratio of each library's time to the
 first's. Both libraries give the same bits (tests/kernels/test_kernels.py); only their speed differs.
 The default weight (8960 by 1536, Qwen2.5-1.5B's MLP) stays in cache: this is the arithmetic rate,
-the one that bounds prompts and batches; ``membw`` measures the one-row rate from memory.
+the one that bounds prompts and batches; ``membw`` measures the one-row rate from memory. The last
+columns give the first library's rate in billions of operations a second and its share of the host's
+int8 peak over the same threads (``bench/int8_peak.c``, built here: vpdpbusd where AVX-512 VNNI is
+present, else the AVX2 pair), the ceiling a product of many rows can approach.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -28,6 +34,28 @@ from llmd.runtime import kernels
 from llmd.runtime.formats.gguf_native import TYPES, GGUFLinear
 
 LIBRARIES = ("avx512", "avx2")
+PEAK_SOURCE = Path(__file__).with_name("int8_peak.c")
+
+
+def int8_peak(threads: int, seconds: float = 1.0) -> tuple[str, float] | None:
+    """The host's int8 multiply-add peak over ``threads`` threads: (the instruction timed, billions of
+    operations a second), or None where no C compiler builds ``int8_peak.c``."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        return None
+    with tempfile.TemporaryDirectory(prefix="llmd-peak-") as d:
+        exe = Path(d) / "int8-peak"
+        built = subprocess.run([cc, "-O2", "-fopenmp", "-o", str(exe), str(PEAK_SOURCE)], capture_output=True,
+                               text=True, timeout=300)
+        if built.returncode:
+            print(f"llmd block_rows: int8_peak.c did not build: {built.stderr.strip()[-300:]}", file=sys.stderr)
+            return None
+        done = subprocess.run([str(exe), str(threads), str(seconds)], capture_output=True, text=True, timeout=120)
+    if done.returncode:
+        print(f"llmd block_rows: the int8 peak did not run: {done.stderr.strip()[-300:]}", file=sys.stderr)
+        return None
+    form, rate = done.stdout.split()
+    return form, float(rate)
 
 
 def time_products(types: list[str], rows: list[int], n: int, k: int, reps: int, threads: int) -> dict:
@@ -65,15 +93,21 @@ def run_child(library: str, argv: list[str]) -> dict:
     return {t: {int(m): s for m, s in by.items()} for t, by in result["times"].items()}
 
 
-def table(results: dict[str, dict], types: list[str], rows: list[int]) -> list[str]:
+def table(results: dict[str, dict], types: list[str], rows: list[int], n: int, k: int,
+          peak: float | None = None) -> list[str]:
+    """One line a type and row count: each library's milliseconds, the others' against the first's,
+    the first's billions of operations a second and, given the host's ``peak``, its share of it."""
     libs = list(results)
     lines = [f"{'type':6} {'rows':>5} " + " ".join(f"{lib + ' ms':>11}" for lib in libs)
-             + "".join(f" {lib + '/' + libs[0]:>14}" for lib in libs[1:])]
+             + "".join(f" {lib + '/' + libs[0]:>14}" for lib in libs[1:]) + f" {'GOP/s':>7}"
+             + (f" {'of peak':>8}" if peak else "")]
     for t in types:
         for m in rows:
             ms = [results[lib][t][m] * 1e3 for lib in libs]
+            rate = 2 * n * k * m / (ms[0] * 1e-3) / 1e9
             lines.append(f"{t:6} {m:>5} " + " ".join(f"{v:>11.3f}" for v in ms)
-                         + "".join(f" {v / ms[0]:>13.2f}x" for v in ms[1:]))
+                         + "".join(f" {v / ms[0]:>13.2f}x" for v in ms[1:]) + f" {rate:>7.0f}"
+                         + (f" {rate / peak:>7.0%}" if peak else ""))
     return lines
 
 
@@ -122,9 +156,12 @@ def main(argv=None) -> int:
                 for m in rows:
                     old[t][m] = min(old[t][m], got[t][m])
     load = os.getloadavg()[0]
+    peak = int8_peak(args.threads)
     print(f"GGUF block products, {args.n} x {args.k}, {args.threads} threads, best of {args.rounds} x {args.reps}; "
           f"load average {load:.1f}")
-    print("\n".join(table(best, types, rows)))
+    if peak:
+        print(f"int8 peak of this host: {peak[1]:.0f} GOP/s ({peak[0]}, {args.threads} threads)")
+    print("\n".join(table(best, types, rows, args.n, args.k, peak[1] if peak else None)))
     return 0
 
 

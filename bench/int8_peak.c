@@ -32,6 +32,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) static double vnni(double
     const double end = now() + seconds;
     do {
         for (long i = 0; i < BATCH; i++) {
+#pragma GCC unroll 16     /* the chains in registers */
             for (int j = 0; j < CHAINS; j++) acc[j] = _mm512_dpbusd_epi32(acc[j], w, x);
             __asm__ volatile("" : "+v"(w), "+v"(x));
         }
@@ -50,6 +51,7 @@ __attribute__((target("avx2"))) static double pairs(double seconds, int *sink) {
     const double end = now() + seconds;
     do {
         for (long i = 0; i < BATCH; i++) {
+#pragma GCC unroll 16
             for (int j = 0; j < CHAINS; j++)
                 acc[j] = _mm256_add_epi32(acc[j], _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones));
             __asm__ volatile("" : "+v"(w), "+v"(x));
