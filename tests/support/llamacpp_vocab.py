@@ -99,9 +99,11 @@ class LlamaTokenize:
         with ThreadPoolExecutor(self.workers) as pool:
             for key, ids in zip(todo, pool.map(lambda s: self._run(s, parse_special, add_special), todo.values())):
                 self.cache[key] = ids
-        if todo:
+        if todo:          # whole or not at all: another test process may be reading it
             self.cache_path.parent.mkdir(parents=True, exist_ok=True)
-            self.cache_path.write_text(json.dumps(self.cache))
+            part = self.cache_path.with_name(f"{self.cache_path.name}.{os.getpid()}.part")
+            part.write_text(json.dumps(self.cache))
+            os.replace(part, self.cache_path)
         return [self.cache[k] for k in keys]
 
     @staticmethod
