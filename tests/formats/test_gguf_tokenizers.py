@@ -123,7 +123,9 @@ def _asked_before(kind: str):
     """A vocabulary whose llama-tokenize answers are cached runs in the fast tier; asking anew takes
     minutes (a process per string), so that run is slow-marked."""
     cached = any(CACHE.glob(f"ggml-vocab-{kind}-*.json"))
-    return pytest.param(kind, marks=[] if cached else [pytest.mark.slow])
+    # asking anew takes a process per string, longer than the suite's 300 s a test for the largest
+    # vocabularies (qwen35, command-r): stopped there before anything was cached, each run began again
+    return pytest.param(kind, marks=[] if cached else [pytest.mark.slow, pytest.mark.timeout(3600)])
 
 
 @pytest.mark.parametrize("kind", [_asked_before(k) for k in (*EXPECTED, *GENERATED_ONLY)])
