@@ -933,7 +933,7 @@ BY_ROWS(dotw_q5k, Q5KW, 8)
 BY_ROWS(dot8_q80, q808_rows, 8)
 
 #ifndef LLMD_AVX2
-/* ---- the 8-row forms with AVX-512 VNNI (the AVX-512 library only) ----------------------------
+/* ---- the group forms with AVX-512 VNNI (the AVX-512 library only) ----------------------------
  * One 512-bit vector holds two steps t and t + 1 of a group (lanes 0-7: the 8 rows at t, lanes 8-15:
  * at t + 1, as the layout lies); vpdpbusd sums each lane's four byte products into 32 bits, and x's
  * four bytes of each step reach their lanes by one permute of one load. The integer sums of a
@@ -945,54 +945,14 @@ BY_ROWS(dot8_q80, q808_rows, 8)
 
 VI __m256i halves(__m512i v) { return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1)); }
 
-VI void q45k8_vnni(const int five, int K, const uint8_t *w, const xrow *x, float *out, const int R) {
-    __m256 acc[MAXR], accm[MAXR];
-    for (int r = 0; r < R; r++) acc[r] = accm[r] = _mm256_setzero_ps();
-    const __m512i low = _mm512_set1_epi8(0xF), one = _mm512_set1_epi8(1);
-    const __m512i at_t = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    const __m512i at_t32 = _mm512_setr_epi32(8, 8, 8, 8, 8, 8, 8, 8, 9, 9, 9, 9, 9, 9, 9, 9);
-    const int bytes = five ? 1408 : 1152, at = five ? 384 : 128;
-    for (int b = 0; b < K / 256; b++) {
-        const uint8_t *blk = w + (size_t)b * bytes;
-        for (int l = 0; l < bytes; l += 64) _mm_prefetch((const char *)blk + PREFETCH + l, _MM_HINT_T0);
-        __m128i sc[4];
-        __m256i sum[MAXR], mins[MAXR];
-        k8_scales(blk, x, b, R, sc, sum, mins);
-        for (int j = 0; j < 4; j++) {
-            __m512i slo[MAXR], shi[MAXR];
-            for (int r = 0; r < R; r++) slo[r] = shi[r] = _mm512_setzero_si512();
-            for (int t = 0; t < 8; t += 2) {
-                const __m512i v = _mm512_loadu_si512((const void *)(blk + at + (8 * j + t) * 32));
-                __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-                if (five) {
-                    const __m512i h = _mm512_loadu_si512((const void *)(blk + 128 + 32 * t));
-                    lo = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 2 * j), one), 4));
-                    hi = _mm512_or_si512(hi, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 2 * j + 1), one), 4));
-                }
-                for (int r = 0; r < R; r++) {
-                    const __m512i xv = _mm512_loadu_si512((const void *)(x[r].q + 256 * b + 64 * j + 4 * t));
-                    slo[r] = _mm512_dpbusd_epi32(slo[r], lo, _mm512_permutexvar_epi32(at_t, xv));
-                    shi[r] = _mm512_dpbusd_epi32(shi[r], hi, _mm512_permutexvar_epi32(at_t32, xv));
-                }
-            }
-            const __m256i s_lo = _mm256_cvtepu8_epi32(sc[j]), s_hi = _mm256_cvtepu8_epi32(_mm_srli_si128(sc[j], 8));
-            for (int r = 0; r < R; r++)
-                sum[r] = _mm256_add_epi32(sum[r], _mm256_add_epi32(_mm256_mullo_epi32(halves(slo[r]), s_lo),
-                                                                   _mm256_mullo_epi32(halves(shi[r]), s_hi)));
-        }
-        k8_add(blk, x, b, R, sum, mins, acc, accm);
-    }
-    for (int r = 0; r < R; r++) _mm256_storeu_ps(out + 8 * r, _mm256_sub_ps(acc[r], accm[r]));
-}
-
-/* Q4_K / Q5_K, two neighbouring 8-row groups (16 rows; the second ``gbytes`` after the first): x's
- * permuted bytes of a step serve both groups, which halves the permutes a product takes, and each
- * sub-block's scales multiply the 512-bit sums, halved to the 8 rows once a super-block. A lane of
- * slo / shi holds 16 columns' products; a super-block's integer sums are the same exact numbers as
- * q45k8_vnni's and k8_add takes them in the same order, so the bits are the same. */
-VI void q45k16_vnni(const int five, int K, const uint8_t *w, size_t gbytes, const xrow *x, float *out, const int R) {
+/* Q4_K / Q5_K, G (1 or 2, a constant where inlined) neighbouring 8-row groups, the second ``gbytes``
+ * after the first: x's permuted bytes of a step serve every group, so two groups halve the permutes a
+ * product takes, and each sub-block's scales multiply the 512-bit sums, halved to the 8 rows once a
+ * super-block. A lane of slo / shi holds 16 columns' products. */
+VI void q45k_vnni(const int five, const int G, int K, const uint8_t *w, size_t gbytes, const xrow *x, float *out,
+                  const int R) {
     __m256 acc[2][MAXR], accm[2][MAXR];
-    for (int g = 0; g < 2; g++)
+    for (int g = 0; g < G; g++)
         for (int r = 0; r < R; r++) acc[g][r] = accm[g][r] = _mm256_setzero_ps();
     const __m512i low = _mm512_set1_epi8(0xF), one = _mm512_set1_epi8(1);
     const __m512i at_t = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
@@ -1000,22 +960,22 @@ VI void q45k16_vnni(const int five, int K, const uint8_t *w, size_t gbytes, cons
     const int bytes = five ? 1408 : 1152, at = five ? 384 : 128;
     for (int b = 0; b < K / 256; b++) {
         const uint8_t *blk[2] = {w + (size_t)b * bytes, w + gbytes + (size_t)b * bytes};
-        for (int g = 0; g < 2; g++)
+        for (int g = 0; g < G; g++)
             for (int l = 0; l < bytes; l += 64) _mm_prefetch((const char *)blk[g] + PREFETCH + l, _MM_HINT_T0);
         __m128i sc[2][4];
         __m256i sum[2][MAXR], mins[2][MAXR];
         __m512i tot[2][MAXR];
-        for (int g = 0; g < 2; g++) {
+        for (int g = 0; g < G; g++) {
             k8_scales(blk[g], x, b, R, sc[g], sum[g], mins[g]);
             for (int r = 0; r < R; r++) tot[g][r] = _mm512_setzero_si512();
         }
         for (int j = 0; j < 4; j++) {
             __m512i slo[2][MAXR], shi[2][MAXR];
-            for (int g = 0; g < 2; g++)
+            for (int g = 0; g < G; g++)
                 for (int r = 0; r < R; r++) slo[g][r] = shi[g][r] = _mm512_setzero_si512();
             for (int t = 0; t < 8; t += 2) {
                 __m512i lo[2], hi[2];
-                for (int g = 0; g < 2; g++) {
+                for (int g = 0; g < G; g++) {
                     const __m512i v = _mm512_loadu_si512((const void *)(blk[g] + at + (8 * j + t) * 32));
                     lo[g] = _mm512_and_si512(v, low), hi[g] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
                     if (five) {
@@ -1027,13 +987,13 @@ VI void q45k16_vnni(const int five, int K, const uint8_t *w, size_t gbytes, cons
                 for (int r = 0; r < R; r++) {
                     const __m512i xv = _mm512_loadu_si512((const void *)(x[r].q + 256 * b + 64 * j + 4 * t));
                     const __m512i xl = _mm512_permutexvar_epi32(at_t, xv), xh = _mm512_permutexvar_epi32(at_t32, xv);
-                    for (int g = 0; g < 2; g++) {
+                    for (int g = 0; g < G; g++) {
                         slo[g][r] = _mm512_dpbusd_epi32(slo[g][r], lo[g], xl);
                         shi[g][r] = _mm512_dpbusd_epi32(shi[g][r], hi[g], xh);
                     }
                 }
             }
-            for (int g = 0; g < 2; g++) {
+            for (int g = 0; g < G; g++) {
                 const __m512i s_lo = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(sc[g][j], sc[g][j]));
                 const __m512i s_hi = _mm512_cvtepu8_epi32(_mm_unpackhi_epi64(sc[g][j], sc[g][j]));
                 for (int r = 0; r < R; r++)
@@ -1041,74 +1001,46 @@ VI void q45k16_vnni(const int five, int K, const uint8_t *w, size_t gbytes, cons
                                                                              _mm512_mullo_epi32(shi[g][r], s_hi)));
             }
         }
-        for (int g = 0; g < 2; g++) {
+        for (int g = 0; g < G; g++) {
             for (int r = 0; r < R; r++) sum[g][r] = halves(tot[g][r]);
             k8_add(blk[g], x, b, R, sum[g], mins[g], acc[g], accm[g]);
         }
     }
     for (int r = 0; r < R; r++)
-        for (int g = 0; g < 2; g++) _mm256_storeu_ps(out + 16 * r + 8 * g, _mm256_sub_ps(acc[g][r], accm[g][r]));
+        for (int g = 0; g < G; g++) _mm256_storeu_ps(out + 8 * G * r + 8 * g, _mm256_sub_ps(acc[g][r], accm[g][r]));
 }
 
-/* Q8_0 x8: signed weights as their magnitudes (unsigned), x's bytes negated where the weight is negative. */
-VI void q808_vnni(int K, const uint8_t *w, const xrow *x, float *out, const int R) {
-    __m256 acc[MAXR];
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    const __m512i at_t = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    for (int b = 0; b < K / 32; b++) {
-        const uint8_t *blk = w + (size_t)b * 272;
-        for (int l = 0; l < 272; l += 64) _mm_prefetch((const char *)blk + PREFETCH + l, _MM_HINT_T0);
-        const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
-        __m512i sum[MAXR];
-        for (int r = 0; r < R; r++) sum[r] = _mm512_setzero_si512();
-        for (int t = 0; t < 8; t += 2) {
-            const __m512i v = _mm512_loadu_si512((const void *)(blk + 16 + 32 * t));
-            const __m512i a = _mm512_abs_epi8(v);
-            const __mmask64 neg = _mm512_movepi8_mask(v);
-            for (int r = 0; r < R; r++) {
-                const __m512i xv = _mm512_permutexvar_epi32(at_t, _mm512_castsi128_si512(
-                    _mm_loadl_epi64((const __m128i *)(x[r].q + 32 * b + 4 * t))));
-                sum[r] = _mm512_dpbusd_epi32(sum[r], a, _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv));
-            }
-        }
-        for (int r = 0; r < R; r++)
-            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(x[r].d[b])), _mm256_cvtepi32_ps(halves(sum[r])),
-                                     acc[r]);
-    }
-    for (int r = 0; r < R; r++) _mm256_storeu_ps(out + 8 * r, acc[r]);
-}
-
-/* Q8_0, two neighbouring 8-row groups (16 rows; the second ``gbytes`` after the first): the weights
- * offset to unsigned (w + 128, one xor a vector) so that x's permuted bytes serve both groups as they
- * are, and 128 times x's block sum taken off each block's sums: the same exact integers as
- * q808_vnni's, the same float operations, the same bits. */
-VI void q8016_vnni(int K, const uint8_t *w, size_t gbytes, const xrow *x, float *out, const int R) {
+/* Q8_0, G (1 or 2) neighbouring 8-row groups (the second ``gbytes`` after the first): the weights offset
+ * to unsigned (w + 128, one xor a vector) so that vpdpbusd takes them and x's permuted bytes serve every
+ * group as they are, and 128 times x's block sum taken off each block's sums: the same exact integers
+ * as q808_rows', the same float operations, the same bits. */
+VI void q80_vnni(const int G, int K, const uint8_t *w, size_t gbytes, const xrow *x, float *out, const int R) {
     __m256 acc[2][MAXR];
-    for (int g = 0; g < 2; g++)
+    for (int g = 0; g < G; g++)
         for (int r = 0; r < R; r++) acc[g][r] = _mm256_setzero_ps();
     const __m512i at_t = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     for (int b = 0; b < K / 32; b++) {
         const uint8_t *blk[2] = {w + (size_t)b * 272, w + gbytes + (size_t)b * 272};
-        for (int g = 0; g < 2; g++)
+        for (int g = 0; g < G; g++)
             for (int l = 0; l < 272; l += 64) _mm_prefetch((const char *)blk[g] + PREFETCH + l, _MM_HINT_T0);
         __m512i sum[2][MAXR];
-        for (int g = 0; g < 2; g++)
+        for (int g = 0; g < G; g++)
             for (int r = 0; r < R; r++) sum[g][r] = _mm512_setzero_si512();
         for (int t = 0; t < 8; t += 2) {
             __m512i u[2];
-            for (int g = 0; g < 2; g++)
+            for (int g = 0; g < G; g++)
                 u[g] = _mm512_xor_si512(_mm512_loadu_si512((const void *)(blk[g] + 16 + 32 * t)), flip);
             for (int r = 0; r < R; r++) {
                 const __m512i xv = _mm512_permutexvar_epi32(at_t, _mm512_castsi128_si512(
                     _mm_loadl_epi64((const __m128i *)(x[r].q + 32 * b + 4 * t))));
-                for (int g = 0; g < 2; g++) sum[g][r] = _mm512_dpbusd_epi32(sum[g][r], u[g], xv);
+                for (int g = 0; g < G; g++) sum[g][r] = _mm512_dpbusd_epi32(sum[g][r], u[g], xv);
             }
         }
         for (int r = 0; r < R; r++) {
             const __m256i off = _mm256_set1_epi32(128 * (int)x[r].b32[b]);
             const __m256 xd = _mm256_set1_ps(x[r].d[b]);
-            for (int g = 0; g < 2; g++) {
+            for (int g = 0; g < G; g++) {
                 const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk[g]));
                 acc[g][r] = _mm256_fmadd_ps(_mm256_mul_ps(d8, xd), _mm256_cvtepi32_ps(_mm256_sub_epi32(halves(sum[g][r]), off)),
                                             acc[g][r]);
@@ -1116,7 +1048,7 @@ VI void q8016_vnni(int K, const uint8_t *w, size_t gbytes, const xrow *x, float 
         }
     }
     for (int r = 0; r < R; r++)
-        for (int g = 0; g < 2; g++) _mm256_storeu_ps(out + 16 * r + 8 * g, acc[g][r]);
+        for (int g = 0; g < G; g++) _mm256_storeu_ps(out + 8 * G * r + 8 * g, acc[g][r]);
 }
 
 /* Q6_K, one weight row: q6k_rows with two of its 32-column steps a 512-bit vector (the 2-bit high parts
@@ -1164,24 +1096,22 @@ VI void q6k_vnni(int K, const uint8_t *w, const xrow *x, float *out, const int R
     for (int r = 0; r < R; r++) out[r] = o[r];
 }
 
-#define Q4K8V(K, w, x, out, R) q45k8_vnni(0, K, w, x, out, R)
-#define Q5K8V(K, w, x, out, R) q45k8_vnni(1, K, w, x, out, R)
-BY_ROWS_AT(VT, dot8_q4k_vnni, Q4K8V, 8)
-BY_ROWS_AT(VT, dot8_q5k_vnni, Q5K8V, 8)
-BY_ROWS_AT(VT, dot8_q80_vnni, q808_vnni, 8)
 BY_ROWS_AT(VT, dot_q6k_vnni, q6k_vnni, 1)
-/* BY_ROWS for the two-group forms: 16 outputs a row */
-#define BY_ROWS16(name, call)                                                                        \
-    static VT void name(int K, const uint8_t *w, size_t gbytes, const xrow *x, int R, float *out) {  \
-        if (R == 4) call(K, w, gbytes, x, out, 4);                                                  \
-        else if (R == 2) call(K, w, gbytes, x, out, 2);                                             \
-        else for (int r = 0; r < R; r++) call(K, w, gbytes, x + r, out + 16 * r, 1);               \
+/* BY_ROWS for the group forms: ``call(G, K, w, gbytes, x, out, R)``, G groups, 8 G outputs a row */
+#define BY_GROUPS(name, call, G)                                                                       \
+    static VT void name(int K, const uint8_t *w, size_t gbytes, const xrow *x, int R, float *out) {    \
+        if (R == 4) call(G, K, w, gbytes, x, out, 4);                                                 \
+        else if (R == 2) call(G, K, w, gbytes, x, out, 2);                                            \
+        else for (int r = 0; r < R; r++) call(G, K, w, gbytes, x + r, out + 8 * (G) * r, 1);          \
     }
-#define Q4K16(K, w, gbytes, x, out, R) q45k16_vnni(0, K, w, gbytes, x, out, R)
-#define Q5K16(K, w, gbytes, x, out, R) q45k16_vnni(1, K, w, gbytes, x, out, R)
-BY_ROWS16(dot16_q4k_vnni, Q4K16)
-BY_ROWS16(dot16_q5k_vnni, Q5K16)
-BY_ROWS16(dot16_q80_vnni, q8016_vnni)
+#define Q4KV(G, K, w, gbytes, x, out, R) q45k_vnni(0, G, K, w, gbytes, x, out, R)
+#define Q5KV(G, K, w, gbytes, x, out, R) q45k_vnni(1, G, K, w, gbytes, x, out, R)
+BY_GROUPS(dot8_q4k_vnni, Q4KV, 1)
+BY_GROUPS(dot8_q5k_vnni, Q5KV, 1)
+BY_GROUPS(dot8_q80_vnni, q80_vnni, 1)
+BY_GROUPS(dot16_q4k_vnni, Q4KV, 2)
+BY_GROUPS(dot16_q5k_vnni, Q5KV, 2)
+BY_GROUPS(dot16_q80_vnni, q80_vnni, 2)
 #endif
 
 /* ---- Q6_K widened to bytes, eight rows interleaved (products of many rows) --------------------
@@ -1246,8 +1176,6 @@ static GT void q6k_widen8(const uint8_t *const rows[8], int nb, uint8_t *dst) {
     }
 }
 
-/* out [R][8]: the 8 widened rows times R rows of x. Two products of 4 columns add in 16 bits
- * (2 x 2 x 63 x 127 < 32768) before one vpmaddwd by the rows' scales. */
 /* A widened Q6_K group's super-block b into the rows' float sums: each row's integer sum less 32 times
  * its scaled x sums (the values' offset), times d x_d. */
 GI void q6ke8_add(const uint8_t *blk, const xrow *x, int b, const int R, __m256i *sum, __m256 *acc) {
@@ -1265,6 +1193,8 @@ GI void q6ke8_add(const uint8_t *blk, const xrow *x, int b, const int R, __m256i
     }
 }
 
+/* out [R][8]: the 8 widened rows times R rows of x. Two products of 4 columns add in 16 bits
+ * (2 x 2 x 63 x 127 < 32768) before one vpmaddwd by the rows' scales. */
 GI void q6ke8_rows(int K, const uint8_t *w, const xrow *x, float *out, const int R) {
     __m256 acc[MAXR];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
@@ -1295,73 +1225,46 @@ GI void q6ke8_rows(int K, const uint8_t *w, const xrow *x, float *out, const int
 BY_ROWS(dot_q6ke8, q6ke8_rows, 8)
 
 #ifndef LLMD_AVX2
-/* q6ke8_rows on the AVX-512 library: steps t and t + 1 a 512-bit vector, their byte products in 16-bit
- * pairs by one vpmaddubsw, times the group's scales and added into 32 bits by vpdpwssd. */
-VI void q6ke8_vnni(int K, const uint8_t *w, const xrow *x, float *out, const int R) {
-    __m256 acc[MAXR];
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    const __m512i at_t = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    for (int b = 0; b < K / 256; b++) {
-        const uint8_t *blk = w + (size_t)b * E8_Q6K, *vals = blk + 800;
-        __m512i sum[MAXR];
-        for (int r = 0; r < R; r++) sum[r] = _mm512_setzero_si512();
-        for (int g = 0; g < 16; g++) {
-            const __m512i sp = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 32 + 32 * g)));
-            for (int t = 4 * g; t < 4 * g + 4; t += 2) {
-                const __m512i v = _mm512_loadu_si512((const void *)(vals + 32 * t));
-                for (int r = 0; r < R; r++) {
-                    const __m512i xv = _mm512_permutexvar_epi32(at_t, _mm512_castsi128_si512(
-                        _mm_loadl_epi64((const __m128i *)(x[r].q + 256 * b + 4 * t))));
-                    sum[r] = _mm512_dpwssd_epi32(sum[r], _mm512_maddubs_epi16(v, xv), sp);
-                }
-            }
-        }
-        __m256i total[MAXR];
-        for (int r = 0; r < R; r++) total[r] = halves(sum[r]);
-        q6ke8_add(blk, x, b, R, total, acc);
-    }
-    for (int r = 0; r < R; r++) _mm256_storeu_ps(out + 8 * r, acc[r]);
-}
-BY_ROWS_AT(VT, dot_q6ke8_vnni, q6ke8_vnni, 8)
-
-/* q6ke8_vnni for two widened groups (16 rows; the second ``gbytes`` after the first): a step's
- * permuted x serves both. The same integer sums and float operations: the same bits. */
-VI void q6ke16_vnni(int K, const uint8_t *w, size_t gbytes, const xrow *x, float *out, const int R) {
+/* q6ke8_rows on the AVX-512 library, for G (1 or 2) widened groups (the second ``gbytes`` after the
+ * first): steps t and t + 1 a 512-bit vector, their byte products in 16-bit pairs by one vpmaddubsw,
+ * times the group's scales and added into 32 bits by vpdpwssd; a step's permuted x serves every group.
+ * The same integer sums and float operations: the same bits. */
+VI void q6ke_vnni(const int G, int K, const uint8_t *w, size_t gbytes, const xrow *x, float *out, const int R) {
     __m256 acc[2][MAXR];
-    for (int g = 0; g < 2; g++)
+    for (int g = 0; g < G; g++)
         for (int r = 0; r < R; r++) acc[g][r] = _mm256_setzero_ps();
     const __m512i at_t = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
     for (int b = 0; b < K / 256; b++) {
         const uint8_t *blk[2] = {w + (size_t)b * E8_Q6K, w + gbytes + (size_t)b * E8_Q6K};
         __m512i sum[2][MAXR];
-        for (int g = 0; g < 2; g++)
+        for (int g = 0; g < G; g++)
             for (int r = 0; r < R; r++) sum[g][r] = _mm512_setzero_si512();
         for (int c = 0; c < 16; c++) {
             __m512i sp[2];
-            for (int g = 0; g < 2; g++)
+            for (int g = 0; g < G; g++)
                 sp[g] = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk[g] + 32 + 32 * c)));
             for (int t = 4 * c; t < 4 * c + 4; t += 2) {
                 __m512i v[2];
-                for (int g = 0; g < 2; g++) v[g] = _mm512_loadu_si512((const void *)(blk[g] + 800 + 32 * t));
+                for (int g = 0; g < G; g++) v[g] = _mm512_loadu_si512((const void *)(blk[g] + 800 + 32 * t));
                 for (int r = 0; r < R; r++) {
                     const __m512i xv = _mm512_permutexvar_epi32(at_t, _mm512_castsi128_si512(
                         _mm_loadl_epi64((const __m128i *)(x[r].q + 256 * b + 4 * t))));
-                    for (int g = 0; g < 2; g++)
+                    for (int g = 0; g < G; g++)
                         sum[g][r] = _mm512_dpwssd_epi32(sum[g][r], _mm512_maddubs_epi16(v[g], xv), sp[g]);
                 }
             }
         }
-        for (int g = 0; g < 2; g++) {
+        for (int g = 0; g < G; g++) {
             __m256i total[MAXR];
             for (int r = 0; r < R; r++) total[r] = halves(sum[g][r]);
             q6ke8_add(blk[g], x, b, R, total, acc[g]);
         }
     }
     for (int r = 0; r < R; r++)
-        for (int g = 0; g < 2; g++) _mm256_storeu_ps(out + 16 * r + 8 * g, acc[g][r]);
+        for (int g = 0; g < G; g++) _mm256_storeu_ps(out + 8 * G * r + 8 * g, acc[g][r]);
 }
-#define Q6KE16(K, w, gbytes, x, out, R) q6ke16_vnni(K, w, gbytes, x, out, R)
-BY_ROWS16(dot16_q6ke_vnni, Q6KE16)
+BY_GROUPS(dot_q6ke8_vnni, q6ke_vnni, 1)
+BY_GROUPS(dot16_q6ke_vnni, q6ke_vnni, 2)
 #endif
 
 /* Q5_K (or Q4_K) 8-row groups (llmd_gg_pack8's layout) widened: the group's 128 bytes of d, dmin and
@@ -1438,49 +1341,31 @@ static const uint8_t *widen_groups(const llmd_gg_part *part, int g, int n, size_
     return buf;
 }
 
-static void dot_widened(int type, int K, const uint8_t *w, const xrow *x, int R, float *out) {
+/* G (1, or 2 where paired) 8-row groups, gbytes apart, in the part's layout or widened: 8 G outputs a row.
+ * The AVX-512 library's forms take either group count; the AVX2 library's one (it never pairs). */
+static void groups_dot(int type, int wide, int G, int K, const uint8_t *w, size_t gbytes, const xrow *x, int R,
+                       float *out) {
 #ifndef LLMD_AVX2
-    if (type == T_Q6_K) {
-        dot_q6ke8_vnni(K, w, x, R, out);
+    if (wide) {                            /* Q6_K: the AVX-512 library widens no other type */
+        (G == 2 ? dot16_q6ke_vnni : dot_q6ke8_vnni)(K, w, gbytes, x, R, out);
         return;
     }
-#endif
     switch (type) {
-    case T_Q5_K_X8: dotw_q5k(K, w, x, R, out); return;
-    default: dot_q6ke8(K, w, x, R, out);
-    }
-}
-
-static void dot8(int type, int K, const uint8_t *w, const xrow *x, int R, float *out) {
-#ifndef LLMD_AVX2
-    switch (type) {
-    case T_Q4_K_X8: dot8_q4k_vnni(K, w, x, R, out); return;
-    case T_Q5_K_X8: dot8_q5k_vnni(K, w, x, R, out); return;
-    default: dot8_q80_vnni(K, w, x, R, out); return;
+    case T_Q4_K_X8: (G == 2 ? dot16_q4k_vnni : dot8_q4k_vnni)(K, w, gbytes, x, R, out); return;
+    case T_Q5_K_X8: (G == 2 ? dot16_q5k_vnni : dot8_q5k_vnni)(K, w, gbytes, x, R, out); return;
+    default: (G == 2 ? dot16_q80_vnni : dot8_q80_vnni)(K, w, gbytes, x, R, out); return;
     }
 #endif
+    (void)G, (void)gbytes;
+    if (wide) {
+        (type == T_Q5_K_X8 ? dotw_q5k : dot_q6ke8)(K, w, x, R, out);
+        return;
+    }
     switch (type) {
     case T_Q4_K_X8: dot8_q4k(K, w, x, R, out); return;
     case T_Q5_K_X8: dot8_q5k(K, w, x, R, out); return;
     default: dot8_q80(K, w, x, R, out);
     }
-}
-
-/* G (1, or 2 where paired) 8-row groups, gbytes apart, in the part's layout or widened: 8 G outputs a row */
-static void groups_dot(int type, int wide, int G, int K, const uint8_t *w, size_t gbytes, const xrow *x, int R,
-                       float *out) {
-#ifndef LLMD_AVX2
-    if (G == 2) {
-        if (wide) dot16_q6ke_vnni(K, w, gbytes, x, R, out);
-        else if (type == T_Q4_K_X8) dot16_q4k_vnni(K, w, gbytes, x, R, out);
-        else if (type == T_Q5_K_X8) dot16_q5k_vnni(K, w, gbytes, x, R, out);
-        else dot16_q80_vnni(K, w, gbytes, x, R, out);
-        return;
-    }
-#endif
-    (void)G, (void)gbytes;
-    if (wide) dot_widened(type, K, w, x, R, out);
-    else dot8(type, K, w, x, R, out);
 }
 
 /* ---- entry points ----------------------------------------------------------------------------- */
