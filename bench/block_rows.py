@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -39,9 +38,11 @@ PEAK_SOURCE = Path(__file__).with_name("int8_peak.c")
 
 def int8_peak(threads: int, seconds: float = 1.0) -> tuple[str, float] | None:
     """The host's int8 multiply-add peak over ``threads`` threads: (the instruction timed, billions of
-    operations a second), or None where no C compiler builds ``int8_peak.c``."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc:
+    operations a second), or None where no C compiler builds ``int8_peak.c`` (the compiler the kernel
+    library is built with)."""
+    try:
+        cc = kernels.compiler()
+    except RuntimeError:
         return None
     with tempfile.TemporaryDirectory(prefix="llmd-peak-") as d:
         exe = Path(d) / "int8-peak"

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from llmd import LLM, SamplingParams
-from llmd.runtime.config import EngineConfig
 from llmd.runtime import kernels
+from llmd.runtime.config import EngineConfig
 from llmd.runtime.formats.quantized import Int4Linear, QuantLinear, QuantSpec, prepare_quantized, quantize_model
 from llmd.runtime.kernels import ops
 from llmd.runtime.model_runner import Feed, ModelRunner
